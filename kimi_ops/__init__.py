@@ -1,0 +1,28 @@
+"""kimi_ops: Kimi-K3's MLA decode layer as PyTorch custom ops.
+
+Ops (``torch.ops.kimi_ops.*``, re-exported here): :func:`mla_decode_splitkv`
+(M1c), :func:`mla_merge` (M1b), :func:`mla_decode`, :func:`mla_cache_write`,
+:func:`mxfp4_quantize`, :func:`mxfp4_dequantize`, :func:`bmm_a16wfp4`,
+:func:`mla_query` (M1a). ``KIMI_OPS_BACKEND`` picks the implementation
+(:mod:`kimi_ops.dispatch`).
+"""
+
+from .ops import (
+    bmm_a16wfp4,
+    mla_cache_write,
+    mla_decode,
+    mla_decode_splitkv,
+    mla_merge,
+    mla_query,
+    mxfp4_dequantize,
+    mxfp4_quantize,
+)
+from .validate import validate_decode_inputs
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "mla_decode_splitkv", "mla_merge", "mla_decode", "mla_cache_write",
+    "mxfp4_quantize", "mxfp4_dequantize", "bmm_a16wfp4", "mla_query",
+    "validate_decode_inputs",
+]

@@ -1,0 +1,165 @@
+"""Host-side argument checks shared by every op's fake and real implementation.
+
+Each check reads only shapes, dtypes, devices and strides (never device data), so
+it runs unchanged under FakeTensor / torch.compile and inside CUDA-graph capture.
+A failed check raises ``ValueError`` naming the op, the argument, what was
+expected and what came. Device-data preconditions (indices in range, indptr
+monotone) are the opt-in validator's job: :mod:`kimi_ops.validate`.
+"""
+
+from collections.abc import Sequence
+
+import torch
+
+from .formats import FP8_KV_DTYPES, KV_LORA_RANK, KV_ROW, ROPE_DIM
+
+
+def fail(op: str, arg: str, expected: str, got: object) -> None:
+    raise ValueError(f"kimi_ops.{op}: {arg} must be {expected}, got {got}")
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"shape {tuple(t.shape)} dtype {t.dtype} on {t.device}"
+
+
+def check_tensor(op: str, arg: str, t, *, ndim: int | None = None,
+                 dtypes: Sequence[torch.dtype] | None = None, what: str = "") -> None:
+    if not isinstance(t, torch.Tensor):
+        fail(op, arg, "a tensor", type(t).__name__)
+    if (ndim is not None and t.dim() != ndim) or (dtypes is not None and t.dtype not in dtypes):
+        fail(op, arg, what, _describe(t))
+
+
+def check_same_device(op: str, **tensors: torch.Tensor) -> None:
+    devices = {name: t.device for name, t in tensors.items() if t is not None}
+    if len(set(devices.values())) > 1:
+        fail(op, "all tensors", "on one device", devices)
+
+
+def check_kv_cache(op: str, kv_cache) -> None:
+    check_tensor(op, "kv_cache", kv_cache, dtypes=FP8_KV_DTYPES,
+                 what=f"an fp8 (e4m3fn or e4m3fnuz) tensor whose last dim is {KV_ROW}")
+    if kv_cache.dim() < 2 or kv_cache.shape[-1] != KV_ROW:
+        fail(op, "kv_cache", f"an fp8 tensor whose last dim is {KV_ROW} ([N, {KV_ROW}], "
+             f"[blocks, block_size, {KV_ROW}] or [blocks, block_size, 1, {KV_ROW}])",
+             _describe(kv_cache))
+    if not kv_cache.is_contiguous():
+        fail(op, "kv_cache", "contiguous (it is read as flat token rows)",
+             f"strides {kv_cache.stride()}")
+
+
+def check_decode_args(op: str, q, kv_cache, kv_indptr, kv_indices, qlen: int,
+                      num_splits: int | None) -> None:
+    """q [T, H, 576] bf16, fp8 cache, int32 CSR (indptr [R+1]), T = R * qlen."""
+    check_tensor(op, "q", q, ndim=3, dtypes=(torch.bfloat16,), what=f"a [T, H, {KV_ROW}] bfloat16 tensor")
+    if q.shape[2] != KV_ROW or q.shape[1] < 1:
+        fail(op, "q", f"a [T, H, {KV_ROW}] bfloat16 tensor with H >= 1", _describe(q))
+    if q.stride(2) != 1:
+        fail(op, "q", "contiguous in its last dim", f"strides {q.stride()}")
+    check_kv_cache(op, kv_cache)
+    check_tensor(op, "kv_indptr", kv_indptr, ndim=1, dtypes=(torch.int32,), what="a 1-D int32 tensor [R + 1]")
+    if kv_indptr.shape[0] < 1:
+        fail(op, "kv_indptr", "a 1-D int32 tensor [R + 1] with at least one entry", _describe(kv_indptr))
+    check_tensor(op, "kv_indices", kv_indices, ndim=1, dtypes=(torch.int32,), what="a 1-D int32 tensor")
+    check_same_device(op, q=q, kv_cache=kv_cache, kv_indptr=kv_indptr, kv_indices=kv_indices)
+    if not isinstance(qlen, int) or qlen < 1:
+        fail(op, "qlen", "an int >= 1", qlen)
+    num_requests = kv_indptr.shape[0] - 1
+    if q.shape[0] != num_requests * qlen:
+        fail(op, "q.shape[0]", f"R * qlen = {num_requests} * {qlen} (R = len(kv_indptr) - 1)", q.shape[0])
+    if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
+        fail(op, "num_splits", "an int >= 1", num_splits)
+
+
+def check_merge_args(op: str, o_part, lse_part) -> None:
+    """o_part [S, T, H, 512] bf16, lse_part [S, T, H] f32."""
+    check_tensor(op, "o_part", o_part, ndim=4, dtypes=(torch.bfloat16,),
+                 what=f"a [S, T, H, {KV_LORA_RANK}] bfloat16 tensor")
+    if o_part.shape[3] != KV_LORA_RANK or o_part.shape[0] < 1:
+        fail(op, "o_part", f"a [S, T, H, {KV_LORA_RANK}] bfloat16 tensor with S >= 1", _describe(o_part))
+    check_tensor(op, "lse_part", lse_part, ndim=3, dtypes=(torch.float32,), what="a [S, T, H] float32 tensor")
+    if tuple(lse_part.shape) != tuple(o_part.shape[:3]):
+        fail(op, "lse_part", f"shape {tuple(o_part.shape[:3])} (o_part's [S, T, H])", _describe(lse_part))
+    check_same_device(op, o_part=o_part, lse_part=lse_part)
+
+
+def check_cache_write_args(op: str, kv_c, k_pe, kv_cache, slot_mapping) -> None:
+    """kv_c [T, 512], k_pe [T, 64] (bf16/f16/f32), fp8 cache, slot_mapping [T] int32/int64."""
+    floats = (torch.bfloat16, torch.float16, torch.float32)
+    check_tensor(op, "kv_c", kv_c, ndim=2, dtypes=floats, what=f"a [T, {KV_LORA_RANK}] bf16/f16/f32 tensor")
+    if kv_c.shape[1] != KV_LORA_RANK:
+        fail(op, "kv_c", f"a [T, {KV_LORA_RANK}] bf16/f16/f32 tensor", _describe(kv_c))
+    check_tensor(op, "k_pe", k_pe, ndim=2, dtypes=floats, what=f"a [T, {ROPE_DIM}] bf16/f16/f32 tensor")
+    if tuple(k_pe.shape) != (kv_c.shape[0], ROPE_DIM):
+        fail(op, "k_pe", f"shape ({kv_c.shape[0]}, {ROPE_DIM}) (kv_c's T)", _describe(k_pe))
+    check_kv_cache(op, kv_cache)
+    check_tensor(op, "slot_mapping", slot_mapping, ndim=1, dtypes=(torch.int32, torch.int64),
+                 what="a 1-D int32/int64 tensor [T]")
+    if slot_mapping.shape[0] != kv_c.shape[0]:
+        fail(op, "slot_mapping", f"length {kv_c.shape[0]} (kv_c's T)", _describe(slot_mapping))
+    if kv_c.stride(1) != 1 or k_pe.stride(1) != 1:
+        fail(op, "kv_c and k_pe", "contiguous in their last dim", (kv_c.stride(), k_pe.stride()))
+    check_same_device(op, kv_c=kv_c, k_pe=k_pe, kv_cache=kv_cache, slot_mapping=slot_mapping)
+
+
+MXFP4_BLOCK = 32
+"""Elements that share one E8M0 scale (along the last dim)."""
+
+
+def check_mxfp4_weight(op: str, w_packed, w_scale, *, packed_name: str = "w_packed",
+                       scale_name: str = "w_scale") -> None:
+    """w_packed [..., N, K/2] uint8, w_scale [..., N, K/32] uint8 or float8_e8m0fnu."""
+    check_tensor(op, packed_name, w_packed, dtypes=(torch.uint8,), what="a uint8 tensor [..., N, K/2]")
+    if w_packed.dim() < 1 or w_packed.shape[-1] % (MXFP4_BLOCK // 2) != 0:
+        fail(op, packed_name, f"a uint8 tensor [..., N, K/2] with K a multiple of {MXFP4_BLOCK}",
+             _describe(w_packed))
+    scale_dtypes = (torch.uint8, getattr(torch, "float8_e8m0fnu", torch.uint8))
+    expected = tuple(w_packed.shape[:-1]) + (w_packed.shape[-1] // (MXFP4_BLOCK // 2),)
+    check_tensor(op, scale_name, w_scale, dtypes=scale_dtypes,
+                 what=f"a uint8 or float8_e8m0fnu tensor of shape {expected}")
+    if tuple(w_scale.shape) != expected:
+        fail(op, scale_name, f"shape {expected} (one scale per {MXFP4_BLOCK} elements)", _describe(w_scale))
+    check_same_device(op, **{packed_name: w_packed, scale_name: w_scale})
+
+
+def check_mxfp4_quantize_args(op: str, w) -> None:
+    check_tensor(op, "w", w, dtypes=(torch.bfloat16, torch.float16, torch.float32),
+                 what=f"a bf16/f16/f32 tensor whose last dim is a multiple of {MXFP4_BLOCK}")
+    if w.dim() < 1 or w.shape[-1] % MXFP4_BLOCK != 0 or w.shape[-1] == 0:
+        fail(op, "w", f"a bf16/f16/f32 tensor whose last dim is a positive multiple of {MXFP4_BLOCK}",
+             _describe(w))
+
+
+def check_bmm_args(op: str, x, w_packed, w_scale) -> None:
+    """x [B, M, K] bf16 against w [B, N, K] in MXFP4."""
+    check_tensor(op, "x", x, ndim=3, dtypes=(torch.bfloat16,), what="a [B, M, K] bfloat16 tensor")
+    check_tensor(op, "w_packed", w_packed, ndim=3, dtypes=(torch.uint8,), what="a [B, N, K/2] uint8 tensor")
+    check_mxfp4_weight(op, w_packed, w_scale)
+    if w_packed.shape[0] != x.shape[0] or w_packed.shape[2] * 2 != x.shape[2]:
+        fail(op, "w_packed", f"shape ({x.shape[0]}, N, {x.shape[2] // 2}) for x {tuple(x.shape)}",
+             _describe(w_packed))
+    check_same_device(op, x=x, w_packed=w_packed)
+
+
+def check_query_args(op: str, q_nope, q_pe, w_uk, w_uk_scale, pad_heads) -> None:
+    """q_nope [T, H, D], q_pe [T, H, P] bf16; w_uk bf16 [H, D, 512] or MXFP4 [H, 512, D/2]."""
+    check_tensor(op, "q_nope", q_nope, ndim=3, dtypes=(torch.bfloat16,), what="a [T, H, D] bfloat16 tensor")
+    check_tensor(op, "q_pe", q_pe, ndim=3, dtypes=(torch.bfloat16,), what="a [T, H, P] bfloat16 tensor")
+    if tuple(q_pe.shape[:2]) != tuple(q_nope.shape[:2]):
+        fail(op, "q_pe", f"[T, H, P] with [T, H] = {tuple(q_nope.shape[:2])} (q_nope's)", _describe(q_pe))
+    heads, nope = q_nope.shape[1], q_nope.shape[2]
+    if w_uk_scale is None:
+        check_tensor(op, "w_uk", w_uk, ndim=3, dtypes=(torch.bfloat16,),
+                     what=f"a bf16 [H, D, L] tensor (or uint8 MXFP4 with w_uk_scale)")
+        if w_uk.shape[0] != heads or w_uk.shape[1] != nope:
+            fail(op, "w_uk", f"a bf16 [{heads}, {nope}, L] tensor (q_nope's H, D)", _describe(w_uk))
+    else:
+        check_tensor(op, "w_uk", w_uk, ndim=3, dtypes=(torch.uint8,),
+                     what=f"an MXFP4 uint8 [H, L, D/2] tensor (with w_uk_scale given)")
+        check_mxfp4_weight(op, w_uk, w_uk_scale, packed_name="w_uk", scale_name="w_uk_scale")
+        if w_uk.shape[0] != heads or w_uk.shape[2] * 2 != nope:
+            fail(op, "w_uk", f"an MXFP4 uint8 [{heads}, L, {nope // 2}] tensor (q_nope's H, D/2)",
+                 _describe(w_uk))
+    if pad_heads is not None and (not isinstance(pad_heads, int) or pad_heads < heads):
+        fail(op, "pad_heads", f"None or an int >= H = {heads}", pad_heads)
+    check_same_device(op, q_nope=q_nope, q_pe=q_pe, w_uk=w_uk, w_uk_scale=w_uk_scale)

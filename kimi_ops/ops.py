@@ -1,0 +1,286 @@
+"""The ``kimi_ops`` operator library: schemas, fake (meta) implementations,
+device implementations (through :mod:`kimi_ops.dispatch`) and the Python
+functions that call them.
+
+Every op is ``torch.ops.kimi_ops.<name>``; the functions below are thin,
+documented entry points with the same names and arguments. The fake
+implementations run the same host checks as the real ones, so a bad call fails
+with the same message eagerly and under ``torch.compile``.
+"""
+
+import torch
+
+from . import checks, dispatch
+from .formats import KV_LORA_RANK, KV_ROW
+
+NAMESPACE = "kimi_ops"
+
+SCHEMAS: dict[str, str] = {
+    "mla_decode_splitkv": (
+        "mla_decode_splitkv(Tensor q, Tensor kv_cache, Tensor kv_indptr, Tensor kv_indices, *, "
+        "int qlen, float scale, float kv_scale, int num_splits) -> (Tensor o_part, Tensor lse_part)"
+    ),
+    "mla_merge": "mla_merge(Tensor o_part, Tensor lse_part) -> (Tensor o, Tensor lse)",
+    "mla_decode": (
+        "mla_decode(Tensor q, Tensor kv_cache, Tensor kv_indptr, Tensor kv_indices, *, "
+        "int qlen, float scale, float kv_scale, int? num_splits=None) -> (Tensor o, Tensor lse)"
+    ),
+    "mla_cache_write": (
+        "mla_cache_write(Tensor kv_c, Tensor k_pe, Tensor(a!) kv_cache, Tensor slot_mapping, "
+        "float kv_scale) -> ()"
+    ),
+    "mxfp4_quantize": "mxfp4_quantize(Tensor w) -> (Tensor w_packed, Tensor w_scale)",
+    "mxfp4_dequantize": "mxfp4_dequantize(Tensor w_packed, Tensor w_scale, *, ScalarType? dtype=None) -> Tensor",
+    "bmm_a16wfp4": "bmm_a16wfp4(Tensor x, Tensor w_packed, Tensor w_scale) -> Tensor",
+    "mla_query": (
+        "mla_query(Tensor q_nope, Tensor q_pe, Tensor w_uk, Tensor? w_uk_scale=None, *, "
+        "int? pad_heads=None) -> Tensor"
+    ),
+}
+"""One schema per op: the public contract, pinned by tests/test_schemas.py."""
+
+_lib = torch.library.Library(NAMESPACE, "DEF")
+for _schema in SCHEMAS.values():
+    _lib.define(_schema)
+
+
+def _register(name: str, *, fake, real) -> None:
+    torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=_lib)
+    for key in ("CPU", "CUDA"):  # ROCm tensors use the CUDA key too
+        _lib.impl(name, real, key)
+
+
+def _flat_rows(kv_cache: torch.Tensor) -> torch.Tensor:
+    return kv_cache.view(-1, KV_ROW)
+
+
+# --- mla_decode_splitkv (M1c) -------------------------------------------------------------------
+
+def _splitkv_fake(q, kv_cache, kv_indptr, kv_indices, *, qlen, scale, kv_scale, num_splits):
+    checks.check_decode_args("mla_decode_splitkv", q, kv_cache, kv_indptr, kv_indices, qlen, num_splits)
+    num_rows, num_heads, _ = q.shape
+    return (q.new_empty((num_splits, num_rows, num_heads, KV_LORA_RANK)),
+            q.new_empty((num_splits, num_rows, num_heads), dtype=torch.float32))
+
+
+def _splitkv_real(q, kv_cache, kv_indptr, kv_indices, *, qlen, scale, kv_scale, num_splits):
+    checks.check_decode_args("mla_decode_splitkv", q, kv_cache, kv_indptr, kv_indices, qlen, num_splits)
+    impl = dispatch.implementation("mla_decode_splitkv", q.device)
+    return impl(q.contiguous(), _flat_rows(kv_cache), kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits)
+
+
+_register("mla_decode_splitkv", fake=_splitkv_fake, real=_splitkv_real)
+
+
+# --- mla_merge (M1b) ----------------------------------------------------------------------------
+
+def _merge_fake(o_part, lse_part):
+    checks.check_merge_args("mla_merge", o_part, lse_part)
+    return o_part.new_empty(o_part.shape[1:]), lse_part.new_empty(lse_part.shape[1:])
+
+
+def _merge_real(o_part, lse_part):
+    checks.check_merge_args("mla_merge", o_part, lse_part)
+    return dispatch.implementation("mla_merge", o_part.device)(o_part.contiguous(), lse_part.contiguous())
+
+
+_register("mla_merge", fake=_merge_fake, real=_merge_real)
+
+
+# --- mla_decode (M1c + M1b) ---------------------------------------------------------------------
+
+def _decode_fake(q, kv_cache, kv_indptr, kv_indices, *, qlen, scale, kv_scale, num_splits=None):
+    checks.check_decode_args("mla_decode", q, kv_cache, kv_indptr, kv_indices, qlen, num_splits)
+    num_rows, num_heads, _ = q.shape
+    return (q.new_empty((num_rows, num_heads, KV_LORA_RANK)),
+            q.new_empty((num_rows, num_heads), dtype=torch.float32))
+
+
+def _decode_real(q, kv_cache, kv_indptr, kv_indices, *, qlen, scale, kv_scale, num_splits=None):
+    checks.check_decode_args("mla_decode", q, kv_cache, kv_indptr, kv_indices, qlen, num_splits)
+    if num_splits is None:
+        num_splits = dispatch.default_num_splits(
+            kv_indptr.shape[0] - 1, q.shape[0], q.shape[1], kv_indices.shape[0], q.device)
+    splitkv = dispatch.implementation("mla_decode_splitkv", q.device)
+    o_part, lse_part = splitkv(q.contiguous(), _flat_rows(kv_cache), kv_indptr, kv_indices,
+                               qlen, scale, kv_scale, num_splits)
+    if num_splits == 1:
+        return o_part[0], lse_part[0]
+    return dispatch.implementation("mla_merge", q.device)(o_part, lse_part)
+
+
+_register("mla_decode", fake=_decode_fake, real=_decode_real)
+
+
+# --- mla_cache_write ----------------------------------------------------------------------------
+
+def _cache_write_fake(kv_c, k_pe, kv_cache, slot_mapping, kv_scale):
+    checks.check_cache_write_args("mla_cache_write", kv_c, k_pe, kv_cache, slot_mapping)
+
+
+def _cache_write_real(kv_c, k_pe, kv_cache, slot_mapping, kv_scale):
+    checks.check_cache_write_args("mla_cache_write", kv_c, k_pe, kv_cache, slot_mapping)
+    dispatch.implementation("mla_cache_write", kv_cache.device)(
+        kv_c, k_pe, _flat_rows(kv_cache), slot_mapping, kv_scale)
+
+
+_register("mla_cache_write", fake=_cache_write_fake, real=_cache_write_real)
+
+
+# --- MXFP4 --------------------------------------------------------------------------------------
+
+def _quantize_fake(w):
+    checks.check_mxfp4_quantize_args("mxfp4_quantize", w)
+    k = w.shape[-1]
+    return (w.new_empty((*w.shape[:-1], k // 2), dtype=torch.uint8),
+            w.new_empty((*w.shape[:-1], k // checks.MXFP4_BLOCK), dtype=torch.uint8))
+
+
+def _quantize_real(w):
+    checks.check_mxfp4_quantize_args("mxfp4_quantize", w)
+    return dispatch.implementation("mxfp4_quantize", w.device)(w)
+
+
+_register("mxfp4_quantize", fake=_quantize_fake, real=_quantize_real)
+
+
+def _dequantize_fake(w_packed, w_scale, *, dtype=None):
+    checks.check_mxfp4_weight("mxfp4_dequantize", w_packed, w_scale)
+    shape = (*w_packed.shape[:-1], w_packed.shape[-1] * 2)
+    return w_packed.new_empty(shape, dtype=dtype or torch.bfloat16)
+
+
+def _dequantize_real(w_packed, w_scale, *, dtype=None):
+    checks.check_mxfp4_weight("mxfp4_dequantize", w_packed, w_scale)
+    impl = dispatch.implementation("mxfp4_dequantize", w_packed.device)
+    return impl(w_packed, w_scale.view(torch.uint8), dtype=dtype or torch.bfloat16)
+
+
+_register("mxfp4_dequantize", fake=_dequantize_fake, real=_dequantize_real)
+
+
+def _bmm_fake(x, w_packed, w_scale):
+    checks.check_bmm_args("bmm_a16wfp4", x, w_packed, w_scale)
+    return x.new_empty((x.shape[0], x.shape[1], w_packed.shape[1]))
+
+
+def _bmm_real(x, w_packed, w_scale):
+    checks.check_bmm_args("bmm_a16wfp4", x, w_packed, w_scale)
+    return dispatch.implementation("bmm_a16wfp4", x.device)(x, w_packed, w_scale.view(torch.uint8))
+
+
+_register("bmm_a16wfp4", fake=_bmm_fake, real=_bmm_real)
+
+
+def _query_out_shape(q_nope, q_pe, w_uk, w_uk_scale, pad_heads):
+    latent = w_uk.shape[2] if w_uk_scale is None else w_uk.shape[1]
+    heads = q_nope.shape[1] if pad_heads is None else pad_heads
+    return (q_nope.shape[0], heads, latent + q_pe.shape[2])
+
+
+def _query_fake(q_nope, q_pe, w_uk, w_uk_scale=None, *, pad_heads=None):
+    checks.check_query_args("mla_query", q_nope, q_pe, w_uk, w_uk_scale, pad_heads)
+    return q_nope.new_empty(_query_out_shape(q_nope, q_pe, w_uk, w_uk_scale, pad_heads))
+
+
+def _query_real(q_nope, q_pe, w_uk, w_uk_scale=None, *, pad_heads=None):
+    checks.check_query_args("mla_query", q_nope, q_pe, w_uk, w_uk_scale, pad_heads)
+    if w_uk_scale is not None:
+        w_uk_scale = w_uk_scale.view(torch.uint8)
+    impl = dispatch.implementation("mla_query", q_nope.device)
+    return impl(q_nope, q_pe, w_uk, w_uk_scale, pad_heads=pad_heads)
+
+
+_register("mla_query", fake=_query_fake, real=_query_real)
+
+
+# --- Python entry points ------------------------------------------------------------------------
+
+def mla_decode_splitkv(q, kv_cache, kv_indptr, kv_indices, *, qlen, scale, kv_scale, num_splits):
+    """M1c: split-KV MLA decode attention, one partial per split.
+
+    Args:
+        q: [T, H, 576] bf16, last dim contiguous; T = R * qlen, row ``r * qlen + i``
+            is request r's query position i.
+        kv_cache: fp8 (e4m3fn; e4m3fnuz on gfx942), contiguous, last dim 576
+            (``[N, 576]``, ``[blocks, block_size, 576]``, ``[blocks, block_size, 1, 576]``),
+            read as flat rows ``[kv_c 512 | k_pe 64]`` = ``fp8(x / kv_scale)``.
+        kv_indptr: [R + 1] int32; kv_indices: int32 flat row ids. Request r's tokens,
+            in order, are ``kv_indices[kv_indptr[r]:kv_indptr[r + 1]]``.
+        qlen: query positions per request; position i of a request of n tokens
+            sees tokens ``0 .. n - qlen + i``.
+        scale: softmax scale; kv_scale: the cache's per-tensor dequantization scale.
+        num_splits: splits the visible tokens of each request are partitioned into
+            (the partition is the backend's choice).
+
+    Returns:
+        o_part [num_splits, T, H, 512] bf16 and lse_part [num_splits, T, H] f32
+        (natural log); a split that sees no token has o = 0, lse = -inf.
+    """
+    return torch.ops.kimi_ops.mla_decode_splitkv(
+        q, kv_cache, kv_indptr, kv_indices, qlen=qlen, scale=scale, kv_scale=kv_scale, num_splits=num_splits)
+
+
+def mla_merge(o_part, lse_part):
+    """M1b: merge split (or DCP rank) partials by their LSE.
+
+    o_part [S, T, H, 512] bf16, lse_part [S, T, H] f32 -> o [T, H, 512] bf16,
+    lse [T, H] f32 with ``lse = log sum_s exp(lse_s)``, ``o = sum_s exp(lse_s - lse) o_s``;
+    rows whose splits are all empty give o = 0, lse = -inf.
+    """
+    return torch.ops.kimi_ops.mla_merge(o_part, lse_part)
+
+
+def mla_decode(q, kv_cache, kv_indptr, kv_indices, *, qlen, scale, kv_scale, num_splits=None):
+    """M1c + M1b: MLA decode attention, (o [T, H, 512] bf16, lse [T, H] f32).
+
+    Arguments as :func:`mla_decode_splitkv`; ``num_splits=None`` picks the split
+    count on the host from shapes and the device (:func:`kimi_ops.dispatch.default_num_splits`).
+    """
+    return torch.ops.kimi_ops.mla_decode(
+        q, kv_cache, kv_indptr, kv_indices, qlen=qlen, scale=scale, kv_scale=kv_scale, num_splits=num_splits)
+
+
+def mla_cache_write(kv_c, k_pe, kv_cache, slot_mapping, kv_scale):
+    """Write this step's latent rows into the fp8 cache, in place.
+
+    kv_c [T, 512], k_pe [T, 64] (bf16, f16 or f32, last dim contiguous) go to
+    flat row ``slot_mapping[t]`` (int32/int64 [T]) of ``kv_cache`` as
+    ``fp8(x / kv_scale)`` (float32 division, saturated, round to nearest even).
+    Slot -1 (and any slot outside [0, N)) skips the row. Only kv_cache changes;
+    with duplicate slots, which row lands is unspecified.
+    """
+    torch.ops.kimi_ops.mla_cache_write(kv_c, k_pe, kv_cache, slot_mapping, kv_scale)
+
+
+def mxfp4_quantize(w):
+    """OCP MXFP4: w [..., K] (bf16/f16/f32, K % 32 == 0) -> (w_packed [..., K/2] uint8,
+    w_scale [..., K/32] uint8 E8M0). See :mod:`kimi_ops.reference.mxfp4` for the rules."""
+    return torch.ops.kimi_ops.mxfp4_quantize(w)
+
+
+def mxfp4_dequantize(w_packed, w_scale, *, dtype=None):
+    """MXFP4 -> ``dtype`` (default bf16) [..., K]; w_scale uint8 or float8_e8m0fnu."""
+    return torch.ops.kimi_ops.mxfp4_dequantize(w_packed, w_scale, dtype=dtype)
+
+
+def bmm_a16wfp4(x, w_packed, w_scale):
+    """y[b] = x[b] @ dequant(w)[b]^T: x [B, M, K] bf16, w [B, N, K] in MXFP4
+    (w_packed [B, N, K/2], w_scale [B, N, K/32]) -> y [B, M, N] bf16, f32 accumulation."""
+    return torch.ops.kimi_ops.bmm_a16wfp4(x, w_packed, w_scale)
+
+
+def mla_query(q_nope, q_pe, w_uk, w_uk_scale=None, *, pad_heads=None):
+    """M1a: the absorbed bf16 query ``q [T, H', 576] = [q_nope[t, h] @ W_UK[h] | q_pe[t, h]]``.
+
+    q_nope [T, H, 128] and q_pe [T, H, 64] bf16; ``w_uk`` bf16 [H, 128, 512], or
+    MXFP4 packed along the 128 axis (uint8 [H, 512, 64] with ``w_uk_scale``
+    [H, 512, 4]). ``pad_heads`` (>= H) pads the head dim with all-zero rows.
+    """
+    return torch.ops.kimi_ops.mla_query(q_nope, q_pe, w_uk, w_uk_scale, pad_heads=pad_heads)
+
+
+__all__ = [
+    "mla_decode_splitkv", "mla_merge", "mla_decode", "mla_cache_write",
+    "mxfp4_quantize", "mxfp4_dequantize", "bmm_a16wfp4", "mla_query",
+]

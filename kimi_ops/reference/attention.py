@@ -1,0 +1,107 @@
+"""Pure-torch reference of the attention ops (M1c split-KV decode, M1b merge, cache write).
+
+The oracle every kernel is held to. It runs on any device in float64 (scores,
+softmax and the PV sum all accumulate in float64; the outputs are rounded once,
+to bf16 o and f32 LSE). It reads the host copy of ``kv_indptr`` (a device sync),
+so it is not CUDA-graph safe: it is for checking, CPU serving and debugging.
+
+Split partition (the reference's choice; kernels may choose another): request
+r's n tokens are cut into ``ceil(n / num_splits)``-token contiguous chunks,
+chunk s going to split s; a query row's partial in split s is its attention over
+the tokens of chunk s it can see (causal bound ``n - qlen + i``).
+
+Out-of-range indices (outside ``[0, N)``) read as all-zero rows, as in every
+kernel: no backend ever reads outside the cache.
+"""
+
+import math
+
+import torch
+
+from ..formats import KV_LORA_RANK, fp8_max
+
+
+def split_chunk(num_tokens: int, num_splits: int) -> int:
+    """Tokens of each split's contiguous chunk in the reference partition."""
+    return max(1, math.ceil(num_tokens / num_splits))
+
+
+def gather_rows(kv_rows: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """float64 rows ``kv_rows[idx]`` [n, 576]; an index outside [0, N) gives a zero row."""
+    n_rows, width = kv_rows.shape
+    if n_rows == 0:
+        return torch.zeros(idx.shape[0], width, dtype=torch.float64, device=kv_rows.device)
+    valid = (idx >= 0) & (idx < n_rows)
+    rows = kv_rows[idx.clamp(0, n_rows - 1).long()].to(torch.float64)
+    return torch.where(valid[:, None], rows, torch.zeros((), dtype=torch.float64, device=rows.device))
+
+
+def masked_attention(s: torch.Tensor, v: torch.Tensor, mask: torch.Tensor):
+    """Softmax attention of scores ``s`` [..., n] over the tokens ``mask`` [..., n] keeps.
+
+    Returns (o [..., dv], lse [...]) in float64; a row with no kept token gives
+    o = 0, lse = -inf.
+    """
+    s = s.masked_fill(~mask, -math.inf)
+    lse = torch.logsumexp(s, dim=-1)
+    finite = torch.isfinite(lse)
+    p = torch.exp(s - torch.where(finite, lse, 0.0)[..., None])
+    o = p @ v
+    return torch.where(finite[..., None], o, 0.0), lse
+
+
+def mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits):
+    """q [T, H, 576] bf16, kv_rows [N, 576] fp8 -> o_part [S, T, H, 512] bf16, lse_part [S, T, H] f32."""
+    num_rows, num_heads, _ = q.shape
+    device = q.device
+    o_part = torch.zeros(num_splits, num_rows, num_heads, KV_LORA_RANK, dtype=torch.float64, device=device)
+    lse_part = torch.full((num_splits, num_rows, num_heads), -math.inf, dtype=torch.float64, device=device)
+    indptr = kv_indptr.tolist()
+    for r in range(len(indptr) - 1):
+        idx = kv_indices[indptr[r]:indptr[r + 1]]
+        n = idx.shape[0]
+        if n == 0:
+            continue
+        k = gather_rows(kv_rows, idx) * kv_scale                       # [n, 576]
+        rows = slice(r * qlen, (r + 1) * qlen)
+        s = torch.einsum("ihd,jd->ihj", q[rows].to(torch.float64), k) * scale  # [qlen, H, n]
+        pos = torch.arange(n, device=device)
+        bound = n - qlen + torch.arange(qlen, device=device)            # last visible token of row i
+        visible = pos[None, :] <= bound[:, None]                        # [qlen, n]
+        chunk = split_chunk(n, num_splits)
+        for sp in range(math.ceil(n / chunk)):
+            in_chunk = (pos >= sp * chunk) & (pos < (sp + 1) * chunk)
+            mask = (visible & in_chunk)[:, None, :].expand_as(s)
+            o_part[sp, rows], lse_part[sp, rows] = masked_attention(s, k[:, :KV_LORA_RANK], mask)
+    return o_part.to(torch.bfloat16), lse_part.to(torch.float32)
+
+
+def mla_merge(o_part, lse_part):
+    """o_part [S, T, H, 512] bf16, lse_part [S, T, H] f32 -> o [T, H, 512] bf16, lse [T, H] f32."""
+    lse_s = lse_part.to(torch.float64)
+    lse = torch.logsumexp(lse_s, dim=0)
+    finite = torch.isfinite(lse)
+    weight = torch.exp(lse_s - torch.where(finite, lse, 0.0))[..., None]  # empty split: exp(-inf) = 0
+    o = torch.where(weight > 0, weight * o_part.to(torch.float64), 0.0).sum(0)
+    o = torch.where(finite[..., None], o, 0.0)
+    return o.to(torch.bfloat16), lse.to(torch.float32)
+
+
+def mla_decode(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale):
+    """Unsplit attention: (o [T, H, 512] bf16, lse [T, H] f32)."""
+    o, lse = mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale, 1)
+    return o[0], lse[0]
+
+
+def quantize_kv_rows(kv_c, k_pe, kv_scale, dtype):
+    """The cache bytes of rows [kv_c | k_pe]: fp8(x / kv_scale) in float32 math, saturated."""
+    rows = torch.cat([kv_c, k_pe], dim=-1).to(torch.float32) / kv_scale
+    bound = fp8_max(dtype)
+    return rows.clamp(-bound, bound).to(dtype)
+
+
+def mla_cache_write(kv_c, k_pe, kv_rows, slot_mapping, kv_scale):
+    """Write row slot_mapping[t] of kv_rows [N, 576] (in place); slots outside [0, N) are skipped."""
+    valid = (slot_mapping >= 0) & (slot_mapping < kv_rows.shape[0])
+    rows = quantize_kv_rows(kv_c[valid], k_pe[valid], kv_scale, kv_rows.dtype)
+    kv_rows[slot_mapping[valid].long()] = rows
