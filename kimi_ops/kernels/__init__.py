@@ -1,0 +1,17 @@
+"""Triton kernels of kimi_ops (portable: H200, gfx950, gfx942, and ``TRITON_INTERPRET=1`` on CPU).
+
+Each kernels module may expose ``CROSS_COMPILE_SPECS``: a list of dicts naming every kernel variant its
+host launcher can launch (keys: ``name``, ``kernel`` (the ``triton.jit`` function),
+``signature`` ({arg: triton type string such as ``"*bf16"``, ``"i32"``, ``"fp32"``,
+or ``"constexpr"``}), ``constexprs`` ({arg: value}), ``num_warps``, ``num_stages``,
+optional ``targets`` (subset of ``{"gfx950", "gfx942", "sm90"}``)), so that ``scripts/cross_compile.py`` compiles them all for
+gfx950 / gfx942 / sm90 without a GPU.  Modules are listed in
+``CROSS_COMPILE_MODULES`` below (missing ones are skipped).
+"""
+
+CROSS_COMPILE_MODULES = (
+    "kimi_ops.kernels.attention",
+    "kimi_ops.kernels.cache",
+    "kimi_ops.kernels.mxfp4",
+    "kimi_ops.kernels.query",
+)

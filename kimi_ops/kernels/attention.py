@@ -1,0 +1,382 @@
+"""Triton M1c (split-KV MLA decode) and M1b (merge of split partials).
+
+``mla_decode_splitkv``: one program per (row block, split, request).  A request's
+``qlen * H`` query rows are contiguous in ``q`` (row ``r*qlen + i``, head ``h`` is flat
+row ``(r*qlen + i)*H + h``), so a program takes ``BLOCK_M`` consecutive flat rows of its
+request (several heads and positions); the programs of one (split, request) are adjacent
+in the grid so their KV chunk is read from HBM once and then from L2.
+
+A request of ``n`` tokens is cut into ``num_splits`` contiguous chunks of
+``ceil(ceil(n / num_splits) / BLOCK_N) * BLOCK_N`` tokens (later splits may be empty:
+they store o = 0, lse = -inf).  Inside a chunk the causal bound of each row masks the
+scores; tokens are gathered through ``kv_indices`` with a masked load, an index outside
+``[0, N)`` reads as an all-zero row and nothing but the named rows is read.
+
+Numerics (``MMA="fp8"``, the seeds' scheme): each query row is scaled by 2^k (k from the
+row's max exponent) and split into exact E4M3 ``hi + lo``; S = (Q_hi + Q_lo) K^T with fp8 x
+fp8 dots on the cache as stored; P = exp2(S - m) * 2^PLOG is split into E4M3 ``hi + lo`` and
+O += (P_hi + P_lo) V as fp8 x fp8 dots.  ``MMA="bf16"``: the K tile is converted to bf16
+(exact) and both products run as bf16 dots.  ``KV_U8_FNUZ``: an e4m3fnuz cache on a backend
+without that type (NVIDIA) is read as bytes and decoded in the kernel (bf16 dots).
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .cache import fp8_bits
+
+HEAD_DIM = 576
+KV_LORA = 512
+ROPE = 64
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _to_fp8(x, FP8: tl.constexpr, FNUZ: tl.constexpr, SOFT: tl.constexpr):
+    # x is in the format's range; SOFT: exact RNE encode by integer ops (the interpreter's
+    # fp32 -> fp8 cast does not round to nearest); else the hardware conversion (RNE)
+    if SOFT:
+        return fp8_bits(x, FNUZ).to(tl.uint8).to(FP8, bitcast=True)
+    else:
+        return x.to(FP8)
+
+
+@triton.jit
+def _to_bf16(x, INTERP: tl.constexpr):
+    # f32 -> bf16, RNE (finite x). The interpreter's own cast does not carry a rounded-up
+    # mantissa into the exponent, so it is done by integer ops there.
+    if INTERP:
+        b = x.to(tl.uint32, bitcast=True)
+        b = b + 0x7FFF + ((b >> 16) & 1)
+        return (b >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(tl.bfloat16)
+
+
+@triton.jit
+def _split_kv_kernel(
+    q_ptr, kv_ptr, indptr_ptr, indices_ptr, o_ptr, lse_ptr,
+    T, H, N, qlen, num_splits,
+    qk_scale_log2,  # scale * kv_scale * log2(e)
+    kv_scale,
+    MMA_FP8: tl.constexpr,
+    KV_U8_FNUZ: tl.constexpr,
+    FNUZ: tl.constexpr,
+    INTERP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    DC: tl.constexpr = 512
+    DP: tl.constexpr = 64
+    D: tl.constexpr = 576
+    pid_m = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_r = tl.program_id(2)
+
+    start = tl.load(indptr_ptr + pid_r)
+    n = tl.load(indptr_ptr + pid_r + 1) - start
+    n = tl.maximum(n, 0)
+    rows_per_req = qlen * H
+    m_offs = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = m_offs < rows_per_req
+    pos = m_offs // H
+    # visible count of each row (causal): n - qlen + pos + 1, clipped to [0, n]
+    lim = tl.minimum(tl.maximum(n - qlen + pos + 1, 0), n)
+    lim = tl.where(row_ok, lim, 0)
+    hi_rows = tl.max(lim, axis=0)
+
+    chunk = tl.cdiv(tl.cdiv(n, num_splits), BLOCK_N) * BLOCK_N
+    lo = pid_s * chunk
+    hi = tl.minimum(lo + chunk, hi_rows)
+
+    flat_row = pid_r.to(tl.int64) * rows_per_req + m_offs  # row of q viewed [T*H, 576]
+    offs_c = tl.arange(0, DC)
+    offs_p = tl.arange(0, DP)
+    offs_n = tl.arange(0, BLOCK_N)
+
+    qc = tl.load(q_ptr + flat_row[:, None] * D + offs_c[None, :], mask=row_ok[:, None], other=0.0)
+    qp = tl.load(q_ptr + flat_row[:, None] * D + DC + offs_p[None, :], mask=row_ok[:, None], other=0.0)
+
+    if KV_U8_FNUZ:
+        FP8: tl.constexpr = tl.float8e4nv
+    else:
+        FP8: tl.constexpr = kv_ptr.dtype.element_ty
+    if FNUZ:
+        QEXP: tl.constexpr = 6  # row max scaled into [64, 128): e4m3fnuz max 240
+        PLOG: tl.constexpr = 7
+    else:
+        QEXP: tl.constexpr = 7  # row max scaled into [128, 256): e4m3fn max 448
+        PLOG: tl.constexpr = 8
+
+    # the interpreter multiplies bf16 as integers (stored as uint16): f32 there
+    if INTERP:
+        DT16: tl.constexpr = tl.float32
+    else:
+        DT16: tl.constexpr = tl.bfloat16
+    if MMA_FP8:
+        qcf = qc.to(tl.float32)
+        qpf = qp.to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(qcf), axis=1), tl.max(tl.abs(qpf), axis=1))
+        e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+        k = tl.minimum(tl.maximum(QEXP - e, -126), 126)
+        k = tl.where(amax > 0, k, 0)
+        qsc = ((k + 127) << 23).to(tl.float32, bitcast=True)  # 2^k
+        qinv = ((127 - k) << 23).to(tl.float32, bitcast=True)  # 2^-k
+        xc = qcf * qsc[:, None]
+        xp = qpf * qsc[:, None]
+        qc_hi = _to_fp8(xc, FP8, FNUZ, INTERP)
+        qc_lo = _to_fp8(xc - qc_hi.to(tl.float32), FP8, FNUZ, INTERP)
+        qp_hi = _to_fp8(xp, FP8, FNUZ, INTERP)
+        qp_lo = _to_fp8(xp - qp_hi.to(tl.float32), FP8, FNUZ, INTERP)
+        row_scale = qinv * qk_scale_log2
+    else:
+        qc = qc.to(DT16)
+        qp = qp.to(DT16)
+        row_scale = tl.zeros([BLOCK_M], dtype=tl.float32) + qk_scale_log2
+
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, DC], dtype=tl.float32)
+
+    for j0 in range(lo, hi, BLOCK_N):
+        tok = j0 + offs_n
+        tok_ok = tok < hi
+        idx = tl.load(indices_ptr + start + tok, mask=tok_ok, other=-1).to(tl.int64)
+        ld_ok = tok_ok & (idx >= 0) & (idx < N)
+        krow = kv_ptr + idx * D
+        kc = tl.load(krow[:, None] + offs_c[None, :], mask=ld_ok[:, None], other=0.0)
+        kp = tl.load(krow[:, None] + DC + offs_p[None, :], mask=ld_ok[:, None], other=0.0)
+        if KV_U8_FNUZ:
+            # e4m3fnuz bytes: value(b) = e4m3fn(b) / 2, except 0x7f/0xff (+-240) and 0x80 (NaN)
+            kcf = kc.to(FP8, bitcast=True).to(tl.float32) * 0.5
+            kcf = tl.where((kc & 0x7F) == 0x7F, tl.where(kc >= 128, -240.0, 240.0), kcf)
+            kcf = tl.where(kc == 0x80, float("nan"), kcf)
+            kpf = kp.to(FP8, bitcast=True).to(tl.float32) * 0.5
+            kpf = tl.where((kp & 0x7F) == 0x7F, tl.where(kp >= 128, -240.0, 240.0), kpf)
+            kpf = tl.where(kp == 0x80, float("nan"), kpf)
+            kc = kcf.to(DT16)
+            kp = kpf.to(DT16)
+
+        if MMA_FP8:
+            s = tl.dot(qc_hi, tl.trans(kc))
+            s = tl.dot(qc_lo, tl.trans(kc), s)
+            s = tl.dot(qp_hi, tl.trans(kp), s)
+            s = tl.dot(qp_lo, tl.trans(kp), s)
+        else:
+            if not KV_U8_FNUZ:
+                kc = kc.to(DT16)
+                kp = kp.to(DT16)
+            s = tl.dot(qc, tl.trans(kc))
+            s = tl.dot(qp, tl.trans(kp), s)
+        s = s * row_scale[:, None]
+        vis = tok_ok[None, :] & (tok[None, :] < lim[:, None])
+        s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
+        if MMA_FP8:
+            ps = p * (2.0**PLOG)
+            p_hi = _to_fp8(ps, FP8, FNUZ, INTERP)
+            p_lo = _to_fp8(ps - p_hi.to(tl.float32), FP8, FNUZ, INTERP)
+            acc = tl.dot(p_hi, kc, acc)
+            acc = tl.dot(p_lo, kc, acc)
+        else:
+            acc = tl.dot(p.to(DT16), kc, acc)
+        m_i = m_new
+
+    if MMA_FP8:
+        out_scale = kv_scale * (2.0**(-PLOG))
+    else:
+        out_scale = kv_scale
+    has = l_i > 0
+    inv = tl.where(has, out_scale / tl.where(has, l_i, 1.0), 0.0)
+    o = acc * inv[:, None]
+    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    out_row = (pid_s.to(tl.int64) * T) * H + flat_row
+    tl.store(o_ptr + out_row[:, None] * DC + offs_c[None, :], _to_bf16(o, INTERP), mask=row_ok[:, None])
+    tl.store(lse_ptr + out_row, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_kernel(
+    o_part_ptr, lse_part_ptr, o_ptr, lse_ptr,
+    TH, S,
+    BLOCK_R: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    DC: tl.constexpr = 512
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows_ok = rows < TH
+    rows64 = rows.to(tl.int64)
+    offs_c = tl.arange(0, DC)
+    m = tl.zeros([BLOCK_R], dtype=tl.float32) - float("inf")
+    l = tl.zeros([BLOCK_R], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_R, DC], dtype=tl.float32)
+    for s in range(0, S):
+        base = s * TH + rows64
+        lse_s = tl.load(lse_part_ptr + base, mask=rows_ok, other=float("-inf"))
+        live = lse_s > float("-inf")
+        o_s = tl.load(o_part_ptr + base[:, None] * DC + offs_c[None, :],
+                      mask=(rows_ok & live)[:, None], other=0.0).to(tl.float32)
+        m_new = tl.maximum(m, lse_s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        w = tl.exp(lse_s - m_safe)
+        l = l * alpha + w
+        acc = acc * alpha[:, None] + o_s * w[:, None]
+        m = m_new
+    has = l > 0
+    inv = tl.where(has, 1.0 / tl.where(has, l, 1.0), 0.0)
+    o = acc * inv[:, None]
+    lse = tl.where(has, m + tl.log(tl.where(has, l, 1.0)), float("-inf"))
+    tl.store(o_ptr + rows64[:, None] * DC + offs_c[None, :], _to_bf16(o, INTERP), mask=rows_ok[:, None])
+    tl.store(lse_ptr + rows64, lse, mask=rows_ok)
+
+
+# ----------------------------------------------------------------------------------------------
+# host side
+
+def _mma_mode() -> str:
+    mode = os.environ.get("KIMI_OPS_TRITON_MMA", DEFAULT_MMA)
+    if mode not in ("fp8", "bf16"):
+        raise ValueError(f"KIMI_OPS_TRITON_MMA must be 'fp8' or 'bf16', got {mode!r}")
+    return mode
+
+
+DEFAULT_MMA = "fp8"
+
+
+def _config(rows_per_req: int, mma: str):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for a request's qlen * H rows."""
+    bm = 16
+    while bm < rows_per_req and bm < 64:
+        bm *= 2
+    bn = 64
+    if bm <= 16:
+        return bm, bn, 4, 2
+    if bm <= 32:
+        return bm, bn, 4, 2
+    return bm, bn, 8, 2
+
+
+def _kv_mode(kv_rows: torch.Tensor):
+    """(tensor to pass, KV_U8_FNUZ, FNUZ)."""
+    if kv_rows.dtype == torch.float8_e4m3fn:
+        return kv_rows, False, False
+    if kv_rows.dtype == torch.float8_e4m3fnuz:
+        if _interpreting() or torch.version.hip is not None:
+            return kv_rows, False, True
+        return kv_rows.view(torch.uint8), True, True
+    raise TypeError(f"kv_rows must be float8_e4m3fn or float8_e4m3fnuz, got {kv_rows.dtype}")
+
+
+def mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: float, kv_scale: float,
+                       num_splits: int):
+    """M1c. q [T, H, 576] bf16, kv_rows [N, 576] fp8 -> (o_part [S, T, H, 512] bf16, lse_part [S, T, H] f32)."""
+    assert q.dim() == 3 and q.shape[2] == HEAD_DIM and q.dtype == torch.bfloat16 and q.is_contiguous()
+    assert kv_rows.dim() == 2 and kv_rows.shape[1] == HEAD_DIM and kv_rows.is_contiguous()
+    assert kv_indptr.dtype == torch.int32 and kv_indices.dtype == torch.int32
+    assert num_splits >= 1 and qlen >= 1
+    T, H, _ = q.shape
+    assert T % qlen == 0
+    R = T // qlen
+    assert kv_indptr.shape[0] == R + 1
+    S = int(num_splits)
+    o_part = torch.empty((S, T, H, KV_LORA), dtype=torch.bfloat16, device=q.device)
+    lse_part = torch.empty((S, T, H), dtype=torch.float32, device=q.device)
+    if T == 0:
+        return o_part, lse_part
+    kv, u8_fnuz, fnuz = _kv_mode(kv_rows)
+    mma = "bf16" if u8_fnuz else _mma_mode()
+    bm, bn, warps, stages = _config(qlen * H, mma)
+    grid = (triton.cdiv(qlen * H, bm), S, R)
+    indices = kv_indices if kv_indices.numel() > 0 else kv_indptr  # never dereferenced when empty
+    _split_kv_kernel[grid](
+        q, kv, kv_indptr, indices, o_part, lse_part,
+        T, H, kv_rows.shape[0], qlen, S,
+        float(scale) * float(kv_scale) * LOG2E, float(kv_scale),
+        MMA_FP8=(mma == "fp8"), KV_U8_FNUZ=u8_fnuz, FNUZ=fnuz, INTERP=_interpreting(),
+        BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages,
+    )
+    return o_part, lse_part
+
+
+def mla_merge(o_part, lse_part):
+    """M1b. o_part [S, T, H, 512] bf16, lse_part [S, T, H] f32 -> (o [T, H, 512] bf16, lse [T, H] f32)."""
+    assert o_part.dim() == 4 and o_part.shape[3] == KV_LORA and o_part.is_contiguous()
+    assert lse_part.shape == o_part.shape[:3] and lse_part.dtype == torch.float32 and lse_part.is_contiguous()
+    S, T, H, _ = o_part.shape
+    o = torch.empty((T, H, KV_LORA), dtype=torch.bfloat16, device=o_part.device)
+    lse = torch.empty((T, H), dtype=torch.float32, device=o_part.device)
+    TH = T * H
+    if TH == 0:
+        return o, lse
+    br = 4
+    _merge_kernel[(triton.cdiv(TH, br),)](o_part, lse_part, o, lse, TH, S, BLOCK_R=br,
+                                        INTERP=_interpreting(), num_warps=4)
+    return o, lse
+
+
+def suggest_num_splits(num_requests: int, qlen: int, num_heads: int, num_tokens: int,
+                       num_sms: int = 132) -> int:
+    """A split count from shapes only (never device data): enough programs to fill the
+    device about twice, no split shorter than 256 tokens on average, at most 64."""
+    if num_requests <= 0:
+        return 1
+    bm = _config(qlen * num_heads, "fp8")[0]
+    mblocks = -(-qlen * num_heads // bm)
+    base = num_requests * mblocks
+    want = max(1, -(-2 * num_sms // base))
+    avg = max(1, num_tokens // num_requests)
+    cap = max(1, avg // 256)
+    return int(max(1, min(want, cap, 64)))
+
+
+# ----------------------------------------------------------------------------------------------
+# cross-compilation registry (scripts/cross_compile.py)
+
+def _specs():
+    specs = []
+    sig_common = {"indptr_ptr": "*i32", "indices_ptr": "*i32", "o_ptr": "*bf16", "lse_ptr": "*fp32",
+                  "T": "i32", "H": "i32", "N": "i32", "qlen": "i32", "num_splits": "i32",
+                  "qk_scale_log2": "fp32", "kv_scale": "fp32"}
+    for bm in (16, 32, 64):
+        warps = _config(bm, "fp8")[2]
+        for mma in ("fp8", "bf16"):
+            for fmt in ("fn", "fnuz", "u8fnuz"):
+                if fmt == "u8fnuz" and mma == "fp8":
+                    continue
+                kvt = {"fn": "*fp8e4nv", "fnuz": "*fp8e4b8", "u8fnuz": "*u8"}[fmt]
+                targets = {"fn": ("gfx950", "gfx942", "sm90"), "fnuz": ("gfx942",),
+                           "u8fnuz": ("sm90",)}[fmt]
+                sig = {"q_ptr": "*bf16", "kv_ptr": kvt, **sig_common}
+                cx = {"MMA_FP8": mma == "fp8", "KV_U8_FNUZ": fmt == "u8fnuz", "FNUZ": fmt != "fn",
+                      "INTERP": False, "BLOCK_M": bm, "BLOCK_N": 64}
+                for kk in cx:
+                    sig[kk] = "constexpr"
+                specs.append(dict(name=f"splitkv_{mma}_{fmt}_m{bm}", kernel=_split_kv_kernel,
+                                  signature=sig, constexprs=cx, num_warps=warps, num_stages=2,
+                                  targets=targets))
+    specs.append(dict(name="merge_r4", kernel=_merge_kernel,
+                      signature={"o_part_ptr": "*bf16", "lse_part_ptr": "*fp32", "o_ptr": "*bf16",
+                                 "lse_ptr": "*fp32", "TH": "i32", "S": "i32", "BLOCK_R": "constexpr",
+                                 "INTERP": "constexpr"},
+                      constexprs={"BLOCK_R": 4, "INTERP": False}, num_warps=4, num_stages=1))
+    return specs
+
+
+CROSS_COMPILE_SPECS = _specs()

@@ -1,0 +1,130 @@
+"""Triton KV-cache write (``mla_cache_write``) and the software fp8 encoder it shares.
+
+The fp8 encode is done with integer / exact float arithmetic (``fp8_bits``), not the
+hardware or interpreter conversion: it rounds to nearest even, handles subnormals,
+saturates to the format's finite max and gives the same bytes as torch's
+``(x.float() / kv_scale).clamp(-fmax, fmax).to(fp8_dtype)`` on every backend
+(the Triton interpreter's own fp32 -> fp8 cast does not round to nearest even, and
+the NVIDIA backend has no e4m3fnuz type).  The store goes through a uint8 view of
+the cache, so e4m3fn and e4m3fnuz caches are written by the same kernel anywhere.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_FN = torch.float8_e4m3fn
+FP8_FNUZ = torch.float8_e4m3fnuz
+HEAD_DIM = 576
+KV_LORA = 512
+ROPE = 64
+
+
+@triton.jit
+def fp8_bits(x, FNUZ: tl.constexpr):
+    """f32 -> E4M3 code (int32 in [0, 255]): RNE, subnormals, saturated to the finite max.
+
+    e4m3fn: bias 7, max 448 (0x7e), -0 kept (0x80), NaN -> 0x7f | sign.
+    e4m3fnuz: bias 8, max 240 (0x7f), no -0 (a zero result is 0x00), NaN -> 0x80.
+    """
+    if FNUZ:
+        BIAS: tl.constexpr = 8
+        FMAX: tl.constexpr = 240.0
+    else:
+        BIAS: tl.constexpr = 7
+        FMAX: tl.constexpr = 448.0
+    bits = x.to(tl.int32, bitcast=True)
+    sign = (bits >> 31) & 1
+    a = tl.abs(x)
+    a = tl.minimum(a, FMAX)
+    abits = a.to(tl.int32, bitcast=True)
+    e = ((abits >> 23) & 0xFF) - 127
+    # quantum of the fp8 grid at a: 2^(max(e, 1 - BIAS) - 3); adding C = quantum * 2^23
+    # rounds a to that grid, to nearest even, in f32 (exact: the sum stays below 2^24 quanta)
+    qe = tl.maximum(e, 1 - BIAS) - 3
+    c = ((qe + 23 + 127) << 23).to(tl.float32, bitcast=True)
+    r = (a + c) - c
+    r = tl.minimum(r, FMAX)
+    rbits = r.to(tl.int32, bitcast=True)
+    re = ((rbits >> 23) & 0xFF) - 127
+    is_norm = re >= 1 - BIAS
+    code_norm = ((re + BIAS) << 3) | ((rbits >> 20) & 7)
+    # subnormal: r = m * 2^(1 - BIAS - 3), m in 0..7 (exact)
+    code_sub = (r * (2.0**(BIAS + 2))).to(tl.int32)
+    code = tl.where(is_norm, code_norm, code_sub)
+    if FNUZ:
+        code = tl.where(code == 0, 0, code | (sign << 7))
+        code = tl.where(x != x, 0x80, code)
+    else:
+        code = code | (sign << 7)
+        code = tl.where(x != x, 0x7F | (sign << 7), code)
+    return code
+
+
+@triton.jit
+def _cache_write_kernel(
+    kvc_ptr, kpe_ptr, kv_ptr, slot_ptr,
+    N, kv_scale,
+    stride_c, stride_pe,
+    FNUZ: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_PE: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    ok = (slot >= 0) & (slot < N)
+    offs_c = tl.arange(0, BLOCK_C)
+    offs_p = tl.arange(0, BLOCK_PE)
+    t64 = t.to(tl.int64)
+    xc = tl.load(kvc_ptr + t64 * stride_c + offs_c).to(tl.float32)
+    xp = tl.load(kpe_ptr + t64 * stride_pe + offs_p).to(tl.float32)
+    xc = tl.math.div_rn(xc, kv_scale)
+    xp = tl.math.div_rn(xp, kv_scale)
+    cc = fp8_bits(xc, FNUZ).to(tl.uint8)
+    cp = fp8_bits(xp, FNUZ).to(tl.uint8)
+    row = kv_ptr + slot * 576
+    tl.store(row + offs_c, cc, mask=(offs_c < BLOCK_C) & ok)
+    tl.store(row + BLOCK_C + offs_p, cp, mask=(offs_p < BLOCK_PE) & ok)
+
+
+def mla_cache_write(kv_c, k_pe, kv_rows, slot_mapping, kv_scale: float) -> None:
+    """Write row ``slot_mapping[t]`` of ``kv_rows [N, 576]`` (fp8) with
+    ``fp8(cat(kv_c[t], k_pe[t]) / kv_scale)``; slots outside [0, N) (-1 included) are skipped."""
+    assert kv_rows.dim() == 2 and kv_rows.shape[1] == HEAD_DIM and kv_rows.is_contiguous()
+    assert kv_rows.dtype in (FP8_FN, FP8_FNUZ), kv_rows.dtype
+    T = kv_c.shape[0]
+    assert kv_c.shape == (T, KV_LORA) and k_pe.shape == (T, ROPE) and slot_mapping.shape == (T,)
+    assert kv_c.stride(1) == 1 and k_pe.stride(1) == 1
+    if T == 0:
+        return
+    N = kv_rows.shape[0]
+    _cache_write_kernel[(T,)](
+        kv_c, k_pe, kv_rows.view(torch.uint8), slot_mapping,
+        N, float(kv_scale),
+        kv_c.stride(0), k_pe.stride(0),
+        FNUZ=kv_rows.dtype == FP8_FNUZ,
+        BLOCK_C=KV_LORA, BLOCK_PE=ROPE,
+        num_warps=4,
+    )
+
+
+def _specs():
+    specs = []
+    for xdt in ("bf16", "fp16", "fp32"):
+        for sdt in ("i32", "i64"):
+            for fnuz in (False, True):
+                specs.append(dict(
+                    name=f"cache_write_{xdt}_{sdt}_{'fnuz' if fnuz else 'fn'}",
+                    kernel=_cache_write_kernel,
+                    signature={"kvc_ptr": f"*{xdt}", "kpe_ptr": f"*{xdt}", "kv_ptr": "*u8",
+                               "slot_ptr": f"*{sdt}", "N": "i32", "kv_scale": "fp32",
+                               "stride_c": "i32", "stride_pe": "i32",
+                               "FNUZ": "constexpr", "BLOCK_C": "constexpr", "BLOCK_PE": "constexpr"},
+                    constexprs={"FNUZ": fnuz, "BLOCK_C": KV_LORA, "BLOCK_PE": ROPE},
+                    num_warps=4, num_stages=1,
+                ))
+    return specs
+
+
+CROSS_COMPILE_SPECS = _specs()
