@@ -121,6 +121,9 @@ def backend_for(op: str, device: torch.device) -> str:
             if backend in available and _unavailable_reason(backend, device) is None:
                 return backend
         return "reference"
+    if requested == "cuda" and (device.type != "cuda" or torch.version.hip is not None):
+        raise RuntimeError(f"kimi_ops.{op}: {ENV_VAR}=cuda cannot run here: it needs CUDA tensors "
+                           f"on an NVIDIA GPU, got {device.type} tensors")
     for backend in _FALLBACK_ORDER[_FALLBACK_ORDER.index(requested):]:
         if backend in available:
             reason = _unavailable_reason(backend, device)

@@ -1,0 +1,41 @@
+"""The backend table and the host-side split heuristic."""
+
+import pytest
+import torch
+
+from kimi_ops import dispatch
+
+
+def test_every_op_has_a_reference():
+    for op, table in dispatch.IMPLEMENTATIONS.items():
+        assert "reference" in table, op
+
+
+@pytest.mark.parametrize("env,expected", [("", "reference"), ("auto", "reference"), ("reference", "reference")])
+def test_cpu_backend(monkeypatch, env, expected):
+    monkeypatch.setenv("KIMI_OPS_BACKEND", env)
+    for op in dispatch.IMPLEMENTATIONS:
+        assert dispatch.backend_for(op, torch.device("cpu")) == expected
+
+
+def test_triton_on_cpu_under_the_interpreter(monkeypatch):
+    monkeypatch.setenv("KIMI_OPS_BACKEND", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert dispatch.backend_for("mla_decode_splitkv", torch.device("cpu")) == "triton"
+    # ops with no Triton kernel run their torch code
+    assert dispatch.backend_for("mxfp4_quantize", torch.device("cpu")) == "reference"
+
+
+def test_num_splits_is_one_on_cpu():
+    assert dispatch.default_num_splits(4, 8, 12, 4000, torch.device("cpu")) == 1
+
+
+def test_num_splits_fills_the_gpu(monkeypatch):
+    monkeypatch.setattr(dispatch, "_multiprocessor_count", lambda index: 132)
+    gpu = torch.device("cuda", 0)
+    one_long = dispatch.default_num_splits(1, 1, 12, 65536, gpu)
+    many_short = dispatch.default_num_splits(128, 128, 12, 128 * 1024, gpu)
+    short = dispatch.default_num_splits(1, 1, 12, 300, gpu)
+    assert one_long == 64 and many_short <= 4 and short == 1
+    for args in [(8, 8, 12, 8 * 8192), (64, 64, 96, 64 * 4096), (32, 256, 12, 32 * 32768)]:
+        assert 1 <= dispatch.default_num_splits(*args, gpu) <= 64
