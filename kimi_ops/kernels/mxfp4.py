@@ -1,0 +1,205 @@
+"""Triton ``bmm_a16wfp4``: bf16 activations against MXFP4 weights, f32 accumulation, bf16 out.
+
+``y[b] = x[b] @ dequant(w)[b]^T`` with x ``[B, M, K]`` bf16 (any strides: e.g.
+``q_nope.transpose(0, 1)`` of a ``[T, H, 128]`` tensor is read in place), w in the OCP
+MXFP4 layout of :mod:`kimi_ops.reference.mxfp4` (``w_packed [B, N, K/2]`` uint8,
+``w_scale [B, N, K/32]`` E8M0 bytes) and y ``[B, M, N]`` bf16 contiguous.
+
+One program per (M block, N block, batch). Two ways to multiply, picked on the host:
+
+* ``DOT_SCALED=False`` (the default on NVIDIA, and on gfx942): the weight tile is decoded
+  in registers to bf16 (exact: an E2M1 value times a power of two has <= 2 significant
+  bits) and fed to ``tl.dot``; on sm_90 that is what ``tl.dot_scaled`` would lower to
+  anyway (it upcasts fp4 to bf16 there), written out so the decode is ours.
+* ``DOT_SCALED=True`` (the default on gfx950): ``tl.dot_scaled(x, None, "bf16", w^T,
+  w_scale, "e2m1")`` so AMD's backend picks its scaled-MFMA lowering.
+
+Decoding: code ``c`` (bit 3 the sign, bits 2..1 the exponent E, bit 0 the mantissa m)
+has ``2|v| = m`` when E = 0 else ``(2 + m) << (E - 1)``, an integer 0..12; the block's
+value is ``2|v| * 2^(s - 128)`` with the scale byte s built as float32 bits (s = 0, 1 are
+the float32 subnormals 2^-128, 2^-127; s = 0xFF is NaN, as in the reference).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+MXFP4_BLOCK = 32
+
+
+@triton.jit
+def _mxfp4_decode(packed, scale, BN: tl.constexpr, BK: tl.constexpr):
+    """packed [BN, BK/2] uint8 + scale [BN, BK/32] uint8 -> [BN, BK] float32 (exact)."""
+    p = packed.to(tl.int32)
+    c = tl.join(p & 0xF, p >> 4).reshape(BN, BK)          # element 2i = low nibble
+    e = (c >> 1) & 3
+    m = c & 1
+    two_v = tl.where(e == 0, m, (2 + m) << tl.maximum(e - 1, 0))
+    two_v = tl.where((c & 8) != 0, -two_v, two_v)
+    s = scale.to(tl.int32)
+    bits = tl.where(s >= 2, (s - 1) << 23, tl.where(s == 1, 0x00400000, 0x00200000))
+    bits = tl.where(s == 255, 0x7FC00000, bits)            # E8M0 NaN
+    half_scale = bits.to(tl.float32, bitcast=True)           # 2^(s - 128)
+    w = two_v.to(tl.float32).reshape(BN, BK // 32, 32) * half_scale[:, :, None]
+    return w.reshape(BN, BK)
+
+
+@triton.jit
+def _dot_operand(v, INTERP: tl.constexpr):
+    """bf16 for the MMA; float32 under the interpreter, whose tl.dot multiplies bf16's raw
+    uint16 bits (Triton 3.6-3.8). Both are exact for bf16-representable values."""
+    if INTERP:
+        return v.to(tl.float32)
+    else:
+        return v.to(tl.bfloat16)
+
+
+@triton.jit
+def _to_bf16(x, INTERP: tl.constexpr):
+    """float32 -> bf16, round to nearest even. The interpreter's own cast does not carry a
+    rounded-up mantissa into the exponent, so there it is done by integer ops."""
+    if INTERP:
+        b = x.to(tl.uint32, bitcast=True)
+        r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+        r = tl.where((b & 0x7FFFFFFF) > 0x7F800000, 0x7FC0, r)
+        return r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(tl.bfloat16)
+
+
+@triton.jit
+def _bmm_a16wfp4_kernel(
+    x_ptr, w_ptr, s_ptr, y_ptr,
+    M, N, K,
+    stride_xb, stride_xm, stride_xk,
+    stride_wb, stride_wn, stride_wk,
+    stride_sb, stride_sn, stride_sk,
+    stride_yb, stride_ym, stride_yn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_SCALED: tl.constexpr, INTERP: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_kp = tl.arange(0, BLOCK_K // 2)
+    offs_ks = tl.arange(0, BLOCK_K // 32)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    x_base = x_ptr + b * stride_xb + offs_m[:, None] * stride_xm
+    w_base = w_ptr + b * stride_wb + offs_n[:, None] * stride_wn
+    s_base = s_ptr + b * stride_sb + offs_n[:, None] * stride_sn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):                       # K % 32 == 0; BLOCK_K masks the tail
+        kx = k0 + offs_k
+        x = tl.load(x_base + kx[None, :] * stride_xk, mask=mask_m[:, None] & (kx[None, :] < K), other=0.0)
+        kp = k0 // 2 + offs_kp
+        wp = tl.load(w_base + kp[None, :] * stride_wk, mask=mask_n[:, None] & (kp[None, :] < K // 2), other=0)
+        ks = k0 // 32 + offs_ks
+        ws = tl.load(s_base + ks[None, :] * stride_sk, mask=mask_n[:, None] & (ks[None, :] < K // 32), other=0)
+        if DOT_SCALED:
+            acc = tl.dot_scaled(x, None, "bf16", tl.trans(wp), ws, "e2m1", acc)
+        else:
+            w = _dot_operand(_mxfp4_decode(wp, ws, BLOCK_N, BLOCK_K), INTERP)
+            acc = tl.dot(_dot_operand(x, INTERP), tl.trans(w), acc)
+    y = y_ptr + b * stride_yb + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
+    tl.store(y, _to_bf16(acc, INTERP), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _is_gfx950(device: torch.device) -> bool:
+    if device.type != "cuda" or torch.version.hip is None:
+        return False
+    return "gfx950" in getattr(torch.cuda.get_device_properties(device), "gcnArchName", "")
+
+
+def use_dot_scaled(device: torch.device) -> bool:
+    """``KIMI_OPS_MXFP4_DOT_SCALED=0/1`` forces it; default: on gfx950 only."""
+    env = os.environ.get("KIMI_OPS_MXFP4_DOT_SCALED")
+    if env is not None:
+        return env.strip() == "1"
+    return _is_gfx950(device)
+
+
+def bmm_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) from shapes alone."""
+    bm = 16 if m <= 16 else 32 if m <= 32 else 64
+    if m >= 256:
+        bn = 128 if n >= 256 else 64
+    else:
+        bn = 64 if n >= 256 else 32
+    bk = min(128, max(32, triton.next_power_of_2(k)))
+    warps = 8 if bm * bn >= 64 * 128 else 4
+    stages = 3 if k > bk else 1
+    return bm, bn, bk, warps, stages
+
+
+def bmm_a16wfp4(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,
+                *, config: tuple[int, int, int, int, int] | None = None,
+                dot_scaled: bool | None = None) -> torch.Tensor:
+    """``y[b] = x[b] @ dequant(w)[b]^T`` -> bf16 ``[B, M, N]`` (inputs validated by the op layer).
+
+    ``config`` / ``dot_scaled`` override the host's choice (benchmarks, tests).
+    """
+    batch, m, k = x.shape
+    n = w_packed.shape[1]
+    w_scale = w_scale.view(torch.uint8)
+    y = torch.empty((batch, m, n), dtype=torch.bfloat16, device=x.device)
+    if batch == 0 or m == 0 or n == 0:
+        return y
+    if k == 0:
+        return y.zero_()
+    bm, bn, bk, warps, stages = config or bmm_config(m, n, k)
+    ds = use_dot_scaled(x.device) if dot_scaled is None else dot_scaled
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), batch)
+    _bmm_a16wfp4_kernel[grid](
+        x, w_packed, w_scale, y, m, n, k,
+        *x.stride(), *w_packed.stride(), *w_scale.stride(), *y.stride(),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_SCALED=ds, INTERP=interpreting(),
+        num_warps=warps, num_stages=stages,
+    )
+    return y
+
+
+# ----------------------------------------------------------------------------------------------
+# cross-compilation registry (scripts/cross_compile.py; format in kimi_ops/kernels/__init__.py)
+
+def _specs():
+    sig = {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "y_ptr": "*bf16",
+           "M": "i32", "N": "i32", "K": "i32"}
+    for name in ("x", "w", "s", "y"):
+        for dim in ("b", "m" if name in ("x", "y") else "n", "k" if name != "y" else "n"):
+            sig[f"stride_{name}{dim}"] = "i32"
+    for kk in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "DOT_SCALED", "INTERP"):
+        sig[kk] = "constexpr"
+    specs = []
+    # Kimi-K3 TP8: W_UK (N 512, K 128) and W_UV (N 128, K 512), M from 1 to 512.
+    seen = set()
+    for n, k in ((512, 128), (128, 512)):
+        for m in (1, 32, 64, 512):
+            bm, bn, bk, warps, stages = bmm_config(m, n, k)
+            for ds in (False, True):
+                key = (bm, bn, bk, warps, stages, ds)
+                if key in seen:
+                    continue
+                seen.add(key)
+                specs.append(dict(
+                    name=f"bmm_a16wfp4_{'dotscaled' if ds else 'decode'}_m{bm}n{bn}k{bk}w{warps}s{stages}",
+                    kernel=_bmm_a16wfp4_kernel, signature=dict(sig),
+                    constexprs={"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "DOT_SCALED": ds,
+                                "INTERP": False},
+                    num_warps=warps, num_stages=stages,
+                    # dot_scaled is the gfx950 path; the decode path is every target's.
+                    targets=("gfx950",) if ds else ("gfx950", "gfx942", "sm90")))
+    return specs
+
+
+CROSS_COMPILE_SPECS = _specs()

@@ -1,0 +1,161 @@
+"""Triton M1a (``mla_query``): the absorbed bf16 query, in one launch.
+
+``q[t, h] = [q_nope[t, h] @ W_UK[h] | q_pe[t, h]]`` as bf16 ``[T, H', L + P]`` (Kimi-K3 /
+DeepSeek: D = 128, L = 512, P = 64), with ``W_UK`` either bf16 ``[H, D, L]`` or MXFP4 packed
+along D (``w_uk [H, L, D/2]`` uint8 + ``w_uk_scale [H, L, D/32]`` E8M0, W_UK[h] = dequant^T).
+
+Grid ``(cdiv(T, BLOCK_M), cdiv(L, BLOCK_N), H')``: a program takes BLOCK_M token rows of one
+head and BLOCK_N latent columns, reads its q_nope tile (any strides) and weight tile, decodes
+an MXFP4 tile to bf16 in registers (exactly, as :mod:`kimi_ops.kernels.mxfp4`), runs one
+``tl.dot`` over the whole D (f32 accumulation) and stores bf16. The programs of latent block 0
+also copy the rows' q_pe into columns ``L .. L + P``. **Pad heads** (``H <= h < H'``) are
+written as all zeros (latent and rope parts), by the same launch. D, L and P are generic (any
+D with D % 32 == 0 for MXFP4; any L, P), the block sizes are powers of two with masks.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .mxfp4 import _dot_operand, _mxfp4_decode, _to_bf16, interpreting, use_dot_scaled
+
+
+@triton.jit
+def _mla_query_kernel(
+    qn_ptr, qp_ptr, w_ptr, s_ptr, o_ptr,
+    T, H, D, L, P,
+    stride_qnt, stride_qnh, stride_qnd,
+    stride_qpt, stride_qph, stride_qpd,
+    stride_wh, stride_w1, stride_w2,          # bf16: [H, D, L] strides; MXFP4: [H, L, D/2]
+    stride_sh, stride_sl, stride_sd,          # MXFP4 scales [H, L, D/32] (unused for bf16)
+    stride_ot, stride_oh, stride_oc,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
+    MXFP4: tl.constexpr, DOT_SCALED: tl.constexpr, INTERP: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    h = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < T
+    mask_n = offs_n < L
+    o_rows = o_ptr + offs_m[:, None].to(tl.int64) * stride_ot + h.to(tl.int64) * stride_oh
+    offs_p = tl.arange(0, BLOCK_P)
+    mask_p = mask_m[:, None] & (offs_p[None, :] < P)
+    if h < H:
+        h64 = h.to(tl.int64)
+        offs_d = tl.arange(0, BLOCK_D)
+        qn = tl.load(qn_ptr + offs_m[:, None].to(tl.int64) * stride_qnt + h64 * stride_qnh
+                     + offs_d[None, :] * stride_qnd,
+                     mask=mask_m[:, None] & (offs_d[None, :] < D), other=0.0)
+        if MXFP4:
+            offs_dp = tl.arange(0, BLOCK_D // 2)
+            offs_ds = tl.arange(0, BLOCK_D // 32)
+            wp = tl.load(w_ptr + h64 * stride_wh + offs_n[:, None] * stride_w1 + offs_dp[None, :] * stride_w2,
+                         mask=mask_n[:, None] & (offs_dp[None, :] < D // 2), other=0)
+            ws = tl.load(s_ptr + h64 * stride_sh + offs_n[:, None] * stride_sl + offs_ds[None, :] * stride_sd,
+                         mask=mask_n[:, None] & (offs_ds[None, :] < D // 32), other=0)
+            if DOT_SCALED:
+                acc = tl.dot_scaled(qn, None, "bf16", tl.trans(wp), ws, "e2m1")
+            else:
+                w = tl.trans(_dot_operand(_mxfp4_decode(wp, ws, BLOCK_N, BLOCK_D), INTERP))   # [D, N]
+                acc = tl.dot(_dot_operand(qn, INTERP), w)
+        else:
+            w = tl.load(w_ptr + h64 * stride_wh + offs_d[:, None] * stride_w1 + offs_n[None, :] * stride_w2,
+                        mask=(offs_d[:, None] < D) & mask_n[None, :], other=0.0)
+            acc = tl.dot(_dot_operand(qn, INTERP), _dot_operand(w, INTERP))
+        tl.store(o_rows + offs_n[None, :] * stride_oc, _to_bf16(acc, INTERP),
+                 mask=mask_m[:, None] & mask_n[None, :])
+        if pid_n == 0:
+            pe = tl.load(qp_ptr + offs_m[:, None].to(tl.int64) * stride_qpt + h64 * stride_qph
+                         + offs_p[None, :] * stride_qpd, mask=mask_p, other=0.0)
+            tl.store(o_rows + (L + offs_p[None, :]) * stride_oc, pe, mask=mask_p)
+    else:
+        zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.bfloat16)
+        tl.store(o_rows + offs_n[None, :] * stride_oc, zero, mask=mask_m[:, None] & mask_n[None, :])
+        if pid_n == 0:
+            tl.store(o_rows + (L + offs_p[None, :]) * stride_oc,
+                     tl.zeros((BLOCK_M, BLOCK_P), dtype=tl.bfloat16), mask=mask_p)
+
+
+def query_config(t: int, heads: int, latent: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) from shapes alone."""
+    bm = 16 if t <= 16 else 32 if t <= 32 else 64
+    bn = 64 if t <= 64 else 128
+    bn = min(bn, max(16, triton.next_power_of_2(latent)))
+    warps = 8 if bm * bn >= 64 * 128 else 4
+    return bm, bn, warps
+
+
+def mla_query(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor,
+              w_uk_scale: torch.Tensor | None = None, pad_heads: int | None = None,
+              *, config: tuple[int, int, int] | None = None,
+              dot_scaled: bool | None = None) -> torch.Tensor:
+    """M1a in one launch -> q ``[T, H', L + P]`` bf16 contiguous (inputs validated by the op
+    layer; any strides). Pad heads (``pad_heads > H``) are all-zero rows. ``config``
+    overrides the host's (BLOCK_M, BLOCK_N, num_warps) and ``dot_scaled`` the MXFP4 product's
+    form (default :func:`kimi_ops.kernels.mxfp4.use_dot_scaled`: ``tl.dot_scaled`` on gfx950,
+    in-register decode + ``tl.dot`` elsewhere) (benchmarks, tests)."""
+    t, h, d = q_nope.shape
+    p = q_pe.shape[2]
+    mxfp4 = w_uk_scale is not None
+    latent = w_uk.shape[1] if mxfp4 else w_uk.shape[2]
+    heads = h if pad_heads is None else pad_heads
+    out = torch.empty((t, heads, latent + p), dtype=torch.bfloat16, device=q_nope.device)
+    if out.numel() == 0:
+        return out
+    bm, bn, warps = config or query_config(t, h, latent)
+    if mxfp4:
+        scale = w_uk_scale.view(torch.uint8)
+        s_strides = scale.stride()
+    else:
+        scale = w_uk                                # placeholder pointer, never read
+        s_strides = (0, 0, 0)
+    grid = (triton.cdiv(t, bm), triton.cdiv(latent, bn), heads)
+    _mla_query_kernel[grid](
+        q_nope, q_pe, w_uk, scale, out,
+        t, h, d, latent, p,
+        *q_nope.stride(), *q_pe.stride(), *w_uk.stride(), *s_strides, *out.stride(),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=max(32, triton.next_power_of_2(d)),
+        BLOCK_P=max(16, triton.next_power_of_2(p)), MXFP4=mxfp4,
+        DOT_SCALED=mxfp4 and (use_dot_scaled(q_nope.device) if dot_scaled is None else dot_scaled),
+        INTERP=interpreting(),
+        num_warps=warps, num_stages=1,
+    )
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# cross-compilation registry (scripts/cross_compile.py; format in kimi_ops/kernels/__init__.py)
+
+def _specs():
+    specs = []
+    seen = set()
+    for mxfp4 in (False, True):
+        sig = {"qn_ptr": "*bf16", "qp_ptr": "*bf16", "w_ptr": "*u8" if mxfp4 else "*bf16",
+               "s_ptr": "*u8" if mxfp4 else "*bf16", "o_ptr": "*bf16",
+               "T": "i32", "H": "i32", "D": "i32", "L": "i32", "P": "i32"}
+        for name in ("qnt", "qnh", "qnd", "qpt", "qph", "qpd", "wh", "w1", "w2", "sh", "sl", "sd",
+                     "ot", "oh", "oc"):
+            sig[f"stride_{name}"] = "i32"
+        for kk in ("BLOCK_M", "BLOCK_N", "BLOCK_D", "BLOCK_P", "MXFP4", "DOT_SCALED", "INTERP"):
+            sig[kk] = "constexpr"
+        for t in (1, 32, 64, 512):
+            bm, bn, warps = query_config(t, 12, 512)
+            for ds in ((False, True) if mxfp4 else (False,)):
+                if (mxfp4, ds, bm, bn, warps) in seen:
+                    continue
+                seen.add((mxfp4, ds, bm, bn, warps))
+                kind = ("mxfp4_dotscaled" if ds else "mxfp4_decode") if mxfp4 else "bf16"
+                specs.append(dict(
+                    name=f"mla_query_{kind}_m{bm}n{bn}w{warps}",
+                    kernel=_mla_query_kernel, signature=dict(sig),
+                    constexprs={"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_D": 128, "BLOCK_P": 64,
+                                "MXFP4": mxfp4, "DOT_SCALED": ds, "INTERP": False},
+                    num_warps=warps, num_stages=1,
+                    targets=("gfx950",) if ds else ("gfx950", "gfx942", "sm90")))
+    return specs
+
+
+CROSS_COMPILE_SPECS = _specs()
