@@ -1,0 +1,135 @@
+#!/usr/bin/env python3
+"""Cross-compile every Triton kernel variant the dispatcher can launch, with no GPU.
+
+    python scripts/cross_compile.py --target gfx950 --out build/xc
+    python scripts/cross_compile.py --target sm90 --out build/xc --only splitkv_fp8_fn_m16
+
+Each module in ``kimi_ops.kernels.CROSS_COMPILE_MODULES`` that exists and exposes
+``CROSS_COMPILE_SPECS`` (see kimi_ops/kernels/__init__.py) is compiled with
+``triton.compile(ASTSource(...), target=GPUTarget(...))``.  Each variant's assembly goes to
+``OUT/<target>/<name>.amdgcn`` (AMD) or ``.ptx`` (NVIDIA); the matrix instructions found in it
+are printed, one line a variant, and a summary is written to ``OUT/<target>/summary.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib
+import json
+import os
+import re
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+TARGETS = {
+    "gfx950": ("hip", "gfx950", 64),
+    "gfx942": ("hip", "gfx942", 64),
+    "sm90": ("cuda", 90, 32),
+}
+
+# matrix instructions: AMD MFMA / WMMA, NVIDIA wgmma / mma
+_MMA_RE = {
+    "hip": re.compile(r"\b(v_mfma_[a-z0-9_]+|v_smfmac_[a-z0-9_]+|v_wmma_[a-z0-9_]+)"),
+    "cuda": re.compile(r"\b(wgmma\.mma_async[a-z0-9_.]*|mma\.sync[a-z0-9_.]*)"),
+}
+
+
+def load_specs(only=None):
+    import kimi_ops.kernels as K
+
+    specs = []
+    for mod_name in K.CROSS_COMPILE_MODULES:
+        try:
+            mod = importlib.import_module(mod_name)
+        except ModuleNotFoundError as e:
+            if e.name and mod_name.startswith(e.name):
+                continue  # a kernels module not written yet
+            raise
+        for spec in getattr(mod, "CROSS_COMPILE_SPECS", ()):
+            spec = dict(spec)
+            spec["module"] = mod_name
+            if only and not any(re.fullmatch(o, spec["name"]) for o in only):
+                continue
+            specs.append(spec)
+    return specs
+
+
+def _attrs(kernel, signature):
+    # pointers 16-byte aligned, as torch allocations are: lets the compiler vectorize loads
+    attrs = {}
+    for i, name in enumerate(kernel.arg_names):
+        if signature.get(name, "").startswith("*"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return attrs
+
+
+def compile_spec(spec, target_name):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernel = spec["kernel"]
+    sig = dict(spec["signature"])
+    missing = [a for a in kernel.arg_names if a not in sig]
+    if missing:
+        raise ValueError(f"{spec['name']}: signature lacks {missing}")
+    src = ASTSource(fn=kernel, signature={a: sig[a] for a in kernel.arg_names},
+                    constexprs=spec.get("constexprs", {}), attrs=_attrs(kernel, sig))
+    target = GPUTarget(*TARGETS[target_name])
+    opts = {"num_warps": spec.get("num_warps", 4), "num_stages": spec.get("num_stages", 2)}
+    return triton.compile(src, target=target, options=opts)
+
+
+def mma_instructions(asm: str, backend: str):
+    return collections.Counter(m.group(1) for m in _MMA_RE[backend].finditer(asm))
+
+
+def run(target_name, out_dir, only=None, quiet=False):
+    backend = TARGETS[target_name][0]
+    dest = os.path.join(out_dir, target_name)
+    os.makedirs(dest, exist_ok=True)
+    results = []
+    for spec in load_specs(only):
+        if target_name not in spec.get("targets", TARGETS):
+            continue
+        t0 = time.time()
+        ck = compile_spec(spec, target_name)
+        asm_key = "amdgcn" if backend == "hip" else "ptx"
+        asm = ck.asm[asm_key]
+        with open(os.path.join(dest, f"{spec['name']}.{asm_key}"), "w") as f:
+            f.write(asm)
+        mma = mma_instructions(asm, backend)
+        meta = {"name": spec["name"], "module": spec["module"], "kernel": spec["kernel"].__name__,
+                "mma": dict(mma), "seconds": round(time.time() - t0, 2)}
+        for k in ("n_regs", "n_spills"):
+            v = getattr(ck, k, None)
+            if isinstance(v, int):
+                meta[k] = v
+        shared = getattr(ck.metadata, "shared", None)
+        if shared is not None:
+            meta["shared"] = shared
+        results.append(meta)
+        if not quiet:
+            mma_s = ", ".join(f"{k} x{v}" for k, v in sorted(mma.items())) or "(no MMA)"
+            print(f"[{target_name}] {spec['name']:<28} {mma_s}  ({meta['seconds']}s)", flush=True)
+    with open(os.path.join(dest, "summary.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    return results
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", required=True, action="append", choices=sorted(TARGETS),
+                    help="repeatable")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--only", action="append", help="regex on variant names (repeatable)")
+    args = ap.parse_args(argv)
+    os.environ.pop("TRITON_INTERPRET", None)
+    for t in args.target:
+        run(t, args.out, args.only)
+
+
+if __name__ == "__main__":
+    main()

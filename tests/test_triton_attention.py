@@ -1,0 +1,356 @@
+"""Triton M1c / M1b / cache-write kernels against a brute-force float64 oracle.
+
+CPU (CI): the kernels run under TRITON_INTERPRET=1 on CPU tensors, in a subprocess
+(TRITON_INTERPRET must be set before triton.jit decorates the kernels; the parent pytest
+process may already have imported them compiled).  GPU (skipped without CUDA): the
+issue's correctness grid and a CUDA-graph capture replayed after changing the inputs in place.
+"""
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+SCALE = 1.0 / math.sqrt(192.0)
+HAS_CUDA = torch.cuda.is_available()
+
+
+# ----------------------------------------------------------------------------------------------
+# oracle and inputs (shared by the CPU subprocess and the GPU tests)
+
+def make_inputs(lens, qlen, H, *, dtype=torch.float8_e4m3fn, kv_scale=0.5, extra=37, oob=0,
+                device="cpu", gen=None):
+    """Fresh random inputs: a cache whose rows are randomly permuted among NaN-filled unused
+    rows; ``oob`` indices replaced by out-of-range ones (read as zero rows)."""
+    R = len(lens)
+    total = int(sum(lens))
+    N = total + extra
+    perm = torch.randperm(N, generator=gen)[:total].to(torch.int32)
+    fmax = torch.finfo(dtype).max
+    x = torch.randn(N, 576, generator=gen) * 2.0
+    kv = (x / kv_scale).clamp(-fmax, fmax).to(dtype)
+    used = torch.zeros(N, dtype=torch.bool)
+    used[perm.long()] = True
+    nan_code = 0x7F if dtype == torch.float8_e4m3fn else 0x80
+    kv.view(torch.uint8)[~used] = nan_code
+    if oob and total:
+        pos = torch.randperm(total, generator=gen)[:oob]
+        bad = torch.tensor([N, N + 1000, -1, -7, 2**31 - 1, -2**31], dtype=torch.int32)
+        perm[pos] = bad[torch.arange(len(pos)) % len(bad)]
+    indptr = torch.zeros(R + 1, dtype=torch.int32)
+    if R:
+        indptr[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int64), 0).to(torch.int32)
+    q = torch.randn(R * qlen, H, 576, generator=gen).to(torch.bfloat16)
+    return q.to(device), kv.to(device), indptr.to(device), perm.to(device)
+
+
+def oracle(q, kv, indptr, indices, qlen, scale, kv_scale):
+    """float64 brute force: (o [T, H, 512], lse [T, H])."""
+    T, H, _ = q.shape
+    R = T // qlen
+    N = kv.shape[0]
+    dev = q.device
+    o = torch.zeros(T, H, 512, dtype=torch.float64, device=dev)
+    lse = torch.full((T, H), -math.inf, dtype=torch.float64, device=dev)
+    ip = indptr.tolist()
+    for r in range(R):
+        a, b = ip[r], ip[r + 1]
+        n = b - a
+        if n <= 0:
+            continue
+        ids = indices[a:b].long()
+        ok = (ids >= 0) & (ids < N)
+        k = torch.zeros(n, 576, dtype=torch.float64, device=dev)
+        k[ok] = kv[ids[ok]].double()
+        qq = q[r * qlen:(r + 1) * qlen].double().reshape(qlen * H, 576)
+        s = (scale * kv_scale) * (qq @ k.T)  # [qlen*H, n]
+        pos = torch.arange(qlen, device=dev).repeat_interleave(H)
+        lim = (n - qlen + pos + 1).clamp(0, n)
+        vis = torch.arange(n, device=dev)[None, :] < lim[:, None]
+        s = s.masked_fill(~vis, -math.inf)
+        l = torch.logsumexp(s, dim=1)
+        p = torch.exp(s - l[:, None].clamp_min(-1e300)).nan_to_num(0.0)
+        oo = kv_scale * (p @ k[:, :512])
+        has = lim > 0
+        oo[~has] = 0
+        o[r * qlen:(r + 1) * qlen] = oo.reshape(qlen, H, 512)
+        lse[r * qlen:(r + 1) * qlen] = torch.where(has, l, torch.full_like(l, -math.inf)).reshape(qlen, H)
+    return o, lse
+
+
+def check_decode(lens, qlen, H, S, *, dtype=torch.float8_e4m3fn, oob=0, device="cpu", gen=None,
+                 kv_scale=0.5):
+    from kimi_ops.kernels.attention import mla_decode_splitkv, mla_merge
+
+    q, kv, indptr, idx = make_inputs(lens, qlen, H, dtype=dtype, kv_scale=kv_scale, oob=oob,
+                                     device=device, gen=gen)
+    o_part, lse_part = mla_decode_splitkv(q, kv, indptr, idx, qlen, SCALE, kv_scale, S)
+    T = q.shape[0]
+    assert o_part.shape == (S, T, H, 512) and o_part.dtype == torch.bfloat16
+    assert lse_part.shape == (S, T, H) and lse_part.dtype == torch.float32
+    assert not torch.isnan(o_part).any(), "NaN in o_part"
+    assert not torch.isnan(lse_part).any(), "NaN in lse_part"
+    assert not torch.isposinf(lse_part).any()
+    # empty partials are exactly 0 / -inf
+    empty = torch.isneginf(lse_part)
+    assert (o_part[empty] == 0).all(), "a split with no token must store o = 0"
+    o, lse = mla_merge(o_part, lse_part)
+    ro, rl = oracle(q, kv, indptr, idx, qlen, SCALE, kv_scale)
+    assert not torch.isnan(o).any() and not torch.isnan(lse).any()
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(rl)), "-inf pattern differs"
+    fin = ~torch.isneginf(rl)
+    assert (o[~fin] == 0).all()
+    lerr = (lse.double()[fin] - rl[fin]).abs().max().item() if fin.any() else 0.0
+    den = ro.norm().item()
+    err = (o.double() - ro).norm().item() / den if den > 0 else (o.double().norm().item())
+    assert lerr <= 1e-3, f"lse error {lerr}"
+    assert err <= 4e-3, f"relative L2 error {err}"
+    # the partition is a partition: merging the splits in another order gives the same
+    perm = torch.randperm(S, generator=gen).to(o_part.device)
+    o2, lse2 = mla_merge(o_part[perm].contiguous(), lse_part[perm].contiguous())
+    assert torch.equal(torch.isneginf(lse2), torch.isneginf(lse))
+    assert (lse2[fin] - lse[fin]).abs().max().item() <= 1e-5 if fin.any() else True
+    return err, lerr
+
+
+def check_merge(S, T, H, device="cpu", gen=None):
+    from kimi_ops.kernels.attention import mla_merge
+
+    o_part = torch.randn(S, T, H, 512, generator=gen).to(torch.bfloat16)
+    lse_part = torch.randn(S, T, H, generator=gen) * 4
+    dead = torch.rand(S, T, H, generator=gen) < 0.4
+    lse_part[dead] = -math.inf
+    o_part[dead] = 0
+    if T:
+        lse_part[:, 0] = -math.inf  # a row every split of which is empty
+        o_part[:, 0] = 0
+    o_part, lse_part = o_part.to(device), lse_part.to(device)
+    o, lse = mla_merge(o_part, lse_part)
+    lp = lse_part.double()
+    rl = torch.logsumexp(lp, dim=0)
+    w = torch.exp(lp - rl.clamp_min(-1e300)[None]).nan_to_num(0.0)
+    ro = (w[..., None] * o_part.double()).sum(0)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(rl))
+    fin = ~torch.isneginf(rl)
+    assert (lse.double()[fin] - rl[fin]).abs().max().item() <= 1e-5
+    assert (o[~fin] == 0).all() and not torch.isnan(o).any()
+    err = (o.double() - ro).norm() / ro.norm()
+    assert err <= 3e-3, err
+
+
+def check_cache_write(dtype, xdt, sdt, T=24, N=61, device="cpu", gen=None):
+    from kimi_ops.kernels.cache import mla_cache_write
+
+    fmax = torch.finfo(dtype).max
+    x = torch.randn(T, 576, generator=gen) * 4
+    x[:3] *= 1000.0        # saturation
+    x[3:6] *= 1e-3         # subnormals
+    x[6, :7] = torch.tensor([0.0, -0.0, math.inf, -math.inf, 448.0, -240.0, 232.0])
+    x = x.to(xdt)
+    kv_c, k_pe = x[:, :512].contiguous(), x[:, 512:].contiguous()
+    slots = torch.randperm(N, generator=gen)[:T].to(sdt)
+    slots[1] = -1
+    slots[2] = N
+    slots[4] = N + 100
+    cache = torch.empty(N, 576, dtype=torch.uint8)
+    cache.random_(0, 256, generator=gen)
+    cache = cache.view(dtype)
+    for kv_scale in (0.37, 1.0, 0.0123):
+        ref = cache.clone()
+        got = cache.clone().to(device)
+        mla_cache_write(kv_c.to(device), k_pe.to(device), got, slots.to(device), kv_scale)
+        ok = (slots >= 0) & (slots < N)
+        ref[slots[ok].long()] = (x.float() / kv_scale).clamp(-fmax, fmax).to(dtype)[ok]
+        a, b = got.cpu().view(torch.uint8), ref.view(torch.uint8)
+        assert torch.equal(a, b), f"{int((a != b).sum())} bytes differ ({dtype}, {xdt}, {kv_scale})"
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU: the interpreter, in a subprocess
+
+_INTERP_CASES = r"""
+import sys, torch
+sys.path.insert(0, {root!r})
+sys.path.insert(0, {tests!r})
+import test_triton_attention as t
+g = torch.Generator().manual_seed({seed})
+torch.manual_seed({seed})
+{body}
+print("OK")
+"""
+
+
+def _interp(body, seed=0, mma="fp8", timeout=240):
+    env = dict(os.environ, TRITON_INTERPRET="1", KIMI_OPS_TRITON_MMA=mma, CUDA_VISIBLE_DEVICES="")
+    code = _INTERP_CASES.format(root=ROOT, tests=os.path.dirname(os.path.abspath(__file__)),
+                                seed=seed, body=body)
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=timeout)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-3000:] + r.stderr[-6000:]
+
+
+@pytest.mark.parametrize("mma", ["fp8", "bf16"])
+def test_interp_decode_e4m3fn(mma):
+    _interp("""
+t.check_decode([100, 0, 3, 70], 2, 12, 3, gen=g)        # zero-length and short requests, splits
+t.check_decode([130], 1, 16, 1, gen=g)                  # one split
+t.check_decode([5, 1, 0, 2], 4, 3, 9, gen=g)            # more splits than tokens, n < qlen
+t.check_decode([80, 9], 3, 12, 2, oob=6, gen=g)         # out-of-range indices read as zero rows
+t.check_decode([40, 17], 8, 1, 5, gen=g)                # qlen 8, H 1
+t.check_decode([0, 0], 2, 12, 4, gen=g)                 # nothing visible at all
+""", mma=mma)
+
+
+def test_interp_decode_heads():
+    _interp("""
+t.check_decode([33, 70], 1, 96, 2, gen=g)
+t.check_decode([66], 1, 128, 3, gen=g)
+t.check_decode([20, 7], 5, 12, 2, gen=g)
+t.check_decode([9], 6, 12, 1, gen=g)
+""")
+
+
+@pytest.mark.parametrize("mma", ["fp8", "bf16"])
+def test_interp_decode_e4m3fnuz(mma):
+    # the gfx942 path: a native e4m3fnuz cache (fnuz splits of Q and P)
+    _interp("""
+t.check_decode([70, 33, 0], 2, 12, 2, dtype=torch.float8_e4m3fnuz, gen=g)
+t.check_decode([50], 7, 2, 3, dtype=torch.float8_e4m3fnuz, oob=3, gen=g)
+""", mma=mma)
+
+
+def test_interp_decode_fnuz_bytes():
+    # the NVIDIA path for an e4m3fnuz cache: bytes decoded in the kernel (forced here)
+    _interp("""
+import kimi_ops.kernels.attention as A
+A._kv_mode = lambda kv: (kv.view(torch.uint8), True, True) if kv.dtype == torch.float8_e4m3fnuz else (kv, False, False)
+t.check_decode([70, 33, 0], 2, 12, 2, dtype=torch.float8_e4m3fnuz, gen=g)
+""")
+
+
+def test_interp_merge():
+    _interp("""
+t.check_merge(5, 6, 3, gen=g)
+t.check_merge(1, 4, 12, gen=g)
+t.check_merge(9, 3, 1, gen=g)
+""")
+
+
+def test_interp_cache_write():
+    _interp("""
+for dt in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
+    t.check_cache_write(dt, torch.bfloat16, torch.int64, gen=g)
+t.check_cache_write(torch.float8_e4m3fn, torch.float32, torch.int32, T=8, gen=g)
+t.check_cache_write(torch.float8_e4m3fnuz, torch.float16, torch.int32, T=8, gen=g)
+""")
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU
+
+gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a GPU")
+
+
+def _gpu_gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+@gpu
+@pytest.mark.parametrize("mma", ["fp8", "bf16"])
+@pytest.mark.parametrize("H", [12, 16, 96, 128])
+def test_gpu_grid(H, mma, monkeypatch):
+    monkeypatch.setenv("KIMI_OPS_TRITON_MMA", mma)
+    g = _gpu_gen(H)
+    worst = (0.0, 0.0)
+    for qlen in (1, 2, 3, 4, 8):
+        cases = [
+            ([0, 1, 2, 7, 63, 64, 65, 300], 3),      # short and boundary lengths
+            ([1000] * 4, 1),
+            ([4096, 17, 2500, 0], 8),
+            ([16384], 64),
+        ]
+        if H <= 16:
+            cases += [([65536], 32), ([65536, 3, 9000], 64)]
+        elif qlen in (1, 8):
+            cases += [([65536], 16)]
+        for lens, S in cases:
+            e = check_decode(lens, qlen, H, S, device="cuda", gen=g, oob=2 if qlen == 3 else 0)
+            worst = (max(worst[0], e[0]), max(worst[1], e[1]))
+    print(f"H={H} mma={mma}: worst rel L2 {worst[0]:.2e}, worst |lse| {worst[1]:.2e}")
+
+
+@gpu
+def test_gpu_variable_lengths():
+    g = _gpu_gen(7)
+    lens = torch.distributions.LogNormal(math.log(3000), 1.0).sample((24,)).clamp(0, 65536).long().tolist()
+    lens[0] = 0
+    for S in (1, 7, 64):
+        for qlen in (1, 4):
+            check_decode(lens, qlen, 12, S, device="cuda", gen=g)
+
+
+@gpu
+def test_gpu_fnuz_cache():
+    g = _gpu_gen(3)
+    check_decode([3000, 0, 129], 2, 12, 4, dtype=torch.float8_e4m3fnuz, device="cuda", gen=g)
+
+
+@gpu
+def test_gpu_merge():
+    g = _gpu_gen(5)
+    check_merge(64, 40, 12, device="cuda", gen=g)
+    check_merge(1, 3, 128, device="cuda", gen=g)
+
+
+@gpu
+def test_gpu_cache_write():
+    g = _gpu_gen(11)
+    for dt in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
+        for xdt in (torch.bfloat16, torch.float16, torch.float32):
+            for sdt in (torch.int32, torch.int64):
+                check_cache_write(dt, xdt, sdt, T=300, N=700, device="cuda", gen=g)
+
+
+@gpu
+def test_gpu_cuda_graph():
+    """Capture splitkv + merge, change lengths / indices / q in place, replay == eager."""
+    from kimi_ops.kernels.attention import mla_decode_splitkv, mla_merge
+
+    g = _gpu_gen(13)
+    qlen, H, S, R, cap = 2, 12, 8, 6, 9000
+    q, kv, indptr, idx = make_inputs([cap // R] * R, qlen, H, device="cuda", gen=g, extra=2000)
+    idx_buf = torch.zeros(cap, dtype=torch.int32, device="cuda")
+    idx_buf[: idx.numel()] = idx
+
+    def step():
+        op, lp = mla_decode_splitkv(q, kv, indptr, idx_buf, qlen, SCALE, 0.5, S)
+        return mla_merge(op, lp)
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o_g, lse_g = step()
+    for trial in range(3):
+        lens = torch.randint(0, cap // R, (R,), generator=g)
+        lens[trial] = 0
+        new_ptr = torch.zeros(R + 1, dtype=torch.int32)
+        new_ptr[1:] = torch.cumsum(lens, 0)
+        indptr.copy_(new_ptr)
+        idx_buf.copy_(idx[torch.randperm(cap, generator=g).to(idx.device)])  # named rows only
+        q.copy_(torch.randn(q.shape, generator=g).to(torch.bfloat16))
+        graph.replay()
+        o_e, lse_e = step()
+        torch.cuda.synchronize()
+        assert torch.equal(o_g, o_e) and torch.equal(lse_g, lse_e)
+        ro, rl = oracle(q, kv, indptr, idx_buf, qlen, SCALE, 0.5)
+        fin = ~torch.isneginf(rl)
+        assert torch.equal(torch.isneginf(lse_g), ~fin)
+        assert ((o_g.double() - ro).norm() / ro.norm()).item() <= 4e-3
