@@ -12,22 +12,37 @@ skips the extension.
 
 import glob
 import os
+import shutil
 
 from setuptools import setup
+
+
+def cuda_toolkit_root():
+    """The CUDA toolkit's root. torch guesses it from nvcc's path, which is wrong
+    where nvcc is a wrapper script or a link in /usr/local/bin."""
+    nvcc = shutil.which("nvcc")
+    candidates = [os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))] if nvcc else []
+    for root in candidates + ["/usr/local/cuda"]:
+        if os.path.isfile(os.path.join(root, "include", "cuda_runtime.h")):
+            return root
+    return None
 
 
 def extension_modules():
     if os.environ.get("KIMI_OPS_NO_EXTENSION") == "1":
         return [], {}
+    toolkit = cuda_toolkit_root()
+    if toolkit and "CUDA_HOME" not in os.environ and "CUDA_PATH" not in os.environ:
+        os.environ["CUDA_HOME"] = toolkit
     try:
         import torch
         from torch.utils.cpp_extension import CUDA_HOME, ROCM_HOME, BuildExtension, CppExtension, CUDAExtension
     except ImportError:
         return [], {}
     cpp = sorted(glob.glob("csrc/*.cpp"))
-    cxx = ["-O3", "-std=c++17"]
+    cxx = ["-O3"]
     if torch.version.cuda and CUDA_HOME:
-        nvcc = ["-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "--expt-relaxed-constexpr"]
+        nvcc = ["-O3", "-gencode=arch=compute_90a,code=sm_90a", "--expt-relaxed-constexpr"]
         ext = CUDAExtension("kimi_ops._C", cpp + sorted(glob.glob("csrc/*.cu")),
                             extra_compile_args={"cxx": cxx, "nvcc": nvcc})
     elif torch.version.hip and ROCM_HOME:

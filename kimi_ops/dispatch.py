@@ -93,7 +93,7 @@ def cuda_extension_unavailable_reason() -> str | None:
     return None
 
 
-def _unavailable_reason(backend: str, device: torch.device) -> str | None:
+def unavailable_reason(backend: str, device: torch.device) -> str | None:
     if backend == "reference":
         return None
     if backend == "triton":
@@ -118,7 +118,7 @@ def backend_for(op: str, device: torch.device) -> str:
     if requested == "auto":
         candidates = ("reference",) if device.type == "cpu" else _FALLBACK_ORDER
         for backend in candidates:
-            if backend in available and _unavailable_reason(backend, device) is None:
+            if backend in available and unavailable_reason(backend, device) is None:
                 return backend
         return "reference"
     if requested == "cuda" and (device.type != "cuda" or torch.version.hip is not None):
@@ -126,7 +126,7 @@ def backend_for(op: str, device: torch.device) -> str:
                            f"on an NVIDIA GPU, got {device.type} tensors")
     for backend in _FALLBACK_ORDER[_FALLBACK_ORDER.index(requested):]:
         if backend in available:
-            reason = _unavailable_reason(backend, device)
+            reason = unavailable_reason(backend, device)
             if reason is not None:
                 raise RuntimeError(f"kimi_ops.{op}: {ENV_VAR}={requested} cannot run here: {reason}")
             return backend

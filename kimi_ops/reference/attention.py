@@ -52,6 +52,12 @@ def masked_attention(s: torch.Tensor, v: torch.Tensor, mask: torch.Tensor):
 
 def mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits):
     """q [T, H, 576] bf16, kv_rows [N, 576] fp8 -> o_part [S, T, H, 512] bf16, lse_part [S, T, H] f32."""
+    o_part, lse_part = splitkv_float64(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits)
+    return o_part.to(torch.bfloat16), lse_part.to(torch.float32)
+
+
+def splitkv_float64(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits):
+    """:func:`mla_decode_splitkv` before the output rounding: float64 (o_part, lse_part)."""
     num_rows, num_heads, _ = q.shape
     device = q.device
     o_part = torch.zeros(num_splits, num_rows, num_heads, KV_LORA_RANK, dtype=torch.float64, device=device)
@@ -73,7 +79,7 @@ def mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale,
             in_chunk = (pos >= sp * chunk) & (pos < (sp + 1) * chunk)
             mask = (visible & in_chunk)[:, None, :].expand_as(s)
             o_part[sp, rows], lse_part[sp, rows] = masked_attention(s, k[:, :KV_LORA_RANK], mask)
-    return o_part.to(torch.bfloat16), lse_part.to(torch.float32)
+    return o_part, lse_part
 
 
 def mla_merge(o_part, lse_part):
@@ -87,9 +93,9 @@ def mla_merge(o_part, lse_part):
     return o.to(torch.bfloat16), lse.to(torch.float32)
 
 
-def mla_decode(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale):
-    """Unsplit attention: (o [T, H, 512] bf16, lse [T, H] f32)."""
-    o, lse = mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale, 1)
+def decode_float64(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale):
+    """Unsplit attention, unrounded: float64 (o [T, H, 512], lse [T, H]). The demo's oracle."""
+    o, lse = splitkv_float64(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale, 1)
     return o[0], lse[0]
 
 
