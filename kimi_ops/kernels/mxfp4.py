@@ -11,8 +11,12 @@ One program per (M block, N block, batch). Two ways to multiply, picked on the h
   in registers to bf16 (exact: an E2M1 value times a power of two has <= 2 significant
   bits) and fed to ``tl.dot``; on sm_90 that is what ``tl.dot_scaled`` would lower to
   anyway (it upcasts fp4 to bf16 there), written out so the decode is ours.
-* ``DOT_SCALED=True`` (the default on gfx950): ``tl.dot_scaled(x, None, "bf16", w^T,
-  w_scale, "e2m1")`` so AMD's backend picks its scaled-MFMA lowering.
+* ``DOT_SCALED=True`` (the default on gfx950): the bf16 activation tile is split into
+  MXFP8 ``hi + lo`` (E4M3 with one E8M0 scale per 32 elements each; the seeds' hi/lo trick,
+  exact to ~2^-9 per element) and ``tl.dot_scaled(hi|lo, "e4m3", w^T, w_scale, "e2m1")``
+  runs twice: gfx950's scaled fp8 x fp4 MFMA (``v_mfma_scale_f32_*_f8f6f4``) on the packed
+  weights as stored. (``dot_scaled`` with a bf16 lhs lowers to a plain bf16 MFMA after an
+  upcast of the weights, on gfx950 as on sm_90: no gain.)
 
 Decoding: code ``c`` (bit 3 the sign, bits 2..1 the exponent E, bit 0 the mantissa m)
 has ``2|v| = m`` when E = 0 else ``(2 + m) << (E - 1)``, an integer 0..12; the block's
@@ -45,6 +49,45 @@ def _mxfp4_decode(packed, scale, BN: tl.constexpr, BK: tl.constexpr):
     half_scale = bits.to(tl.float32, bitcast=True)           # 2^(s - 128)
     w = two_v.to(tl.float32).reshape(BN, BK // 32, 32) * half_scale[:, :, None]
     return w.reshape(BN, BK)
+
+
+@triton.jit
+def _round_e4m3(v):
+    """Round float32 to 3 mantissa bits, to nearest even (exact E4M3 for |v| in [2^-6, 448])."""
+    b = v.to(tl.uint32, bitcast=True)
+    b = (b + 0x7FFFF + ((b >> 20) & 1)) & 0xFFF00000
+    return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _split_mxfp8(x, BM: tl.constexpr, BK: tl.constexpr):
+    """bf16 x [BM, BK] -> MXFP8 hi + lo (E4M3 [BM, BK] and E8M0 scales [BM, BK/32] each) with
+    x = 2^e_hi * hi + 2^(e_hi - 5) * lo up to ~2^-9 relative per element (about bf16's own
+    rounding). e_hi = floor(log2(amax)) - 7 per 32 elements, clamped to E8M0's range."""
+    xf = x.to(tl.float32).reshape(BM, BK // 32, 32)
+    amax = tl.max(tl.abs(xf), axis=2)
+    e = ((amax.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 127 - 7
+    e = tl.minimum(tl.maximum(e, -127), 127)
+    inv = (((127 - e) << 23).to(tl.float32, bitcast=True))   # 2^-e (normal for e in [-126, 127])
+    inv = tl.where(e == -127, 2.0 ** 127, inv)
+    v = xf * inv[:, :, None]
+    hi = _round_e4m3(v).to(tl.float8e4nv)
+    r = (v - hi.to(tl.float32)) * 32.0
+    lo = _round_e4m3(r).to(tl.float8e4nv)
+    hs = (e + 127).to(tl.uint8)
+    ls = tl.maximum(e + 127 - 5, 0).to(tl.uint8)
+    return hi.reshape(BM, BK), hs, lo.reshape(BM, BK), ls
+
+
+@triton.jit
+def _dot_mxfp4_scaled(x, wp, ws, acc, BM: tl.constexpr, BK: tl.constexpr):
+    """acc + x @ dequant(w)^T through tl.dot_scaled with an MXFP8 hi + lo split of the bf16
+    activations, so that AMD gfx950 runs the scaled fp8 x fp4 MFMA (v_mfma_scale_*_f8f6f4)
+    twice instead of decoding the weights; x [BM, BK] bf16, wp [BN, BK/2], ws [BN, BK/32]."""
+    hi, hs, lo, ls = _split_mxfp8(x, BM, BK)
+    acc = tl.dot_scaled(hi, hs, "e4m3", tl.trans(wp), ws, "e2m1", acc)
+    acc = tl.dot_scaled(lo, ls, "e4m3", tl.trans(wp), ws, "e2m1", acc)
+    return acc
 
 
 @triton.jit
@@ -103,7 +146,7 @@ def _bmm_a16wfp4_kernel(
         ks = k0 // 32 + offs_ks
         ws = tl.load(s_base + ks[None, :] * stride_sk, mask=mask_n[:, None] & (ks[None, :] < K // 32), other=0)
         if DOT_SCALED:
-            acc = tl.dot_scaled(x, None, "bf16", tl.trans(wp), ws, "e2m1", acc)
+            acc = _dot_mxfp4_scaled(x, wp, ws, acc, BLOCK_M, BLOCK_K)
         else:
             w = _dot_operand(_mxfp4_decode(wp, ws, BLOCK_N, BLOCK_K), INTERP)
             acc = tl.dot(_dot_operand(x, INTERP), tl.trans(w), acc)

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .mxfp4 import _dot_operand, _mxfp4_decode, _to_bf16, interpreting, use_dot_scaled
+from .mxfp4 import _dot_mxfp4_scaled, _dot_operand, _mxfp4_decode, _to_bf16, interpreting, use_dot_scaled
 
 
 @triton.jit
@@ -57,7 +57,8 @@ def _mla_query_kernel(
             ws = tl.load(s_ptr + h64 * stride_sh + offs_n[:, None] * stride_sl + offs_ds[None, :] * stride_sd,
                          mask=mask_n[:, None] & (offs_ds[None, :] < D // 32), other=0)
             if DOT_SCALED:
-                acc = tl.dot_scaled(qn, None, "bf16", tl.trans(wp), ws, "e2m1")
+                acc = _dot_mxfp4_scaled(qn, wp, ws, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32),
+                                        BLOCK_M, BLOCK_D)
             else:
                 w = tl.trans(_dot_operand(_mxfp4_decode(wp, ws, BLOCK_N, BLOCK_D), INTERP))   # [D, N]
                 acc = tl.dot(_dot_operand(qn, INTERP), w)
