@@ -104,8 +104,10 @@ def mxfp4_dequantize(w_packed: torch.Tensor, w_scale: torch.Tensor,
                      dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """MXFP4 -> ``dtype`` ``[..., K]``: computed exactly in float32, then cast once.
 
-    Exact for bf16 and float32 outputs; fp16 output saturates / underflows where
-    the value leaves fp16's range (a plain cast). Scale 0xFF gives NaN.
+    Exact for bf16 and float32 outputs wherever the value fits float32: scale bytes
+    253 / 254 (never made by :func:`mxfp4_quantize`, whose largest is 252) times a large
+    code give +-inf. fp16 output is a plain cast of the exact value (inf / 0 outside fp16's
+    range). Scale 0xFF gives NaN.
     """
     packed = w_packed.view(torch.uint8)
     lead, half = packed.shape[:-1], packed.shape[-1]

@@ -1,0 +1,397 @@
+"""OCP MXFP4 (quantize / dequantize) and ``bmm_a16wfp4`` against the spec and float64 math.
+
+The oracles are written here, independently of kimi_ops.reference: the OCP spec's E2M1 value
+table, a brute-force nearest-value quantizer in float64 (ties to the even code), and float64
+matrix products on weights dequantized by that table.
+
+CPU (CI): the reference directly; the Triton kernel under TRITON_INTERPRET=1 in a subprocess
+(TRITON_INTERPRET must be set before triton.jit decorates the kernels, and this pytest process
+may already hold them compiled). GPU (skipped without CUDA): the Kimi-K3 TP8 grid, opcheck on
+CUDA tensors, CUDA-graph replay.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from kimi_ops.reference import mxfp4 as ref  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available()
+requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+
+# OCP Microscaling Formats v1.0, table of FP4 E2M1 values (code -> value)
+SPEC_E2M1 = {
+    0b0000: 0.0, 0b0001: 0.5, 0b0010: 1.0, 0b0011: 1.5, 0b0100: 2.0, 0b0101: 3.0, 0b0110: 4.0, 0b0111: 6.0,
+    0b1000: -0.0, 0b1001: -0.5, 0b1010: -1.0, 0b1011: -1.5, 0b1100: -2.0, 0b1101: -3.0, 0b1110: -4.0,
+    0b1111: -6.0,
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# float64 oracles (shared with the interpreter subprocess and the GPU tests)
+
+def oracle_dequantize(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float64 [..., K] from the spec table and 2^(s - 127) (0xFF -> NaN)."""
+    packed = packed.cpu().view(torch.uint8)
+    scale = scale.cpu().view(torch.uint8)
+    table = torch.tensor([SPEC_E2M1[c] for c in range(16)], dtype=torch.float64)
+    codes = torch.stack((packed & 15, packed >> 4), dim=-1).reshape(*packed.shape[:-1], -1).long()
+    vals = table[codes]
+    s = scale.to(torch.float64)
+    mult = torch.where(scale == 255, torch.full_like(s, float("nan")), torch.exp2(s - 127))
+    return (vals.unflatten(-1, (-1, 32)) * mult.unsqueeze(-1)).flatten(-2)
+
+
+def oracle_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Brute force in float64: e = floor(log2 amax) - 2 clamped to [-127, 127], each element to
+    the nearest of the 16 code values (ties: the even code), NaN/inf blocks -> scale 255, codes 0."""
+    x = w.cpu().to(torch.float64).unflatten(-1, (-1, 32))
+    finite = torch.isfinite(x)
+    bad = (~finite).any(-1)
+    amax = torch.where(finite, x.abs(), torch.zeros_like(x)).amax(-1)
+    e = torch.where(amax > 0, torch.floor(torch.log2(amax)) - 2, torch.full_like(amax, -127.0))
+    e = e.clamp(-127, 127)
+    v = torch.where(finite, x, torch.zeros_like(x)) / torch.exp2(e).unsqueeze(-1)
+    mags = torch.tensor([SPEC_E2M1[c] for c in range(8)], dtype=torch.float64)
+    dist = (v.abs().unsqueeze(-1) - mags).abs()                         # [..., 32, 8]
+    best = dist.min(-1, keepdim=True).values
+    cand = (dist == best)
+    # among equally near codes take the even one (RNE: mantissa bit 0)
+    even = torch.arange(8) % 2 == 0
+    pick = torch.where((cand & even).any(-1), (cand & even).float().argmax(-1), cand.float().argmax(-1))
+    codes = pick.to(torch.uint8) | (torch.signbit(x).to(torch.uint8) << 3)
+    codes = torch.where(bad.unsqueeze(-1), torch.zeros_like(codes), codes).flatten(-2)
+    scale = torch.where(bad, torch.full_like(e, 255.0), e + 127).to(torch.uint8)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4), scale
+
+
+def oracle_bmm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x.cpu().to(torch.float64) @ oracle_dequantize(packed, scale).transpose(-1, -2)
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    got = got.cpu().to(torch.float64)
+    assert not torch.isnan(got).any(), "NaN in the output"
+    return float((got - want).norm() / want.norm())
+
+
+def random_weights(shape, *, gen=None, spread=True):
+    """Weights with a different magnitude per 32-block (so the scales vary)."""
+    w = torch.randn(shape, generator=gen)
+    if spread:
+        mag = torch.exp2(torch.randint(-8, 8, (*shape[:-1], shape[-1] // 32), generator=gen).float())
+        w = (w.unflatten(-1, (-1, 32)) * mag.unsqueeze(-1)).flatten(-2)
+    return w
+
+
+# ----------------------------------------------------------------------------------------------
+# the format, on the reference
+
+def test_spec_value_table_and_nibble_order():
+    codes = torch.arange(16, dtype=torch.uint8)
+    packed = (codes | (codes << 4)).reshape(1, 16)                     # both nibbles = code
+    scale = torch.full((1, 1), 127, dtype=torch.uint8)                  # 2^0
+    got = ref.mxfp4_dequantize(packed, scale, dtype=torch.float32)
+    want = torch.tensor([SPEC_E2M1[c] for c in range(16)]).repeat_interleave(2)
+    assert torch.equal(got[0], want)
+    assert torch.equal(torch.signbit(got[0]), torch.signbit(want))      # code 8 is -0
+    # element 2i in the low nibble: byte 0x21 -> (code 1, code 2) = (0.5, 1.0)
+    packed = torch.full((1, 16), 0x21, dtype=torch.uint8)
+    got = ref.mxfp4_dequantize(packed, scale, dtype=torch.float32)
+    assert got[0, :4].tolist() == [0.5, 1.0, 0.5, 1.0]
+    assert ref.E2M1_VALUES == tuple(SPEC_E2M1[c] for c in range(16))
+
+
+def test_dequantize_matches_oracle_and_e8m0_dtype():
+    g = torch.Generator().manual_seed(1)
+    packed = torch.randint(0, 256, (3, 5, 64), dtype=torch.uint8, generator=g)
+    # 253 and 254 with large codes overflow float32 (documented); quantize never makes them
+    scale = torch.randint(0, 253, (3, 5, 4), dtype=torch.uint8, generator=g)
+    scale[0, 0, 0], scale[0, 0, 1], scale[0, 0, 2] = 0, 1, 252           # extremes
+    want = oracle_dequantize(packed, scale)
+    got = ref.mxfp4_dequantize(packed, scale, dtype=torch.float32)
+    assert torch.equal(got.double(), want)
+    big = ref.mxfp4_dequantize(torch.tensor([[0x27] * 16], dtype=torch.uint8),
+                               torch.tensor([[254]], dtype=torch.uint8), dtype=torch.float32)
+    assert big[0, 0].item() == float("inf") and big[0, 1].item() == 2.0 ** 127
+    if hasattr(torch, "float8_e8m0fnu"):
+        got2 = ref.mxfp4_dequantize(packed, scale.view(torch.float8_e8m0fnu), dtype=torch.float32)
+        assert torch.equal(got2, got)
+    small = scale.clamp(80, 170)                                         # inside bf16's range
+    assert torch.equal(ref.mxfp4_dequantize(packed, small).double(), oracle_dequantize(packed, small))
+
+
+def _quantize_one_block(values):
+    w = torch.tensor(values + [0.0] * (32 - len(values)), dtype=torch.float32)
+    packed, scale = ref.mxfp4_quantize(w)
+    codes = torch.stack((packed & 15, packed >> 4), -1).flatten()
+    return codes[: len(values)].tolist(), int(scale[0])
+
+
+def test_rne_ties_with_scale_one():
+    # amax 4 -> e = floor(log2 4) - 2 = 0 -> scale byte 127; ties go to the even code
+    vals = [4.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.75, -2.5, -5.0]
+    codes, s = _quantize_one_block(vals)
+    assert s == 127
+    assert codes == [6, 0, 2, 2, 4, 4, 6, 6, 8, 10, 12, 14]
+    # off-tie values go to the nearest
+    codes, _ = _quantize_one_block([4.0, 0.26, 0.74, 2.51, 3.49, 5.01, 4.99])
+    assert codes == [6, 1, 1, 5, 5, 7, 6]
+
+
+def test_saturation_to_six():
+    # amax 7.9 -> e = 0: 7.9 and 6.5 exceed the largest E2M1 value and saturate to +-6
+    codes, s = _quantize_one_block([7.9, -6.5, 6.0, 5.5])
+    assert s == 127 and codes == [7, 15, 7, 7]
+    d = ref.mxfp4_dequantize(*ref.mxfp4_quantize(torch.tensor([7.9] + [0.0] * 31)), dtype=torch.float32)
+    assert d[0].item() == 6.0
+
+
+def test_all_zero_block():
+    w = torch.zeros(2, 64)
+    w[1, 32:] = -0.0
+    w[1, :32] = torch.randn(32)
+    packed, scale = ref.mxfp4_quantize(w)
+    assert scale[0].tolist() == [0, 0]                  # documented: E8M0 byte 0 (2^-127)
+    assert scale[1, 1].item() == 0
+    assert packed[0].eq(0).all()
+    assert packed[1, 16:].eq(0x88).all()                # -0.0 keeps its sign (code 8)
+    d = ref.mxfp4_dequantize(packed, scale)
+    assert d[0].eq(0).all() and d[1, 32:].eq(0).all()
+
+
+def test_huge_and_tiny_amax():
+    fmax = torch.finfo(torch.float32).max
+    w = torch.zeros(4, 32)
+    w[0, :3] = torch.tensor([fmax, -fmax / 3, 1.0])     # e = 127 - 2 = 125
+    w[1, :2] = torch.tensor([2.0 ** -124, 2.0 ** -125])  # e = -126
+    w[2, :2] = torch.tensor([1e-40, -3e-41])            # subnormal: clamped to e = -127
+    w[3, :2] = torch.tensor([2.0 ** -125, 2.0 ** -127])  # e = -127 exactly (no clamp effect)
+    packed, scale = ref.mxfp4_quantize(w)
+    assert scale[:, 0].tolist() == [252, 1, 0, 0]
+    assert torch.equal(packed, oracle_quantize(w)[0])
+    d = ref.mxfp4_dequantize(packed, scale, dtype=torch.float32)
+    assert torch.isfinite(d).all()
+    assert d[0, 0].item() == 6.0 * 2.0 ** 125           # saturated (fmax / 2^125 = 8 - eps)
+    assert d[1, 0].item() == 2.0 ** -124 and d[1, 1].item() == 2.0 ** -125
+    assert d[2].eq(0).all()                             # below the smallest representable
+    assert d[3, 0].item() == 2.0 ** -125 and d[3, 1].item() == 2.0 ** -127
+
+
+def test_nan_and_inf_blocks_get_nan_scale():
+    w = torch.randn(3, 96)
+    w[0, 5] = float("nan")
+    w[1, 40] = float("inf")
+    w[2, 95] = -float("inf")
+    packed, scale = ref.mxfp4_quantize(w)
+    assert scale[0, 0] == 255 and scale[1, 1] == 255 and scale[2, 2] == 255
+    assert (scale != 255).sum() == 6
+    assert packed[0, :16].eq(0).all() and packed[1, 16:32].eq(0).all()
+    d = ref.mxfp4_dequantize(packed, scale, dtype=torch.float32)
+    assert torch.isnan(d[0, :32]).all() and torch.isnan(d[1, 32:64]).all() and torch.isnan(d[2, 64:]).all()
+    assert torch.isfinite(d[0, 32:]).all() and torch.isfinite(d[1, :32]).all()
+    # other blocks exactly as without the NaN
+    clean = w.clone()
+    clean[0, 5] = clean[1, 40] = clean[2, 95] = 0.0
+    p2, s2 = ref.mxfp4_quantize(clean)
+    assert torch.equal(packed[0, 16:], p2[0, 16:]) and torch.equal(scale[0, 1:], s2[0, 1:])
+    assert torch.equal(oracle_quantize(w)[1], scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_quantize_matches_brute_force_oracle(dtype):
+    g = torch.Generator().manual_seed(2)
+    w = random_weights((6, 7, 128), gen=g).to(dtype)
+    w[0, 0, :32] = 0
+    w[1, 1, 32:64] *= 1e-3
+    packed, scale = ref.mxfp4_quantize(w)
+    opacked, oscale = oracle_quantize(w)
+    assert torch.equal(scale, oscale)
+    assert torch.equal(packed, opacked)
+    assert packed.shape == (6, 7, 64) and scale.shape == (6, 7, 4)
+    assert packed.dtype == scale.dtype == torch.uint8
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_round_trip_is_a_fixed_point(dtype):
+    g = torch.Generator().manual_seed(3)
+    w = random_weights((4, 9, 256), gen=g)
+    w[0, 0, :32] *= 1e-30 if dtype != torch.float16 else 1e-6
+    w[0, 1, :32] *= 1e30 if dtype != torch.float16 else 1e3
+    w[0, 2, :32] = 0
+    w = w.to(dtype)
+    packed, scale = ref.mxfp4_quantize(w)
+    for out in (torch.bfloat16, torch.float32):
+        d = ref.mxfp4_dequantize(packed, scale, dtype=out)
+        assert torch.equal(d.double(), oracle_dequantize(packed, scale))     # exact
+        p2, s2 = ref.mxfp4_quantize(d)
+        assert torch.equal(p2, packed) and torch.equal(s2, scale)
+    # and the error of one round trip is the format's (about 1/8 relative per element, RMS)
+    d = ref.mxfp4_dequantize(packed, scale, dtype=torch.float32)
+    err = (d.double() - w.double()).norm() / w.double().norm()
+    assert err < 0.2
+
+
+def test_quantize_rejects_bad_k():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        ref.mxfp4_quantize(torch.randn(4, 48))
+
+
+def test_ops_layer_round_trip():
+    import kimi_ops
+
+    w = torch.randn(3, 64, 128, dtype=torch.bfloat16)
+    p, s = kimi_ops.mxfp4_quantize(w)
+    assert torch.equal(kimi_ops.mxfp4_dequantize(p, s), ref.mxfp4_dequantize(p, s))
+    if hasattr(torch, "float8_e8m0fnu"):
+        assert torch.equal(kimi_ops.mxfp4_dequantize(p, s.view(torch.float8_e8m0fnu)),
+                           ref.mxfp4_dequantize(p, s))
+
+
+def test_reference_bmm_matches_float64():
+    g = torch.Generator().manual_seed(4)
+    for b, m, n, k in ((3, 1, 512, 128), (3, 37, 128, 512), (2, 5, 40, 64)):
+        x = torch.randn(b, m, k, generator=g).to(torch.bfloat16)
+        p, s = ref.mxfp4_quantize(random_weights((b, n, k), gen=g))
+        y = ref.bmm_a16wfp4(x, p, s)
+        assert y.dtype == torch.bfloat16 and y.shape == (b, m, n)
+        assert rel_err(y, oracle_bmm(x, p, s)) < 4e-3
+    # strided x (a transposed view of [T, H, K]) reads the same values
+    xt = torch.randn(9, 3, 128, dtype=torch.bfloat16)
+    p, s = ref.mxfp4_quantize(torch.randn(3, 64, 128))
+    assert torch.equal(ref.bmm_a16wfp4(xt.transpose(0, 1), p, s),
+                       ref.bmm_a16wfp4(xt.transpose(0, 1).contiguous(), p, s))
+
+
+# ----------------------------------------------------------------------------------------------
+# the Triton kernel: shared checks (run in the interpreter subprocess and on the GPU)
+
+def check_bmm(b, m, n, k, *, device="cpu", dot_scaled=None, strided=False, nan_block=False, seed=0):
+    from kimi_ops.kernels import mxfp4 as K
+
+    g = torch.Generator().manual_seed(seed)
+    if strided:   # x = q_nope.transpose(0, 1) of a [M, B, K] tensor, read in place
+        x = torch.randn(m, b, k, generator=g).to(torch.bfloat16).to(device).transpose(0, 1)
+    else:
+        x = torch.randn(b, m, k, generator=g).to(torch.bfloat16).to(device)
+    p, s = ref.mxfp4_quantize(random_weights((b, n, k), gen=g))
+    if nan_block:
+        s[0, n - 1, 0] = 255
+    want = oracle_bmm(x, p, s)
+    y = K.bmm_a16wfp4(x, p.to(device), s.to(device), dot_scaled=dot_scaled)
+    assert y.shape == (b, m, n) and y.dtype == torch.bfloat16 and y.is_contiguous()
+    if nan_block:
+        assert torch.isnan(y[0, :, n - 1]).all().item()
+        y = y.clone()
+        y[0, :, n - 1] = 0
+        want[0, :, n - 1] = 0
+    err = rel_err(y, want)
+    assert err < 4e-3, (b, m, n, k, dot_scaled, strided, err)
+    # same function as the reference (float32 math on the same weights, one bf16 rounding)
+    r = ref.bmm_a16wfp4(x.cpu(), p, s)
+    if nan_block:
+        r[0, :, n - 1] = 0
+    assert rel_err(r, want) < 4e-3
+    return err
+
+
+_INTERP = r"""
+import sys, torch
+sys.path.insert(0, {root!r})
+sys.path.insert(0, {tests!r})
+import {module} as t
+{body}
+print("OK")
+"""
+
+
+def run_interpreted(module: str, body: str, timeout: int = 300):
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    code = _INTERP.format(root=ROOT, tests=os.path.dirname(os.path.abspath(__file__)), module=module,
+                          body=body)
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-3000:] + r.stderr[-6000:]
+
+
+def test_interp_bmm_a16wfp4():
+    run_interpreted("test_mxfp4", """
+for ds in (False, True):   # in-register decode + tl.dot; MXFP8 hi+lo x fp4 dot_scaled (gfx950's)
+    t.check_bmm(2, 1, 64, 128, dot_scaled=ds)                   # M = 1
+    t.check_bmm(2, 19, 48, 512, dot_scaled=ds, strided=True)    # K loop, N and M tails, strided x
+t.check_bmm(1, 3, 32, 96, dot_scaled=False, nan_block=True)     # K tail; NaN scale -> NaN column
+# through the op layer and the dispatcher
+import os, kimi_ops
+os.environ["KIMI_OPS_BACKEND"] = "triton"
+x = torch.randn(5, 2, 128).to(torch.bfloat16).transpose(0, 1)
+p, s = t.ref.mxfp4_quantize(torch.randn(2, 64, 128))
+y = kimi_ops.bmm_a16wfp4(x, p, s)
+assert t.rel_err(y, t.oracle_bmm(x, p, s)) < 4e-3
+if hasattr(torch, "float8_e8m0fnu"):
+    assert torch.equal(kimi_ops.bmm_a16wfp4(x, p, s.view(torch.float8_e8m0fnu)), y)
+""")
+
+
+def test_cross_compile_specs_cover_launches():
+    from kimi_ops.kernels import mxfp4 as K
+
+    names = [s["name"] for s in K.CROSS_COMPILE_SPECS]
+    assert len(names) == len(set(names))
+    for spec in K.CROSS_COMPILE_SPECS:
+        assert set(spec["signature"]) == set(K._bmm_a16wfp4_kernel.arg_names)
+    launched = {K.bmm_config(m, n, k) for n, k in ((512, 128), (128, 512)) for m in (1, 8, 64, 256, 512)}
+    covered = {(s["constexprs"]["BLOCK_M"], s["constexprs"]["BLOCK_N"], s["constexprs"]["BLOCK_K"],
+                s["num_warps"], s["num_stages"]) for s in K.CROSS_COMPILE_SPECS}
+    assert launched <= covered
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU
+
+@requires_cuda
+@pytest.mark.parametrize("m", [1, 8, 64, 256, 512])
+@pytest.mark.parametrize("n,k", [(512, 128), (128, 512)])
+def test_gpu_bmm_grid(m, n, k):
+    check_bmm(12, m, n, k, device="cuda", strided=(n == 512), seed=m)
+    check_bmm(12, m, n, k, device="cuda", strided=False, seed=m + 1)
+
+
+@requires_cuda
+def test_gpu_bmm_dot_scaled_and_nan():
+    check_bmm(12, 33, 512, 128, device="cuda", dot_scaled=True)
+    check_bmm(3, 7, 64, 96, device="cuda", nan_block=True)
+
+
+@requires_cuda
+def test_gpu_quantize_matches_cpu():
+    w = random_weights((12, 512, 128)).to(torch.bfloat16)
+    p, s = ref.mxfp4_quantize(w)
+    pc, sc = ref.mxfp4_quantize(w.cuda())
+    assert torch.equal(pc.cpu(), p) and torch.equal(sc.cpu(), s)
+    assert torch.equal(ref.mxfp4_dequantize(pc, sc).cpu(), ref.mxfp4_dequantize(p, s))
+
+
+@requires_cuda
+def test_gpu_opcheck_and_graph():
+    import kimi_ops  # noqa: F401
+
+    x = torch.randn(12, 16, 128, device="cuda", dtype=torch.bfloat16)
+    p, s = ref.mxfp4_quantize(torch.randn(12, 512, 128, device="cuda"))
+    torch.library.opcheck(torch.ops.kimi_ops.bmm_a16wfp4, (x, p, s))
+    torch.library.opcheck(torch.ops.kimi_ops.mxfp4_quantize, (torch.randn(4, 64, device="cuda"),))
+    torch.library.opcheck(torch.ops.kimi_ops.mxfp4_dequantize, (p, s))
+    y = torch.ops.kimi_ops.bmm_a16wfp4(x, p, s)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = torch.ops.kimi_ops.bmm_a16wfp4(x, p, s)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel_err(y, oracle_bmm(x, p, s)) < 4e-3
