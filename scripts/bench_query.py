@@ -1,0 +1,220 @@
+#!/usr/bin/env python3
+"""Benchmark bmm_a16wfp4 and mla_query (M1a) on Kimi-K3 TP8 shapes against torch's bf16 bmm.
+
+    python scripts/bench_query.py [--out docs/PERF_query.md] [--sweep]
+
+Shapes: 12 heads; W_UK [12, 512 out, 128 in] (x = q_nope.transpose(0, 1), read in place),
+W_UV [12, 128 out, 512 in] (x = o.transpose(0, 1)); T (rows) in 1, 8, 64, 256, 512.
+Peer: torch.bmm on the dequantized bf16 weights (stored [H, K, N], as vLLM keeps W_UK_T),
+same activations. Timing: a CUDA graph of R back-to-back calls over R rotating input sets
+(R such that the sets span >= 128 MB, several times the L2), replayed; time per call =
+median replay / R. Floor = (weight bytes + activation bytes in + out) / 4.31 TB/s
+(DESIGN.md's measured HBM read ceiling).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from kimi_ops.kernels import mxfp4 as KM  # noqa: E402
+from kimi_ops.kernels import query as KQ  # noqa: E402
+from kimi_ops.reference import mxfp4 as ref  # noqa: E402
+
+HBM = 4.31e12
+H, D, L, P = 12, 128, 512, 64
+TS = (1, 8, 64, 256, 512)
+
+
+def graph_time_us(fn_per_set, nsets, replays=30):
+    """Median per-call time (us) of a CUDA graph that calls fn_per_set(i) for i in range(nsets)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for i in range(min(nsets, 3)):
+            fn_per_set(i)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(nsets):
+            fn_per_set(i)
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / nsets)
+    return statistics.median(times)
+
+
+def nsets_for(set_bytes):
+    return int(max(4, min(256, -(-(128 << 20) // set_bytes))))
+
+
+def bench_bmm(kind, t, configs=None, dot_scaled=False):
+    n, k = (L, D) if kind == "W_UK" else (D, L)
+    wq_bytes = H * n * k // 2 + H * n * k // 32
+    act_bytes = H * t * k * 2 + H * t * n * 2
+    nsets = nsets_for(wq_bytes + act_bytes)
+    dev = "cuda"
+    sets = []
+    for i in range(nsets):
+        x_src = torch.randn(t, H, k, device=dev, dtype=torch.bfloat16)
+        wf = torch.randn(H, n, k, device=dev) * 0.05
+        p, s = ref.mxfp4_quantize(wf)
+        wt = ref.mxfp4_dequantize(p, s).transpose(1, 2).contiguous()   # [H, K, N] bf16 for torch
+        sets.append((x_src.transpose(0, 1), p, s, wt))
+    res = {"op": f"bmm_a16wfp4 {kind}", "T": t, "floor_us": (wq_bytes + act_bytes) / HBM * 1e6,
+           "torch_floor_us": (H * n * k * 2 + act_bytes) / HBM * 1e6, "nsets": nsets}
+    outs = [None] * nsets
+
+    def ours(cfg):
+        def f(i):
+            x, p, s, _ = sets[i]
+            outs[i] = KM.bmm_a16wfp4(x, p, s, config=cfg, dot_scaled=dot_scaled)
+        return f
+
+    def peer(i):
+        x, _, _, wt = sets[i]
+        outs[i] = torch.bmm(x, wt)
+
+    # correctness of the timed path on one set
+    x, p, s, wt = sets[0]
+    y = KM.bmm_a16wfp4(x, p, s, dot_scaled=dot_scaled).double()
+    r = (x.double() @ ref.mxfp4_dequantize(p, s, dtype=torch.float32).double().transpose(1, 2))
+    res["rel_err"] = float((y - r).norm() / r.norm())
+    res["ours_us"] = graph_time_us(ours(None), nsets)
+    res["torch_us"] = graph_time_us(peer, nsets)
+    res["config"] = KM.bmm_config(t, n, k)
+    if configs:
+        sweep = {}
+        for cfg in configs:
+            try:
+                sweep[str(cfg)] = graph_time_us(ours(cfg), nsets)
+            except Exception as exc:  # a config that does not compile: record and go on
+                sweep[str(cfg)] = f"error: {type(exc).__name__}"
+        res["sweep"] = sweep
+    del sets
+    return res
+
+
+def bench_query(fmt, t, pad=None, configs=None):
+    mx = fmt == "mxfp4"
+    w_bytes = H * L * D // 2 + H * L * D // 32 if mx else H * D * L * 2
+    hp = H if pad is None else pad
+    act_bytes = H * t * (D + P) * 2 + hp * t * (L + P) * 2
+    nsets = nsets_for(w_bytes + act_bytes)
+    sets = []
+    for i in range(nsets):
+        qall = torch.randn(t, H, D + P, device="cuda", dtype=torch.bfloat16)
+        wf = torch.randn(H, L, D, device="cuda") * 0.05
+        p, s = ref.mxfp4_quantize(wf)
+        wt = ref.mxfp4_dequantize(p, s).transpose(1, 2).contiguous()       # [H, D, L] bf16
+        sets.append((qall[..., :D], qall[..., D:], p, s, wt))
+    res = {"op": f"mla_query {fmt}" + (f" pad{pad}" if pad else ""), "T": t,
+           "floor_us": (w_bytes + act_bytes) / HBM * 1e6,
+           "torch_floor_us": (H * D * L * 2 + H * t * D * 2 + H * t * L * 2) / HBM * 1e6, "nsets": nsets}
+    outs = [None] * nsets
+
+    def ours(cfg):
+        def f(i):
+            qn, qp, p, s, wt = sets[i]
+            outs[i] = KQ.mla_query(qn, qp, p, s, pad, config=cfg) if mx else KQ.mla_query(qn, qp, wt, None, pad,
+                                                                                          config=cfg)
+        return f
+
+    def peer(i):     # the bmm alone (what a torch M1a spends most of its time in)
+        qn, _, _, _, wt = sets[i]
+        outs[i] = torch.bmm(qn.transpose(0, 1), wt)
+
+    qn, qp, p, s, wt = sets[0]
+    got = KQ.mla_query(qn, qp, p, s, pad) if mx else KQ.mla_query(qn, qp, wt, None, pad)
+    want = ref.mla_query(qn, qp, p, s, pad) if mx else ref.mla_query(qn, qp, wt, None, pad)
+    r = want.double()
+    res["rel_err"] = float((got.double() - r).norm() / r.norm())
+    res["ours_us"] = graph_time_us(ours(None), nsets)
+    res["torch_us"] = graph_time_us(peer, nsets)
+    res["config"] = KQ.query_config(t, H, L)
+    if configs:
+        sweep = {}
+        for cfg in configs:
+            try:
+                sweep[str(cfg)] = graph_time_us(ours(cfg), nsets)
+            except Exception as exc:
+                sweep[str(cfg)] = f"error: {type(exc).__name__}"
+        res["sweep"] = sweep
+    del sets
+    return res
+
+
+BMM_SWEEP = [(16, 32, 128, 4, 1), (16, 64, 128, 4, 1), (16, 128, 128, 4, 1), (32, 64, 128, 4, 1),
+             (64, 64, 128, 4, 1), (64, 128, 128, 8, 1), (128, 128, 128, 8, 1), (64, 64, 64, 4, 3),
+             (16, 32, 128, 4, 3), (16, 64, 128, 4, 3), (64, 64, 128, 4, 3), (64, 128, 128, 8, 3)]
+QUERY_SWEEP = [(16, 32, 4), (16, 64, 4), (16, 128, 4), (32, 64, 4), (64, 64, 4), (64, 128, 8), (128, 128, 8),
+               (64, 256, 8)]
+
+
+def table(rows):
+    lines = ["| op | T | ours (us) | torch bf16 bmm (us) | floor (us) | ours / floor | torch / ours | rel err |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['op']} | {r['T']} | {r['ours_us']:.2f} | {r['torch_us']:.2f} | {r['floor_us']:.2f} | "
+                     f"{r['ours_us'] / r['floor_us']:.1f}x | {r['torch_us'] / r['ours_us']:.2f}x | "
+                     f"{r['rel_err']:.1e} |")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None, help="markdown file for the table")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--sweep", action="store_true", help="also time alternative block configs")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    rows = []
+    for t in TS:
+        sweep_here = args.sweep and t in (1, 64, 512)
+        for kind in ("W_UK", "W_UV"):
+            rows.append(bench_bmm(kind, t, BMM_SWEEP if sweep_here else None))
+            print(rows[-1], flush=True)
+        for fmt in ("bf16", "mxfp4"):
+            rows.append(bench_query(fmt, t, None, QUERY_SWEEP if sweep_here else None))
+            print(rows[-1], flush=True)
+        rows.append(bench_query("mxfp4", t, 16))
+        print(rows[-1], flush=True)
+    extra = []
+    for t in (64, 512):   # gfx950's MXFP8 hi+lo dot_scaled path, as it runs on sm_90 (for reference)
+        r = bench_bmm("W_UK", t, dot_scaled=True)
+        r["op"] += " dot_scaled(hi+lo)"
+        extra.append(r)
+        print(r, flush=True)
+    dev = torch.cuda.get_device_name()
+    import triton
+    head = (f"Device: {dev}, torch {torch.__version__}, triton {triton.__version__}, "
+            f"{datetime.date.today().isoformat()}. CUDA-graph replays of back-to-back calls over rotating "
+            f"input sets (>= 128 MB), median; floor = bytes / 4.31 TB/s. 12 heads (Kimi-K3 TP8).")
+    md = head + "\n\n" + table(rows) + "\n\nsm_90 timing of the gfx950 path (MXFP8 hi+lo x fp4 `tl.dot_scaled`, " \
+        "not used on NVIDIA):\n\n" + table(extra) + "\n"
+    print(md)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(md)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": dev, "rows": rows, "extra": extra}, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
