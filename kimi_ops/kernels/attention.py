@@ -257,20 +257,23 @@ def _mma_mode() -> str:
     return mode
 
 
-DEFAULT_MMA = "fp8"
+DEFAULT_MMA = "bf16"  # fp8 (the seeds' scheme) is slower and less accurate on sm_90: docs/PERF.md
 
 
 def _config(rows_per_req: int, mma: str):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for a request's qlen * H rows."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for a request's qlen * H rows.
+
+    Chosen from ptxas's register report for sm_90 (scripts/cross_compile.py + ptxas -v): the
+    [BLOCK_M, 512] f32 accumulator and the gathered K tile must fit 255 registers a thread
+    without spilling; BLOCK_M 64 or BLOCK_N 64 spill at any warp count, so large row counts
+    take several row blocks (the KV chunk is then re-read from L2, not HBM)."""
+    if mma == "bf16":
+        bm = 16 if rows_per_req <= 16 else 32
+        return bm, 32, 8, 3
     bm = 16
     while bm < rows_per_req and bm < 64:
         bm *= 2
-    bn = 64
-    if bm <= 16:
-        return bm, bn, 4, 2
-    if bm <= 32:
-        return bm, bn, 4, 2
-    return bm, bn, 8, 2
+    return bm, 64, 8, 2
 
 
 def _kv_mode(kv_rows: torch.Tensor):
@@ -337,10 +340,10 @@ def suggest_num_splits(num_requests: int, qlen: int, num_heads: int, num_tokens:
     device about twice, no split shorter than 256 tokens on average, at most 64."""
     if num_requests <= 0:
         return 1
-    bm = _config(qlen * num_heads, "fp8")[0]
+    bm = _config(qlen * num_heads, _mma_mode())[0]
     mblocks = -(-qlen * num_heads // bm)
     base = num_requests * mblocks
-    want = max(1, -(-2 * num_sms // base))
+    want = max(1, -(-4 * num_sms // base))
     avg = max(1, num_tokens // num_requests)
     cap = max(1, avg // 256)
     return int(max(1, min(want, cap, 64)))
@@ -354,23 +357,23 @@ def _specs():
     sig_common = {"indptr_ptr": "*i32", "indices_ptr": "*i32", "o_ptr": "*bf16", "lse_ptr": "*fp32",
                   "T": "i32", "H": "i32", "N": "i32", "qlen": "i32", "num_splits": "i32",
                   "qk_scale_log2": "fp32", "kv_scale": "fp32"}
-    for bm in (16, 32, 64):
-        warps = _config(bm, "fp8")[2]
-        for mma in ("fp8", "bf16"):
-            for fmt in ("fn", "fnuz", "u8fnuz"):
-                if fmt == "u8fnuz" and mma == "fp8":
-                    continue
-                kvt = {"fn": "*fp8e4nv", "fnuz": "*fp8e4b8", "u8fnuz": "*u8"}[fmt]
-                targets = {"fn": ("gfx950", "gfx942", "sm90"), "fnuz": ("gfx942",),
-                           "u8fnuz": ("sm90",)}[fmt]
-                sig = {"q_ptr": "*bf16", "kv_ptr": kvt, **sig_common}
-                cx = {"MMA_FP8": mma == "fp8", "KV_U8_FNUZ": fmt == "u8fnuz", "FNUZ": fmt != "fn",
-                      "INTERP": False, "BLOCK_M": bm, "BLOCK_N": 64}
-                for kk in cx:
-                    sig[kk] = "constexpr"
-                specs.append(dict(name=f"splitkv_{mma}_{fmt}_m{bm}", kernel=_split_kv_kernel,
-                                  signature=sig, constexprs=cx, num_warps=warps, num_stages=2,
-                                  targets=targets))
+    variants = [("bf16", 16), ("bf16", 32), ("fp8", 16), ("fp8", 32), ("fp8", 64)]
+    for mma, rows in variants:
+        bm, bn, warps, stages = _config(rows, mma)
+        for fmt in ("fn", "fnuz", "u8fnuz"):
+            if fmt == "u8fnuz" and mma == "fp8":
+                continue
+            kvt = {"fn": "*fp8e4nv", "fnuz": "*fp8e4b8", "u8fnuz": "*u8"}[fmt]
+            targets = {"fn": ("gfx950", "gfx942", "sm90"), "fnuz": ("gfx942",),
+                       "u8fnuz": ("sm90",)}[fmt]
+            sig = {"q_ptr": "*bf16", "kv_ptr": kvt, **sig_common}
+            cx = {"MMA_FP8": mma == "fp8", "KV_U8_FNUZ": fmt == "u8fnuz", "FNUZ": fmt != "fn",
+                  "INTERP": False, "BLOCK_M": bm, "BLOCK_N": bn}
+            for kk in cx:
+                sig[kk] = "constexpr"
+            specs.append(dict(name=f"splitkv_{mma}_{fmt}_m{bm}", kernel=_split_kv_kernel,
+                              signature=sig, constexprs=cx, num_warps=warps, num_stages=stages,
+                              targets=targets))
     specs.append(dict(name="merge_r4", kernel=_merge_kernel,
                       signature={"o_part_ptr": "*bf16", "lse_part_ptr": "*fp32", "o_ptr": "*bf16",
                                  "lse_ptr": "*fp32", "TH": "i32", "S": "i32", "BLOCK_R": "constexpr",
