@@ -102,9 +102,12 @@ def bench_bmm(kind, t, configs=None, dot_scaled=False):
         sweep = {}
         for cfg in configs:
             try:
+                yc = KM.bmm_a16wfp4(x, p, s, config=cfg, dot_scaled=dot_scaled).double()
+                ec = float((yc - r).norm() / r.norm())
+                assert ec < 4e-3, ec
                 sweep[str(cfg)] = graph_time_us(ours(cfg), nsets)
-            except Exception as exc:  # a config that does not compile: record and go on
-                sweep[str(cfg)] = f"error: {type(exc).__name__}"
+            except Exception as exc:  # a config that does not compile or is wrong: record, go on
+                sweep[str(cfg)] = f"error: {type(exc).__name__} {exc}"[:200]
         res["sweep"] = sweep
     del sets
     return res
@@ -146,30 +149,46 @@ def bench_query(fmt, t, pad=None, configs=None):
     res["rel_err"] = float((got.double() - r).norm() / r.norm())
     res["ours_us"] = graph_time_us(ours(None), nsets)
     res["torch_us"] = graph_time_us(peer, nsets)
+
+    def composite(i):   # a torch M1a: the bmm, then the concatenation with q_pe (and the pad)
+        qn, qp, _, _, wt = sets[i]
+        ql = torch.bmm(qn.transpose(0, 1), wt).transpose(0, 1)
+        q = torch.cat([ql, qp], dim=-1)
+        outs[i] = q if pad is None else torch.nn.functional.pad(q, (0, 0, 0, pad - H))
+
+    res["torch_m1a_us"] = graph_time_us(composite, nsets)
     res["config"] = KQ.query_config(t, H, L)
     if configs:
         sweep = {}
         for cfg in configs:
             try:
+                gc = KQ.mla_query(qn, qp, p, s, pad, config=cfg) if mx else KQ.mla_query(qn, qp, wt, None, pad,
+                                                                                         config=cfg)
+                assert torch.equal(gc, got)
                 sweep[str(cfg)] = graph_time_us(ours(cfg), nsets)
             except Exception as exc:
-                sweep[str(cfg)] = f"error: {type(exc).__name__}"
+                sweep[str(cfg)] = f"error: {type(exc).__name__} {exc}"[:200]
         res["sweep"] = sweep
     del sets
     return res
 
 
-BMM_SWEEP = [(16, 32, 128, 4, 2), (16, 64, 128, 4, 2), (16, 128, 128, 4, 2), (64, 64, 128, 4, 2),
-             (64, 128, 128, 8, 2), (128, 128, 64, 8, 3)]
-QUERY_SWEEP = [(16, 32, 4), (16, 128, 4), (32, 64, 4), (64, 64, 4), (128, 128, 8), (64, 256, 8)]
+BMM_SWEEP = [(16, 32, 128, 4, 1), (16, 64, 128, 4, 1), (16, 16, 512, 4, 1), (16, 32, 512, 4, 1),
+             (16, 32, 256, 4, 2), (32, 32, 512, 4, 1), (64, 64, 128, 4, 3), (64, 32, 512, 4, 1),
+             (128, 128, 64, 8, 3), (128, 64, 64, 4, 3), (128, 128, 128, 8, 2), (256, 128, 64, 8, 3)]
+QUERY_SWEEP = [(16, 32, 4), (16, 64, 4), (32, 64, 4), (64, 64, 4), (128, 64, 4), (128, 128, 8), (256, 64, 8)]
 
 
 def table(rows):
-    lines = ["| op | T | ours (us) | torch bf16 bmm (us) | floor (us) | ours / floor | torch / ours | rel err |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| op | T | ours (us) | best swept (us) | torch bf16 bmm (us) | torch M1a bmm+cat (us) | floor (us) "
+             "| ours / floor | torch bmm / ours | rel err |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['op']} | {r['T']} | {r['ours_us']:.2f} | {r['torch_us']:.2f} | {r['floor_us']:.2f} | "
-                     f"{r['ours_us'] / r['floor_us']:.1f}x | {r['torch_us'] / r['ours_us']:.2f}x | "
+        sw = [v for v in r.get("sweep", {}).values() if isinstance(v, float)]
+        best = f"{min(sw):.2f}" if sw else "-"
+        m1a = f"{r['torch_m1a_us']:.2f}" if "torch_m1a_us" in r else "-"
+        lines.append(f"| {r['op']} | {r['T']} | {r['ours_us']:.2f} | {best} | {r['torch_us']:.2f} | {m1a} | "
+                     f"{r['floor_us']:.2f} | {r['ours_us'] / r['floor_us']:.1f}x | {r['torch_us'] / r['ours_us']:.2f}x | "
                      f"{r['rel_err']:.1e} |")
     return "\n".join(lines)
 
@@ -183,7 +202,7 @@ def main():
     torch.manual_seed(0)
     rows = []
     for t in TS:
-        sweep_here = args.sweep and t in (1, 512)
+        sweep_here = args.sweep and t in (1, 64, 512)
         for kind in ("W_UK", "W_UV"):
             rows.append(bench_bmm(kind, t, BMM_SWEEP if sweep_here else None))
             print(rows[-1], flush=True)
@@ -203,7 +222,13 @@ def main():
     head = (f"Device: {dev}, torch {torch.__version__}, triton {triton.__version__}, "
             f"{datetime.date.today().isoformat()}. CUDA-graph replays of back-to-back calls over rotating "
             f"input sets (>= 128 MB), median; floor = bytes / 4.31 TB/s. 12 heads (Kimi-K3 TP8).")
-    md = head + "\n\n" + table(rows) + "\n\nsm_90 timing of the gfx950 path (MXFP8 hi+lo x fp4 `tl.dot_scaled`, " \
+    sweeps = ["| op | T | config -> us |", "|---|---:|---|"]
+    for r in rows:
+        if "sweep" in r:
+            sweeps.append(f"| {r['op']} | {r['T']} | default {r['config']}: {r['ours_us']:.2f}; " + "; ".join(
+                f"{k}: {v:.2f}" if isinstance(v, float) else f"{k}: {v}" for k, v in r["sweep"].items()) + " |")
+    md = head + "\n\n" + table(rows) + "\n\nConfig sweep (bmm: BLOCK_M, BLOCK_N, BLOCK_K, warps, stages; " \
+        "mla_query: BLOCK_M, BLOCK_N, warps):\n\n" + "\n".join(sweeps) + "\n\nsm_90 timing of the gfx950 path (MXFP8 hi+lo x fp4 `tl.dot_scaled`, " \
         "not used on NVIDIA):\n\n" + table(extra) + "\n"
     print(md)
     if args.out:

@@ -35,7 +35,7 @@ def run(cmd, log, timeout):
 
 subprocess.run(["nvidia-smi", "--query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw",
                 "--format=csv"], check=False)
-rc, lines = run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+rc, lines = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                  "tests/test_mxfp4.py", "tests/test_query.py"], "pytest_query.log", 300)
 print("\n".join(lines[-15:]))
 rc2, lines = run([sys.executable, "scripts/bench_query.py", "--sweep", "--out", os.path.join(OUT, "bench_query.md"),

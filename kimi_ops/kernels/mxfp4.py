@@ -122,7 +122,7 @@ def _bmm_a16wfp4_kernel(
     stride_sb, stride_sn, stride_sk,
     stride_yb, stride_ym, stride_yn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_SCALED: tl.constexpr, INTERP: tl.constexpr,
+    K_TILES: tl.constexpr, DOT_SCALED: tl.constexpr, INTERP: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -138,7 +138,10 @@ def _bmm_a16wfp4_kernel(
     w_base = w_ptr + b * stride_wb + offs_n[:, None] * stride_wn
     s_base = s_ptr + b * stride_sb + offs_n[:, None] * stride_sn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):                       # K % 32 == 0; BLOCK_K masks the tail
+    # K_TILES = cdiv(K, BLOCK_K) is a constexpr: Triton 3.6's interpreter cannot loop to a
+    # runtime bound, and K is a fixed model dim anyway. K % 32 == 0; masks take the tail.
+    for kt in range(K_TILES):
+        k0 = kt * BLOCK_K
         kx = k0 + offs_k
         x = tl.load(x_base + kx[None, :] * stride_xk, mask=mask_m[:, None] & (kx[None, :] < K), other=0.0)
         kp = k0 // 2 + offs_kp
@@ -174,15 +177,14 @@ def use_dot_scaled(device: torch.device) -> bool:
 
 def bmm_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) from shapes alone."""
-    bm = 16 if m <= 16 else 32 if m <= 32 else 64
+    # measured on the H200 (docs/PERF_query.md's sweep), Kimi-K3 TP8 shapes
     if m >= 256:
-        bn = 128 if n >= 256 else 64
-    else:
-        bn = 64 if n >= 256 else 32
+        return 128, 128, 64, 8, 3
+    bm = 16 if m <= 16 else 32 if m <= 32 else 64
+    bn = 64 if n >= 256 else 32
     bk = min(128, max(32, triton.next_power_of_2(k)))
-    warps = 8 if bm * bn >= 64 * 128 else 4
     stages = 3 if k > bk else 1
-    return bm, bn, bk, warps, stages
+    return bm, bn, bk, 4, stages
 
 
 def bmm_a16wfp4(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,
@@ -206,7 +208,8 @@ def bmm_a16wfp4(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,
     _bmm_a16wfp4_kernel[grid](
         x, w_packed, w_scale, y, m, n, k,
         *x.stride(), *w_packed.stride(), *w_scale.stride(), *y.stride(),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_SCALED=ds, INTERP=interpreting(),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, K_TILES=triton.cdiv(k, bk), DOT_SCALED=ds,
+        INTERP=interpreting(),
         num_warps=warps, num_stages=stages,
     )
     return y
@@ -221,23 +224,24 @@ def _specs():
     for name in ("x", "w", "s", "y"):
         for dim in ("b", "m" if name in ("x", "y") else "n", "k" if name != "y" else "n"):
             sig[f"stride_{name}{dim}"] = "i32"
-    for kk in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "DOT_SCALED", "INTERP"):
+    for kk in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "K_TILES", "DOT_SCALED", "INTERP"):
         sig[kk] = "constexpr"
     specs = []
     # Kimi-K3 TP8: W_UK (N 512, K 128) and W_UV (N 128, K 512), M from 1 to 512.
     seen = set()
     for n, k in ((512, 128), (128, 512)):
-        for m in (1, 32, 64, 512):
+        for m in (1, 32, 64, 512):   # every config bmm_config returns for these shapes
             bm, bn, bk, warps, stages = bmm_config(m, n, k)
             for ds in (False, True):
-                key = (bm, bn, bk, warps, stages, ds)
+                key = (bm, bn, bk, -(-k // bk), warps, stages, ds)
                 if key in seen:
                     continue
                 seen.add(key)
                 specs.append(dict(
-                    name=f"bmm_a16wfp4_{'dotscaled' if ds else 'decode'}_m{bm}n{bn}k{bk}w{warps}s{stages}",
+                    name=f"bmm_a16wfp4_{'dotscaled' if ds else 'decode'}_m{bm}n{bn}k{bk}t{-(-k // bk)}w{warps}s{stages}",
                     kernel=_bmm_a16wfp4_kernel, signature=dict(sig),
-                    constexprs={"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "DOT_SCALED": ds,
+                    constexprs={"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "K_TILES": -(-k // bk),
+                                "DOT_SCALED": ds,
                                 "INTERP": False},
                     num_warps=warps, num_stages=stages,
                     # dot_scaled is the gfx950 path; the decode path is every target's.
