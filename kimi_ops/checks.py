@@ -48,9 +48,9 @@ def check_kv_cache(op: str, kv_cache) -> None:
              f"strides {kv_cache.stride()}")
 
 
-def check_decode_args(op: str, q, kv_cache, kv_indptr, kv_indices, qlen: int,
-                      num_splits: int | None) -> None:
-    """q [T, H, 576] bf16, fp8 cache, int32 CSR (indptr [R+1]), T = R * qlen."""
+def check_decode_args(op: str, q, kv_cache, kv_indptr, kv_indices, qlen: int, num_splits: int | None,
+                      seq_lens=None, dcp_rank: int = 0, dcp_world_size: int = 1) -> None:
+    """q [T, H, 576] bf16, fp8 cache, int32 CSR (indptr [R+1]), T = R * qlen; DCP rank < world."""
     check_tensor(op, "q", q, ndim=3, dtypes=(torch.bfloat16,), what=f"a [T, H, {KV_ROW}] bfloat16 tensor")
     if q.shape[2] != KV_ROW or q.shape[1] < 1:
         fail(op, "q", f"a [T, H, {KV_ROW}] bfloat16 tensor with H >= 1", _describe(q))
@@ -69,6 +69,16 @@ def check_decode_args(op: str, q, kv_cache, kv_indptr, kv_indices, qlen: int,
         fail(op, "q.shape[0]", f"R * qlen = {num_requests} * {qlen} (R = len(kv_indptr) - 1)", q.shape[0])
     if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
         fail(op, "num_splits", "an int >= 1", num_splits)
+    if dcp_world_size < 1 or not 0 <= dcp_rank < dcp_world_size:
+        fail(op, "dcp_rank, dcp_world_size", "0 <= dcp_rank < dcp_world_size", (dcp_rank, dcp_world_size))
+    if seq_lens is None:
+        if dcp_world_size > 1:
+            fail(op, "seq_lens", "the global lengths [R] int32 when dcp_world_size > 1", None)
+    else:
+        check_tensor(op, "seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,), what="a [R] int32 tensor")
+        if seq_lens.shape[0] != num_requests:
+            fail(op, "seq_lens", f"a [{num_requests}] int32 tensor (R = len(kv_indptr) - 1)", _describe(seq_lens))
+        check_same_device(op, q=q, seq_lens=seq_lens)
 
 
 def check_merge_args(op: str, o_part, lse_part) -> None:

@@ -18,12 +18,14 @@ NAMESPACE = "kimi_ops"
 SCHEMAS: dict[str, str] = {
     "mla_decode_splitkv": (
         "mla_decode_splitkv(Tensor q, Tensor kv_cache, Tensor kv_indptr, Tensor kv_indices, *, "
-        "int qlen, float scale, float kv_scale, int num_splits) -> (Tensor o_part, Tensor lse_part)"
+        "int qlen, float scale, float kv_scale, int num_splits, Tensor? seq_lens=None, int dcp_rank=0, "
+        "int dcp_world_size=1) -> (Tensor o_part, Tensor lse_part)"
     ),
     "mla_merge": "mla_merge(Tensor o_part, Tensor lse_part) -> (Tensor o, Tensor lse)",
     "mla_decode": (
         "mla_decode(Tensor q, Tensor kv_cache, Tensor kv_indptr, Tensor kv_indices, *, "
-        "int qlen, float scale, float kv_scale, int? num_splits=None) -> (Tensor o, Tensor lse)"
+        "int qlen, float scale, float kv_scale, int? num_splits=None, Tensor? seq_lens=None, int dcp_rank=0, "
+        "int dcp_world_size=1) -> (Tensor o, Tensor lse)"
     ),
     "mla_cache_write": (
         "mla_cache_write(Tensor kv_c, Tensor k_pe, Tensor(a!) kv_cache, Tensor slot_mapping, "
@@ -56,17 +58,31 @@ def _flat_rows(kv_cache: torch.Tensor) -> torch.Tensor:
 
 # --- mla_decode_splitkv (M1c) -------------------------------------------------------------------
 
-def _splitkv_fake(q, kv_cache, kv_indptr, kv_indices, *, qlen, scale, kv_scale, num_splits):
-    checks.check_decode_args("mla_decode_splitkv", q, kv_cache, kv_indptr, kv_indices, qlen, num_splits)
+def _splitkv_fake(q, kv_cache, kv_indptr, kv_indices, *, qlen, scale, kv_scale, num_splits,
+                  seq_lens=None, dcp_rank=0, dcp_world_size=1):
+    checks.check_decode_args("mla_decode_splitkv", q, kv_cache, kv_indptr, kv_indices, qlen, num_splits,
+                             seq_lens, dcp_rank, dcp_world_size)
     num_rows, num_heads, _ = q.shape
     return (q.new_empty((num_splits, num_rows, num_heads, KV_LORA_RANK)),
             q.new_empty((num_splits, num_rows, num_heads), dtype=torch.float32))
 
 
-def _splitkv_real(q, kv_cache, kv_indptr, kv_indices, *, qlen, scale, kv_scale, num_splits):
-    checks.check_decode_args("mla_decode_splitkv", q, kv_cache, kv_indptr, kv_indices, qlen, num_splits)
+def _splitkv(q, kv_cache, kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits,
+             seq_lens, dcp_rank, dcp_world_size):
     impl = dispatch.implementation("mla_decode_splitkv", q.device)
-    return impl(q.contiguous(), _flat_rows(kv_cache), kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits)
+    # the decode context parallel arguments travel only when they say something
+    dcp = {} if seq_lens is None and dcp_world_size == 1 else dict(
+        seq_lens=seq_lens, dcp_rank=dcp_rank, dcp_world_size=dcp_world_size)
+    return impl(q.contiguous(), _flat_rows(kv_cache), kv_indptr, kv_indices, qlen, scale, kv_scale,
+                num_splits, **dcp)
+
+
+def _splitkv_real(q, kv_cache, kv_indptr, kv_indices, *, qlen, scale, kv_scale, num_splits,
+                  seq_lens=None, dcp_rank=0, dcp_world_size=1):
+    checks.check_decode_args("mla_decode_splitkv", q, kv_cache, kv_indptr, kv_indices, qlen, num_splits,
+                             seq_lens, dcp_rank, dcp_world_size)
+    return _splitkv(q, kv_cache, kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits,
+                    seq_lens, dcp_rank, dcp_world_size)
 
 
 _register("mla_decode_splitkv", fake=_splitkv_fake, real=_splitkv_real)
@@ -89,21 +105,24 @@ _register("mla_merge", fake=_merge_fake, real=_merge_real)
 
 # --- mla_decode (M1c + M1b) ---------------------------------------------------------------------
 
-def _decode_fake(q, kv_cache, kv_indptr, kv_indices, *, qlen, scale, kv_scale, num_splits=None):
-    checks.check_decode_args("mla_decode", q, kv_cache, kv_indptr, kv_indices, qlen, num_splits)
+def _decode_fake(q, kv_cache, kv_indptr, kv_indices, *, qlen, scale, kv_scale, num_splits=None,
+                 seq_lens=None, dcp_rank=0, dcp_world_size=1):
+    checks.check_decode_args("mla_decode", q, kv_cache, kv_indptr, kv_indices, qlen, num_splits,
+                             seq_lens, dcp_rank, dcp_world_size)
     num_rows, num_heads, _ = q.shape
     return (q.new_empty((num_rows, num_heads, KV_LORA_RANK)),
             q.new_empty((num_rows, num_heads), dtype=torch.float32))
 
 
-def _decode_real(q, kv_cache, kv_indptr, kv_indices, *, qlen, scale, kv_scale, num_splits=None):
-    checks.check_decode_args("mla_decode", q, kv_cache, kv_indptr, kv_indices, qlen, num_splits)
+def _decode_real(q, kv_cache, kv_indptr, kv_indices, *, qlen, scale, kv_scale, num_splits=None,
+                 seq_lens=None, dcp_rank=0, dcp_world_size=1):
+    checks.check_decode_args("mla_decode", q, kv_cache, kv_indptr, kv_indices, qlen, num_splits,
+                             seq_lens, dcp_rank, dcp_world_size)
     if num_splits is None:
         num_splits = dispatch.default_num_splits(
             kv_indptr.shape[0] - 1, q.shape[0], q.shape[1], kv_indices.shape[0], q.device)
-    splitkv = dispatch.implementation("mla_decode_splitkv", q.device)
-    o_part, lse_part = splitkv(q.contiguous(), _flat_rows(kv_cache), kv_indptr, kv_indices,
-                               qlen, scale, kv_scale, num_splits)
+    o_part, lse_part = _splitkv(q, kv_cache, kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits,
+                                seq_lens, dcp_rank, dcp_world_size)
     if num_splits == 1:
         return o_part[0], lse_part[0]
     return dispatch.implementation("mla_merge", q.device)(o_part, lse_part)
@@ -196,7 +215,8 @@ _register("mla_query", fake=_query_fake, real=_query_real)
 
 # --- Python entry points ------------------------------------------------------------------------
 
-def mla_decode_splitkv(q, kv_cache, kv_indptr, kv_indices, *, qlen, scale, kv_scale, num_splits):
+def mla_decode_splitkv(q, kv_cache, kv_indptr, kv_indices, *, qlen, scale, kv_scale, num_splits,
+                       seq_lens=None, dcp_rank=0, dcp_world_size=1):
     """M1c: split-KV MLA decode attention, one partial per split.
 
     Args:
@@ -212,13 +232,20 @@ def mla_decode_splitkv(q, kv_cache, kv_indptr, kv_indices, *, qlen, scale, kv_sc
         scale: softmax scale; kv_scale: the cache's per-tensor dequantization scale.
         num_splits: splits the visible tokens of each request are partitioned into
             (the partition is the backend's choice).
+        seq_lens, dcp_rank, dcp_world_size: decode context parallel (DCP). The cache
+            holds rank ``dcp_rank``'s shard: a request's j-th listed token is its global
+            position ``j * dcp_world_size + dcp_rank`` (token p lives on rank p % W), and
+            position i sees global positions ``<= seq_lens[r] - qlen + i``; seq_lens
+            [R] int32 are the global lengths (needed when dcp_world_size > 1; None means
+            the listed lengths). Defaults: one rank.
 
     Returns:
         o_part [num_splits, T, H, 512] bf16 and lse_part [num_splits, T, H] f32
         (natural log); a split that sees no token has o = 0, lse = -inf.
     """
     return torch.ops.kimi_ops.mla_decode_splitkv(
-        q, kv_cache, kv_indptr, kv_indices, qlen=qlen, scale=scale, kv_scale=kv_scale, num_splits=num_splits)
+        q, kv_cache, kv_indptr, kv_indices, qlen=qlen, scale=scale, kv_scale=kv_scale, num_splits=num_splits,
+        seq_lens=seq_lens, dcp_rank=dcp_rank, dcp_world_size=dcp_world_size)
 
 
 def mla_merge(o_part, lse_part):
@@ -231,14 +258,16 @@ def mla_merge(o_part, lse_part):
     return torch.ops.kimi_ops.mla_merge(o_part, lse_part)
 
 
-def mla_decode(q, kv_cache, kv_indptr, kv_indices, *, qlen, scale, kv_scale, num_splits=None):
+def mla_decode(q, kv_cache, kv_indptr, kv_indices, *, qlen, scale, kv_scale, num_splits=None,
+               seq_lens=None, dcp_rank=0, dcp_world_size=1):
     """M1c + M1b: MLA decode attention, (o [T, H, 512] bf16, lse [T, H] f32).
 
     Arguments as :func:`mla_decode_splitkv`; ``num_splits=None`` picks the split
     count on the host from shapes and the device (:func:`kimi_ops.dispatch.default_num_splits`).
     """
     return torch.ops.kimi_ops.mla_decode(
-        q, kv_cache, kv_indptr, kv_indices, qlen=qlen, scale=scale, kv_scale=kv_scale, num_splits=num_splits)
+        q, kv_cache, kv_indptr, kv_indices, qlen=qlen, scale=scale, kv_scale=kv_scale, num_splits=num_splits,
+        seq_lens=seq_lens, dcp_rank=dcp_rank, dcp_world_size=dcp_world_size)
 
 
 def mla_cache_write(kv_c, k_pe, kv_cache, slot_mapping, kv_scale):

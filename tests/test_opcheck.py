@@ -12,14 +12,17 @@ import torch
 import kimi_ops
 from conftest import make_decode_case
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
 ALL_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 NO_SCHEMA_UTILS = ALL_UTILS[1:]
 ops = torch.ops.kimi_ops
 
 
 @pytest.fixture(autouse=True)
-def _reference_backend(monkeypatch):
-    monkeypatch.setenv("KIMI_OPS_BACKEND", "reference")
+def _default_backend(monkeypatch):
+    """CPU: the reference; CUDA: whatever ``auto`` picks (the GPU kernels)."""
+    monkeypatch.setenv("KIMI_OPS_BACKEND", "auto")
 
 
 DECODE_SAMPLES = [
@@ -30,9 +33,10 @@ DECODE_SAMPLES = [
 
 
 def decode_samples():
-    for i, sample in enumerate(DECODE_SAMPLES):
-        yield make_decode_case(sample["lengths"], heads=sample["heads"], qlen=sample["qlen"],
-                               block_size=sample["block_size"], spare_rows=3, seed=100 + i)
+    for device in DEVICES:
+        for i, sample in enumerate(DECODE_SAMPLES):
+            yield make_decode_case(sample["lengths"], heads=sample["heads"], qlen=sample["qlen"],
+                                   block_size=sample["block_size"], spare_rows=3, seed=100 + i, device=device)
 
 
 def bytes_of(t):
@@ -50,7 +54,7 @@ def assert_only_declared_mutations(fn, args, mutated=()):
         assert changed == (i in mutated), f"argument {i}: changed={changed}, declared={i in mutated}"
 
 
-@pytest.mark.parametrize("case", list(decode_samples()), ids=lambda c: f"R{len(c.lengths)}q{c.qlen}")
+@pytest.mark.parametrize("case", list(decode_samples()), ids=lambda c: f"{c.q.device.type}-R{len(c.lengths)}q{c.qlen}")
 def test_opcheck_decode_ops(case):
     for splits in (1, 3):
         torch.library.opcheck(ops.mla_decode_splitkv.default, case.args,
@@ -60,25 +64,34 @@ def test_opcheck_decode_ops(case):
                           test_utils=NO_SCHEMA_UTILS)
     assert_only_declared_mutations(lambda: kimi_ops.mla_decode(*case.args, num_splits=2, **case.kwargs),
                                    case.args)
+    seq_lens = (torch.tensor(case.lengths, dtype=torch.int32) * 2 + 1).to(case.q.device)  # as rank 1 of 2
+    dcp = dict(seq_lens=seq_lens, dcp_rank=1, dcp_world_size=2, **case.kwargs)
+    torch.library.opcheck(ops.mla_decode_splitkv.default, case.args, dict(num_splits=2, **dcp),
+                          test_utils=NO_SCHEMA_UTILS)
+    torch.library.opcheck(ops.mla_decode.default, case.args, dcp, test_utils=NO_SCHEMA_UTILS)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("shape", [(1, 3, 12), (4, 2, 16), (2, 5, 1)])
-def test_opcheck_merge(shape):
+def test_opcheck_merge(shape, device):
     splits, rows, heads = shape
-    o_part = torch.randn(splits, rows, heads, 512).to(torch.bfloat16)
-    lse_part = torch.randn(splits, rows, heads)
+    o_part = torch.randn(splits, rows, heads, 512).to(torch.bfloat16).to(device)
+    lse_part = torch.randn(splits, rows, heads).to(device)
     lse_part[0, 0] = float("-inf")
     o_part[0, 0] = 0
     torch.library.opcheck(ops.mla_merge.default, (o_part, lse_part), test_utils=ALL_UTILS)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("slots_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("tokens", [1, 5])
-def test_opcheck_cache_write(slots_dtype, tokens):
-    cache = torch.randn(4, 8, 576).to(torch.float8_e4m3fn)
-    kv_c, k_pe = torch.randn(tokens, 512).to(torch.bfloat16), torch.randn(tokens, 64).to(torch.bfloat16)
+def test_opcheck_cache_write(slots_dtype, tokens, device):
+    cache = torch.randn(4, 8, 576).to(torch.float8_e4m3fn).to(device)
+    kv_c = torch.randn(tokens, 512).to(torch.bfloat16).to(device)
+    k_pe = torch.randn(tokens, 64).to(torch.bfloat16).to(device)
     slots = torch.randperm(32)[:tokens].to(slots_dtype)
     slots[0] = -1 if tokens > 1 else slots[0]
+    slots = slots.to(device)
     args = (kv_c, k_pe, cache, slots, 0.5)
     torch.library.opcheck(ops.mla_cache_write.default, args, test_utils=NO_SCHEMA_UTILS)
     assert_only_declared_mutations(lambda: kimi_ops.mla_cache_write(*args), args, mutated={2})
@@ -94,22 +107,24 @@ def test_opcheck_mxfp4_roundtrip_ops(shape):
                           test_utils=ALL_UTILS)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bmk_n", [(2, 1, 64, 32), (3, 5, 128, 48), (1, 8, 32, 16)])
-def test_opcheck_bmm_a16wfp4(bmk_n):
+def test_opcheck_bmm_a16wfp4(bmk_n, device):
     b, m, k, n = bmk_n
-    packed, scale = kimi_ops.mxfp4_quantize(torch.randn(b, n, k))
-    x = torch.randn(b, m, k).to(torch.bfloat16)
+    packed, scale = kimi_ops.mxfp4_quantize(torch.randn(b, n, k, device=device))
+    x = torch.randn(b, m, k, device=device).to(torch.bfloat16)
     torch.library.opcheck(ops.bmm_a16wfp4.default, (x, packed, scale), test_utils=ALL_UTILS)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mxfp4", [False, True])
 @pytest.mark.parametrize("tokens,heads,pad", [(1, 12, None), (3, 12, 16), (5, 2, 2)])
-def test_opcheck_mla_query(mxfp4, tokens, heads, pad):
-    q_nope = torch.randn(tokens, heads, 128).to(torch.bfloat16)
-    q_pe = torch.randn(tokens, heads, 64).to(torch.bfloat16)
+def test_opcheck_mla_query(mxfp4, tokens, heads, pad, device):
+    q_nope = torch.randn(tokens, heads, 128, device=device).to(torch.bfloat16)
+    q_pe = torch.randn(tokens, heads, 64, device=device).to(torch.bfloat16)
     if mxfp4:
-        w_uk, w_uk_scale = kimi_ops.mxfp4_quantize(torch.randn(heads, 512, 128))
+        w_uk, w_uk_scale = kimi_ops.mxfp4_quantize(torch.randn(heads, 512, 128, device=device))
     else:
-        w_uk, w_uk_scale = torch.randn(heads, 128, 512).to(torch.bfloat16) / 8, None
+        w_uk, w_uk_scale = torch.randn(heads, 128, 512, device=device).to(torch.bfloat16) / 8, None
     torch.library.opcheck(ops.mla_query.default, (q_nope, q_pe, w_uk, w_uk_scale), dict(pad_heads=pad),
                           test_utils=ALL_UTILS)

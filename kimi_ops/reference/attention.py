@@ -50,19 +50,29 @@ def masked_attention(s: torch.Tensor, v: torch.Tensor, mask: torch.Tensor):
     return torch.where(finite[..., None], o, 0.0), lse
 
 
-def mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits):
+def mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits,
+                       seq_lens=None, dcp_rank=0, dcp_world_size=1):
     """q [T, H, 576] bf16, kv_rows [N, 576] fp8 -> o_part [S, T, H, 512] bf16, lse_part [S, T, H] f32."""
-    o_part, lse_part = splitkv_float64(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits)
+    o_part, lse_part = splitkv_float64(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits,
+                                       seq_lens, dcp_rank, dcp_world_size)
     return o_part.to(torch.bfloat16), lse_part.to(torch.float32)
 
 
-def splitkv_float64(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits):
-    """:func:`mla_decode_splitkv` before the output rounding: float64 (o_part, lse_part)."""
+def splitkv_float64(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits,
+                    seq_lens=None, dcp_rank=0, dcp_world_size=1):
+    """:func:`mla_decode_splitkv` before the output rounding: float64 (o_part, lse_part).
+
+    Decode context parallel: the rank's j-th token of a request is its global
+    position ``j * dcp_world_size + dcp_rank``, and query position i sees the
+    global positions ``<= seq_lens[r] - qlen + i`` (seq_lens: global lengths;
+    None means the local lengths, as with one rank).
+    """
     num_rows, num_heads, _ = q.shape
     device = q.device
     o_part = torch.zeros(num_splits, num_rows, num_heads, KV_LORA_RANK, dtype=torch.float64, device=device)
     lse_part = torch.full((num_splits, num_rows, num_heads), -math.inf, dtype=torch.float64, device=device)
     indptr = kv_indptr.tolist()
+    lengths = seq_lens.tolist() if seq_lens is not None else [b - a for a, b in zip(indptr, indptr[1:])]
     for r in range(len(indptr) - 1):
         idx = kv_indices[indptr[r]:indptr[r + 1]]
         n = idx.shape[0]
@@ -72,8 +82,9 @@ def splitkv_float64(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale, nu
         rows = slice(r * qlen, (r + 1) * qlen)
         s = torch.einsum("ihd,jd->ihj", q[rows].to(torch.float64), k) * scale  # [qlen, H, n]
         pos = torch.arange(n, device=device)
-        bound = n - qlen + torch.arange(qlen, device=device)            # last visible token of row i
-        visible = pos[None, :] <= bound[:, None]                        # [qlen, n]
+        global_pos = pos * dcp_world_size + dcp_rank
+        bound = lengths[r] - qlen + torch.arange(qlen, device=device)   # last visible position of row i
+        visible = global_pos[None, :] <= bound[:, None]                 # [qlen, n]
         chunk = split_chunk(n, num_splits)
         for sp in range(math.ceil(n / chunk)):
             in_chunk = (pos >= sp * chunk) & (pos < (sp + 1) * chunk)
