@@ -75,6 +75,7 @@ def _split_kv_kernel(
     INTERP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     DC: tl.constexpr = 512
     DP: tl.constexpr = 64
@@ -148,14 +149,37 @@ def _split_kv_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, DC], dtype=tl.float32)
 
+    if PREFETCH:
+        # software pipeline in registers: the K tile of the next step and the indices of the
+        # one after are in flight while this step computes (the gathered tile is converted
+        # before its dots, so Triton's own cp.async pipelining does not apply)
+        tok1 = lo + offs_n
+        idx1 = tl.load(indices_ptr + start + tok1, mask=tok1 < hi, other=-1).to(tl.int64)
+        ok1 = (tok1 < hi) & (idx1 >= 0) & (idx1 < N)
+        kc_nx = tl.load(kv_ptr + idx1[:, None] * D + offs_c[None, :], mask=ok1[:, None], other=0.0)
+        kp_nx = tl.load(kv_ptr + idx1[:, None] * D + DC + offs_p[None, :], mask=ok1[:, None], other=0.0)
+        tok2 = lo + BLOCK_N + offs_n
+        idx_nx = tl.load(indices_ptr + start + tok2, mask=tok2 < hi, other=-1).to(tl.int64)
+
     for j0 in range(lo, hi, BLOCK_N):
         tok = j0 + offs_n
         tok_ok = tok < hi
-        idx = tl.load(indices_ptr + start + tok, mask=tok_ok, other=-1).to(tl.int64)
-        ld_ok = tok_ok & (idx >= 0) & (idx < N)
-        krow = kv_ptr + idx * D
-        kc = tl.load(krow[:, None] + offs_c[None, :], mask=ld_ok[:, None], other=0.0)
-        kp = tl.load(krow[:, None] + DC + offs_p[None, :], mask=ld_ok[:, None], other=0.0)
+        if PREFETCH:
+            kc = kc_nx
+            kp = kp_nx
+            tokn = j0 + BLOCK_N + offs_n
+            okn = (tokn < hi) & (idx_nx >= 0) & (idx_nx < N)
+            kc_nx = tl.load(kv_ptr + idx_nx[:, None] * D + offs_c[None, :], mask=okn[:, None], other=0.0)
+            kp_nx = tl.load(kv_ptr + idx_nx[:, None] * D + DC + offs_p[None, :], mask=okn[:, None],
+                            other=0.0)
+            tokn2 = j0 + 2 * BLOCK_N + offs_n
+            idx_nx = tl.load(indices_ptr + start + tokn2, mask=tokn2 < hi, other=-1).to(tl.int64)
+        else:
+            idx = tl.load(indices_ptr + start + tok, mask=tok_ok, other=-1).to(tl.int64)
+            ld_ok = tok_ok & (idx >= 0) & (idx < N)
+            krow = kv_ptr + idx * D
+            kc = tl.load(krow[:, None] + offs_c[None, :], mask=ld_ok[:, None], other=0.0)
+            kp = tl.load(krow[:, None] + DC + offs_p[None, :], mask=ld_ok[:, None], other=0.0)
         if KV_U8_FNUZ:
             # e4m3fnuz bytes: value(b) = e4m3fn(b) / 2, except 0x7f/0xff (+-240) and 0x80 (NaN)
             kcf = kc.to(FP8, bitcast=True).to(tl.float32) * 0.5
@@ -313,7 +337,7 @@ def mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: floa
         T, H, kv_rows.shape[0], qlen, S,
         float(scale) * float(kv_scale) * LOG2E, float(kv_scale),
         MMA_FP8=(mma == "fp8"), KV_U8_FNUZ=u8_fnuz, FNUZ=fnuz, INTERP=_interpreting(),
-        BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages,
+        BLOCK_M=bm, BLOCK_N=bn, PREFETCH=(mma == "bf16"), num_warps=warps, num_stages=stages,
     )
     return o_part, lse_part
 
@@ -368,7 +392,7 @@ def _specs():
                        "u8fnuz": ("sm90",)}[fmt]
             sig = {"q_ptr": "*bf16", "kv_ptr": kvt, **sig_common}
             cx = {"MMA_FP8": mma == "fp8", "KV_U8_FNUZ": fmt == "u8fnuz", "FNUZ": fmt != "fn",
-                  "INTERP": False, "BLOCK_M": bm, "BLOCK_N": bn}
+                  "INTERP": False, "BLOCK_M": bm, "BLOCK_N": bn, "PREFETCH": mma == "bf16"}
             for kk in cx:
                 sig[kk] = "constexpr"
             specs.append(dict(name=f"splitkv_{mma}_{fmt}_m{bm}", kernel=_split_kv_kernel,
