@@ -133,6 +133,11 @@ def main(argv=None):
     ap.add_argument("--mma", default="fp8,bf16")
     ap.add_argument("--no-naive", action="store_true")
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--layout", default="random", choices=["random", "paged16", "contiguous"],
+                    help="where a set's tokens live in the pool: random rows (page size 1), "
+                         "random pages of 16 consecutive rows, or one contiguous run")
+    ap.add_argument("--splits-mult", type=float, default=1.0, help="x suggest_num_splits")
+    ap.add_argument("--tag", default="")
     ap.add_argument("--set-bytes", type=float, default=256e6, help="KV bytes to rotate over")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -155,7 +160,7 @@ def main(argv=None):
         H, qlen, lens = sh["H"], sh["qlen"], sh["lens"]
         R = len(lens)
         tok = sum(lens)
-        S = A.suggest_num_splits(R, qlen, H, tok, nsm)
+        S = max(1, int(round(A.suggest_num_splits(R, qlen, H, tok, nsm) * args.splits_mult)))
         fl = floor_of(H, qlen, lens, S)
         nsets = int(min(32, max(2, math.ceil(args.set_bytes / fl["kv_bytes"]))))
         indptr_list = [0]
@@ -164,7 +169,15 @@ def main(argv=None):
         indptr = torch.tensor(indptr_list, dtype=torch.int32, device=dev)
         sets = []
         for _ in range(nsets):
-            idx = torch.randperm(pool_rows, device=dev)[:tok].to(torch.int32)
+            if args.layout == "random":
+                idx = torch.randperm(pool_rows, device=dev)[:tok].to(torch.int32)
+            elif args.layout == "paged16":
+                nb = -(-tok // 16)
+                blocks = torch.randperm(pool_rows // 16, device=dev)[:nb]
+                idx = (blocks[:, None] * 16 + torch.arange(16, device=dev)).flatten()[:tok].to(torch.int32)
+            else:
+                off = int(torch.randint(0, pool_rows - tok + 1, ()).item())
+                idx = torch.arange(off, off + tok, device=dev, dtype=torch.int32)
             q = torch.randn(R * qlen, H, 576, device=dev).to(torch.bfloat16)
             sets.append((q, idx))
         row = dict(label=sh["label"], H=H, qlen=qlen, batch=R, tokens=tok, num_splits=S, nsets=nsets,
@@ -209,9 +222,9 @@ def main(argv=None):
         del sets
         torch.cuda.empty_cache()
 
-    meta = dict(device=props.name, sms=nsm, torch=torch.__version__, triton=__import__("triton").__version__,
+    meta = dict(layout=args.layout, splits_mult=args.splits_mult, device=props.name, sms=nsm, torch=torch.__version__, triton=__import__("triton").__version__,
                 hbm=HBM, fp8_rate=FP8_RATE, peers=["naive torch"] if not args.no_naive else [])
-    with open(os.path.join(args.out, "bench_attention.json"), "w") as f:
+    with open(os.path.join(args.out, f"bench_attention{args.tag}.json"), "w") as f:
         json.dump(dict(meta=meta, results=results), f, indent=1)
     md = [f"| shape | splits | floor us | " + " | ".join(f"{m} us" for m in mmas)
           + " | splitkv us | TB/s (KV) | % floor | % floor (splitkv only) | naive us | x naive |",
@@ -222,7 +235,7 @@ def main(argv=None):
                   + f" | {r[r['best'] + '_splitkv_us']:.1f} | {r['tbps']:.2f} | {r['pct_floor']:.0f} | "
                   f"{r['pct_floor_splitkv']:.0f} | "
                   + (f"{r['naive_us']:.0f} | {r['x_vs_naive']:.1f} |" if r.get("naive_us") else "- | - |"))
-    with open(os.path.join(args.out, "bench_attention.md"), "w") as f:
+    with open(os.path.join(args.out, f"bench_attention{args.tag}.md"), "w") as f:
         f.write("\n".join(md) + "\n")
     print("\n".join(md))
     try:
@@ -237,7 +250,7 @@ def main(argv=None):
         ax.axhline(70, color="r", lw=0.5)
         ax.axhline(50, color="orange", lw=0.5)
         fig.tight_layout()
-        fig.savefig(os.path.join(args.out, "bench_attention.png"), dpi=120)
+        fig.savefig(os.path.join(args.out, f"bench_attention{args.tag}.png"), dpi=120)
     except Exception as e:  # plotting is optional
         print("plot failed:", e)
 
