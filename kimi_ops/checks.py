@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .formats import FP8_KV_DTYPES, KV_LORA_RANK, KV_ROW, ROPE_DIM
+from .formats import FP8_KV_DTYPES, KV_LORA_RANK, KV_ROW, MXFP4_BLOCK, ROPE_DIM
 
 
 def fail(op: str, arg: str, expected: str, got: object) -> None:
@@ -110,10 +110,6 @@ def check_cache_write_args(op: str, kv_c, k_pe, kv_cache, slot_mapping) -> None:
     if kv_c.stride(1) != 1 or k_pe.stride(1) != 1:
         fail(op, "kv_c and k_pe", "contiguous in their last dim", (kv_c.stride(), k_pe.stride()))
     check_same_device(op, kv_c=kv_c, k_pe=k_pe, kv_cache=kv_cache, slot_mapping=slot_mapping)
-
-
-MXFP4_BLOCK = 32
-"""Elements that share one E8M0 scale (along the last dim)."""
 
 
 def check_mxfp4_weight(op: str, w_packed, w_scale, *, packed_name: str = "w_packed",

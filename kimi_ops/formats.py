@@ -25,3 +25,7 @@ FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 def fp8_max(dtype: torch.dtype) -> float:
     """Largest finite value of an fp8 cache dtype (the saturation bound)."""
     return float(torch.finfo(dtype).max)
+
+
+MXFP4_BLOCK = 32
+"""MXFP4: elements (along the last dim) that share one E8M0 scale."""

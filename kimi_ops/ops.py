@@ -11,7 +11,7 @@ with the same message eagerly and under ``torch.compile``.
 import torch
 
 from . import checks, dispatch
-from .formats import KV_LORA_RANK, KV_ROW
+from .formats import KV_LORA_RANK, KV_ROW, MXFP4_BLOCK
 
 NAMESPACE = "kimi_ops"
 
@@ -152,7 +152,7 @@ def _quantize_fake(w):
     checks.check_mxfp4_quantize_args("mxfp4_quantize", w)
     k = w.shape[-1]
     return (w.new_empty((*w.shape[:-1], k // 2), dtype=torch.uint8),
-            w.new_empty((*w.shape[:-1], k // checks.MXFP4_BLOCK), dtype=torch.uint8))
+            w.new_empty((*w.shape[:-1], k // MXFP4_BLOCK), dtype=torch.uint8))
 
 
 def _quantize_real(w):

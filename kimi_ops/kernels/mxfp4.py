@@ -31,8 +31,6 @@ import torch
 import triton
 import triton.language as tl
 
-MXFP4_BLOCK = 32
-
 
 @triton.jit
 def _mxfp4_decode(packed, scale, BN: tl.constexpr, BK: tl.constexpr):

@@ -37,8 +37,8 @@ Quantization rule (the OCP MX conversion)
 
 import torch
 
-MXFP4_BLOCK = 32
-"""Elements sharing one E8M0 scale, along the last dim."""
+from ..formats import MXFP4_BLOCK
+
 E8M0_BIAS = 127
 E8M0_NAN = 0xFF
 
