@@ -9,7 +9,8 @@ from . import demo
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kimi_ops", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    demo.add_arguments(commands.add_parser("demo", help="run and check a Kimi-K3 decode step"))
+    demo.add_arguments(commands.add_parser(
+        "demo", help="decode N steps of a Kimi-K3 TP8 MLA layer and check them (--attention-only: the attention table)"))
     args = parser.parse_args(argv)
     if args.command == "demo":
         return demo.run_demo(args)

@@ -1,9 +1,19 @@
-"""``python -m kimi_ops demo``: a Kimi-K3 TP8 decode-attention step on every backend
-that can run here, each checked against the float64 reference."""
+"""``python -m kimi_ops demo``: the Kimi-K3 TP8 MLA decode layer, N steps, checked.
+
+The default job (:func:`run_layer_demo`): a Kimi-K3 TP8 layer (12 heads, hidden 7168) with
+random weights decodes a batch of requests for ``--steps`` steps (on a GPU: the step
+``torch.compile``'d and captured in a CUDA graph; on the CPU: eager), checked against a
+float64 computation of the whole layer at the first and last steps, printing per-step
+latency, tokens/s, effective bandwidth and % of the H200 floor.
+
+``--attention-only`` (:func:`run_attention_demo`): the decode attention alone on every
+backend that can run here, each checked against the float64 reference (the earlier demo).
+"""
 
 import argparse
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -51,7 +61,7 @@ def errors(o, lse, o_ref, lse_ref):
     return rel, lse_err, pattern
 
 
-def run_demo(args) -> int:
+def run_attention_demo(args) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     lengths = [max(0, args.context + (i * 97) % 211 - 105) for i in range(args.batch)]
     work = decode_workload(lengths, heads=args.heads, qlen=args.qlen, device=device, seed=args.seed)
@@ -86,12 +96,158 @@ def run_demo(args) -> int:
     return 1 if failed else 0
 
 
+# --- the whole layer ---------------------------------------------------------------------------
+
+HBM_BYTES_PER_S = 4.31e12    # the H200's measured HBM read bandwidth (DESIGN.md)
+LAYER_RTOL = 1.2e-2          # the layer's output vs float64 (derivation: tests/test_runtime.py)
+
+
+def step_bytes(layer, num_tokens: int, num_rows: int) -> dict[str, int]:
+    """Bytes one decode step must move at least: every weight once, every visible token's
+    576-byte cache row and 4-byte index once, and the activations between the kernels
+    (hidden in, output, q_a/kv_a/gate, the query and the attention output written and read)."""
+    c = layer.config
+    h = c.num_heads
+    out_width = c.hidden_size if layer.o_proj is not None else c.o_proj_in
+    act = 2 * num_rows * (c.hidden_size + out_width)                               # hidden in, out
+    act += 2 * 2 * num_rows * (c.qkv_a_rows + c.gate_rows + h * c.qk_head_dim)     # qkv_a(+gate), q_b
+    act += 2 * 2 * num_rows * h * (576 + 512 + c.v_head_dim)                       # q, o, W_UV out
+    return {"weights": layer.weight_bytes(), "kv": num_tokens * (576 + 4), "activations": act}
+
+
+def _fmt(seconds: float) -> str:
+    return f"{seconds * 1e6:.1f} us" if seconds < 1e-2 else f"{seconds * 1e3:.1f} ms"
+
+
+def _progress(iterable, total: int, enabled: bool):
+    if not enabled:
+        return iterable
+    try:
+        from tqdm import tqdm
+        return tqdm(iterable, total=total, desc="decode", unit="step", file=sys.stderr, leave=False)
+    except ImportError:
+        def simple():
+            for i, x in enumerate(iterable):
+                done = (i + 1) * 30 // total
+                print(f"\rdecode [{'#' * done}{'.' * (30 - done)}] {i + 1}/{total}", end="", file=sys.stderr)
+                yield x
+            print(file=sys.stderr)
+        return simple()
+
+
+def run_layer_demo(args) -> int:
+    from .runtime import DecodeMetadata, MLAConfig, MLADecodeLayer, allocate_blocks
+    from .runtime.graph import GraphedStep, decode_step
+    from .runtime.reference import layer_float64, relative_error
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    batch, context, qlen, steps = args.batch or 8, args.context or 512, args.qlen, args.steps
+    if batch < 1 or context < 1 or qlen < 1 or steps < 1:
+        print("kimi_ops demo: --batch, --context, --qlen and --steps must be >= 1", file=sys.stderr)
+        return 2
+    torch.manual_seed(args.seed)
+    config = MLAConfig.kimi_k3(tp=8)
+    layer = MLADecodeLayer(config, weights=args.weights, device=device, seed=args.seed)
+    lengths = [max(1, context + (i * 97) % 211 - 105) for i in range(batch)]
+    max_len = max(lengths) + steps * qlen
+    block_table, num_blocks = allocate_blocks(batch, max_len, args.block_size, seed=args.seed, device=device)
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    cache = (torch.randn(num_blocks, args.block_size, 576, device=device, generator=gen) / layer.kv_scale
+             ).to(torch.float8_e4m3fn)
+    md = DecodeMetadata.allocate(batch, sum(lengths) + batch * steps * qlen, qlen=qlen, block_size=args.block_size,
+                                 max_blocks=block_table.shape[1], device=device)
+    md.update_(torch.tensor(lengths, dtype=torch.int32, device=device), block_table)
+    hiddens = [torch.randn(batch * qlen, config.hidden_size, device=device, generator=gen).to(torch.bfloat16)
+               for _ in range(min(steps, 8))]
+
+    graphed = device.type == "cuda" and not args.eager
+    how = "eager"
+    with torch.no_grad():
+        if graphed:
+            fn = decode_step if args.no_compile else torch.compile(decode_step, fullgraph=True)
+            how = ("eager" if args.no_compile else "torch.compile'd") + " + CUDA graph"
+            print(f"capturing the decode step ({how}) ...", flush=True)
+            runner = GraphedStep(fn, layer, cache, md, hiddens[0])
+        else:
+            def runner(hidden):
+                return decode_step(layer, hidden, cache, md)
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+        print(f"kimi_ops demo: Kimi-K3 TP8 MLA decode layer ({config.num_heads} heads of {config.total_heads}, "
+              f"hidden {config.hidden_size}, q_lora {config.q_lora_rank}, NoPE, sigmoid gate, o_proj), "
+              f"{args.weights} W_UK/W_UV, fp8 cache, on {device} ({name})")
+        print(f"batch {batch} x qlen {qlen}, context {min(lengths)}..{max(lengths)} tokens "
+              f"(+{steps * qlen} over the run), block size {args.block_size}, {steps} steps, {how}, "
+              f"backend {dispatch.backend_for('mla_decode_splitkv', device)}")
+        check_at = sorted({0, steps - 1} | set(range(0, steps, args.check_every or steps)))
+        checks, seconds, tokens = [], [], []
+        events = []
+        for i in _progress(range(steps), steps, not args.no_progress):
+            hidden = hiddens[i % len(hiddens)]
+            if device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                out = runner(hidden)
+                end.record()
+                events.append((start, end))
+            else:
+                t0 = time.perf_counter()
+                out = runner(hidden)
+                seconds.append(time.perf_counter() - t0)
+            tokens.append(md.seq_lens.sum())    # a device scalar: no sync in the loop
+            if i in check_at:
+                ref = layer_float64(layer, hidden, cache, md)
+                checks.append((i, relative_error(out, ref)))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            seconds = [s.elapsed_time(e) * 1e-3 for s, e in events]
+    tokens = torch.stack(tokens).tolist()
+    med = statistics.median(seconds)
+    mean_tokens = sum(tokens) / len(tokens)
+    parts = step_bytes(layer, int(mean_tokens), batch * qlen)
+    total = sum(parts.values())
+    floor = total / HBM_BYTES_PER_S
+    print(f"step latency: median {_fmt(med)} (mean {_fmt(statistics.mean(seconds))}, "
+          f"min {_fmt(min(seconds))}, over {steps} steps)")
+    print(f"tokens/s: {batch * qlen / med:,.0f}")
+    print(f"bytes/step: {total / 1e6:.1f} MB (weights {parts['weights'] / 1e6:.1f}, KV {parts['kv'] / 1e6:.1f}, "
+          f"activations {parts['activations'] / 1e6:.2f}); effective {total / med / 1e12:.3f} TB/s; "
+          f"H200 floor {floor * 1e6:.1f} us at 4.31 TB/s -> {100 * floor / med:.2g}% of floor"
+          + ("" if device.type == "cuda" else " (the floor is the H200's; this ran on the CPU)"))
+    failed = False
+    for i, err in checks:
+        ok = err <= LAYER_RTOL
+        failed |= not ok
+        print(f"check step {i:>4}: rel L2 error vs float64 {err:.2e}  {'PASS' if ok else 'FAIL'}")
+    print(f"tolerance: rel L2 <= {LAYER_RTOL:g} (bf16 activations between the GEMMs; see tests/test_runtime.py)")
+    return 1 if failed else 0
+
+
+def run_demo(args) -> int:
+    """``python -m kimi_ops demo``: the layer job, or the attention table with ``--attention-only``."""
+    if args.attention_only:
+        args.batch = args.batch or 4
+        args.context = args.context or 300
+        return run_attention_demo(args)
+    return run_layer_demo(args)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--batch", type=int, default=4, help="decode requests (default 4)")
-    parser.add_argument("--context", type=int, default=300, help="about this many cached tokens a request")
-    parser.add_argument("--qlen", type=int, default=1, help="query positions a request (1..8)")
-    parser.add_argument("--heads", type=int, default=12, help="query heads (Kimi-K3 TP8: 12)")
-    parser.add_argument("--splits", type=int, default=None, help="num_splits (default: the host heuristic)")
+    parser.add_argument("--batch", type=int, default=None, help="decode requests (default 8; attention-only: 4)")
+    parser.add_argument("--context", type=int, default=None,
+                        help="about this many cached tokens a request (default 512; attention-only: 300)")
+    parser.add_argument("--qlen", type=int, default=1, help="query positions a request a step (1..8)")
+    parser.add_argument("--steps", type=int, default=32, help="decode steps (default 32)")
+    parser.add_argument("--weights", choices=("bf16", "mxfp4"), default="mxfp4", help="W_UK / W_UV format")
+    parser.add_argument("--block-size", type=int, default=16, help="KV cache block size (default 16)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed calls a backend (median)")
+    parser.add_argument("--eager", action="store_true", help="GPU: run eagerly, no CUDA graph")
+    parser.add_argument("--no-compile", action="store_true", help="GPU: capture the eager step (no torch.compile)")
+    parser.add_argument("--check-every", type=int, default=None, help="also check every N steps")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--seed", type=int, default=0)
+    attention = parser.add_argument_group("attention only (the earlier demo)")
+    attention.add_argument("--attention-only", action="store_true",
+                           help="just the decode attention on every backend here (the earlier table)")
+    attention.add_argument("--heads", type=int, default=12, help="query heads (Kimi-K3 TP8: 12)")
+    attention.add_argument("--splits", type=int, default=None, help="num_splits (default: the host heuristic)")
+    attention.add_argument("--repeats", type=int, default=5, help="timed calls a backend (median)")

@@ -1,0 +1,177 @@
+"""An MLA layer's decode step, split where the seeds' mono kernels split it.
+
+* :func:`pre`: the qkv_a GEMM (g_proj merged in or beside it), the q / kv RMSNorms,
+  q_b, RoPE where the config has it, W_UK absorbed into the query (M1a,
+  :func:`kimi_ops.mla_query`), this step's KV rows into the fp8 cache
+  (:func:`kimi_ops.mla_cache_write`), the output gate ``sigmoid(g_proj)``.
+* :func:`attend`: the attention over the latent cache (M1c + M1b, :func:`kimi_ops.mla_decode`).
+* :func:`post`: the W_UV up-projection (MXFP4 :func:`kimi_ops.bmm_a16wfp4` or a bf16 bmm)
+  times the gate: o_proj's input ``[T, H * v]`` bf16.
+
+``layer(module, hidden, kv_cache, md) = post(attend(pre(...)))``. Pure decode only
+(every query row a decode row). Every function is torch ops and kimi_ops custom ops
+with fixed shapes and no host sync, so the whole step compiles with
+``torch.compile(fullgraph=True)`` and replays in a CUDA graph.
+
+Decode context parallel (issue 6) plugs in at two marked places: the query
+all-gather over heads at the end of :func:`pre` and the LSE combine at the start of
+:func:`post` (the seeds' ``dcp_manager.query_gather`` / ``combine``); :func:`attend`
+then also passes the global ``seq_lens`` and the rank to the kernels.
+"""
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+from .. import ops
+from ..formats import KV_LORA_RANK, ROPE_DIM
+
+# --- the step's context (the seeds' get_attention_context, without vLLM) ---------------------
+
+_CONTEXT: list[tuple] = []
+
+
+@contextlib.contextmanager
+def step_context(md, kv_caches):
+    """Make ``md`` and the layers' caches the current step's: ``kv_caches`` is one cache
+    tensor (every layer's) or a dict ``{layer: cache}``. :func:`context` reads them."""
+    _CONTEXT.append((md, kv_caches))
+    try:
+        yield
+    finally:
+        _CONTEXT.pop()
+
+
+def context(layer):
+    """``(metadata, attention layer, kv_cache, slot_mapping)`` of the current step
+    (set by :func:`step_context`)."""
+    if not _CONTEXT:
+        raise RuntimeError("kimi_ops.runtime.mla.context: no step context; use mla.step_context(md, kv_caches) "
+                           "or pass kv_cache and md explicitly")
+    md, caches = _CONTEXT[-1]
+    kv_cache = caches[layer] if isinstance(caches, dict) else caches
+    return md, layer, kv_cache, md.slot_mapping
+
+
+# --- weights ----------------------------------------------------------------------------------
+
+def qkv_gate_weights(layer):
+    """fused_qkv_a's ``[q_lora + 576, hidden]`` and g_proj's ``[H * v, hidden]`` weights: row
+    slices of one ``[q_a | kv_a | gate]`` weight where the gate is merged in; the gate
+    ``None`` without one."""
+    w = layer.fused_qkv_a_proj.weight
+    if layer.g_proj is not None:
+        return w, layer.g_proj.weight
+    if not layer.merge_gate:
+        return w, None
+    n = layer.config.qkv_a_rows
+    return w[:n], w[n:]
+
+
+# --- pieces -----------------------------------------------------------------------------------
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in float32, one rounding back to x's dtype."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * weight.float()).to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """DeepSeek's rotary (interleaved pairs ``(2i, 2i+1)``, vLLM's ``is_neox_style=False``) of
+    ``x [T, ..., 64]`` at ``positions [T]``; float32 math, one rounding."""
+    freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]           # [T, 32]
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (freqs.shape[1],)
+    cos, sin = freqs.cos().view(shape), freqs.sin().view(shape)
+    xf = x.float()
+    x0, x1 = xf[..., 0::2], xf[..., 1::2]
+    out = torch.stack([x0 * cos - x1 * sin, x1 * cos + x0 * sin], dim=-1)
+    return out.flatten(-2).to(x.dtype)
+
+
+def pre(layer, hidden: torch.Tensor, kv_cache: torch.Tensor, md):
+    """``hidden``: input_layernorm's output ``[T, hidden]`` bf16. Writes this step's KV rows
+    (slots ``md.slot_mapping``) into ``kv_cache`` and returns ``(q, gate)``: M1a's bf16
+    query ``q [T, H, 576]`` and ``gate = sigmoid(g_proj(hidden)) [T, H * v]`` bf16
+    (``None`` without a gate)."""
+    c = layer.config
+    nope, rope = c.qk_nope_head_dim, c.qk_rope_head_dim
+    w_qkv = layer.fused_qkv_a_proj.weight
+    qkv = F.linear(hidden, w_qkv)                         # [T, q_lora + 576 (+ gate)]
+    if layer.g_proj is not None:
+        g = F.linear(hidden, layer.g_proj.weight)
+    elif layer.merge_gate:
+        qkv, g = qkv.split([c.qkv_a_rows, c.gate_rows], -1)
+    else:
+        g = None
+    q_c, kv_c, k_pe = qkv.split([c.q_lora_rank, KV_LORA_RANK, ROPE_DIM], -1)
+    q_c = rms_norm(q_c, layer.q_a_layernorm.weight, c.rms_norm_eps)
+    kv_c = rms_norm(kv_c, layer.kv_a_layernorm.weight, c.rms_norm_eps)
+    q = F.linear(q_c, layer.q_b_proj.weight).view(-1, layer.num_heads, nope + rope)
+    q_nope, q_pe = q.split([nope, rope], -1)
+    if c.rope:
+        q_pe = apply_rope(q_pe, md.positions, layer.rotary_inv_freq)
+        k_pe = apply_rope(k_pe, md.positions, layer.rotary_inv_freq)
+    q = ops.mla_query(q_nope, q_pe, layer.W_UK, layer.W_UK_scale)
+    ops.mla_cache_write(kv_c, k_pe, kv_cache, md.slot_mapping, layer.kv_scale)
+    if md.dcp_world_size > 1:                              # issue 6: gather the query over heads
+        q = _dcp_query_gather(layer, q)
+    gate = torch.sigmoid(g) if g is not None else None
+    return q, gate
+
+
+def attend(layer, q: torch.Tensor, kv_cache: torch.Tensor, md):
+    """The attention (M1c + M1b) of the query ``q [T, H, 576]`` over the cache:
+    ``(o [T, H, 512] bf16, lse [T, H] f32)``, softmax scale ``config.softmax_scale``,
+    ``kv_scale`` the layer's. (Issue 6 adds the DCP rank's partial and the AITER
+    fallback here.)"""
+    return ops.mla_decode(q, kv_cache, md.kv_indptr, md.kv_indices, qlen=md.qlen,
+                          scale=layer.config.softmax_scale, kv_scale=layer.kv_scale, num_splits=layer.num_splits)
+
+
+def m1c_inputs(layer, q: torch.Tensor, kv_cache: torch.Tensor, md, num_splits: int | None = None):
+    """M1c's inputs for M1a's query ``q [T, H, 576]`` and buffers of its partials:
+    ``(m1c_in, o_part [splits, T, H, 512] bf16, lse_part [splits, T, H] f32)``;
+    ``kimi_ops.mla_decode_splitkv(**m1c_in)`` computes the partials, ``kimi_ops.mla_merge``
+    merges them (M1b)."""
+    from .. import dispatch
+    splits = num_splits or layer.num_splits or dispatch.default_num_splits(
+        md.num_requests, q.shape[0], q.shape[1], md.max_tokens, q.device)
+    m1c_in = dict(q=q, kv_cache=kv_cache.view(-1, kv_cache.shape[-1]), kv_indptr=md.kv_indptr,
+                  kv_indices=md.kv_indices, qlen=md.qlen, scale=layer.config.softmax_scale,
+                  kv_scale=layer.kv_scale, num_splits=splits)
+    po = q.new_empty((splits, q.shape[0], q.shape[1], KV_LORA_RANK))
+    plse = torch.empty((splits, q.shape[0], q.shape[1]), dtype=torch.float32, device=q.device)
+    return m1c_in, po, plse
+
+
+def post(layer, o: torch.Tensor, lse: torch.Tensor, md, gate: torch.Tensor | None):
+    """o_proj's input ``[T, H * v]`` bf16: W_UV applied to each head's latent output, times the gate."""
+    latent = o
+    if md.dcp_world_size > 1:                              # issue 6: combine the ranks' partials by LSE
+        latent = _dcp_combine(layer, o, lse, md)
+    x = latent.transpose(0, 1)                             # [H, T, 512], a view
+    if layer.W_UV_scale is not None:
+        core = ops.bmm_a16wfp4(x, layer.W_UV, layer.W_UV_scale)      # [H, T, v]
+    else:
+        core = torch.bmm(x, layer.W_UV.transpose(1, 2))
+    core = core.transpose(0, 1).reshape(o.shape[0], -1)   # [T, H * v]
+    return core * gate if gate is not None else core
+
+
+def layer(module, hidden: torch.Tensor, kv_cache: torch.Tensor, md) -> torch.Tensor:
+    """One decode step: ``post(attend(pre(...)))``, o_proj's input ``[T, H * v]``."""
+    q, gate = pre(module, hidden, kv_cache, md)
+    o, lse = attend(module, q, kv_cache, md)
+    return post(module, o, lse, md, gate)
+
+
+# --- decode context parallel hooks (issue 6) ---------------------------------------------------
+
+def _dcp_query_gather(layer, q):
+    raise NotImplementedError("decode context parallel (query all-gather over heads) lands with issue 6")
+
+
+def _dcp_combine(layer, o, lse, md):
+    raise NotImplementedError("decode context parallel (LSE combine of the ranks' partials) lands with issue 6")
