@@ -137,7 +137,7 @@ def make_step(config, seq_lens, *, qlen=1, block_size=4, weights="bf16", seed=0,
             row = block_table[r, p // block_size] * block_size + p % block_size
             flat[row] = (torch.randn(KV_ROW, generator=gen) / layer.kv_scale).to(torch.float8_e4m3fn)
     md = build_decode_metadata(torch.tensor(seq_lens, dtype=torch.int32, device=device), block_table.to(device),
-                               block_size=block_size, qlen=qlen, max_tokens=sum(seq_lens) + 7)
+                               block_size=block_size, qlen=qlen, max_tokens=sum(seq_lens) + len(seq_lens) * spare + 7)
     hidden = torch.randn(len(seq_lens) * qlen, config.hidden_size, generator=gen).to(torch.bfloat16).to(device)
     return layer, cache.to(device), md, hidden, block_table
 

@@ -57,3 +57,14 @@ class GraphedStep:
             self.static_hidden.copy_(hidden)
         self.graph.replay()
         return self.static_out
+
+
+def mark_static(layer, kv_cache: torch.Tensor, md) -> None:
+    """Mark the layer's weights, the cache and the metadata buffers as static addresses, so
+    ``torch.compile(mode="reduce-overhead")`` (CUDA graph trees) neither copies them into its
+    own buffers each call nor refuses the graph because the step mutates them in place."""
+    mark = torch._dynamo.mark_static_address
+    for t in layer.buffers():
+        mark(t)
+    for t in (kv_cache, md.kv_indptr, md.kv_indices, md.seq_lens, md.slot_mapping, md.positions, md.block_table):
+        mark(t)

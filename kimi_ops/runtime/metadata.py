@@ -153,8 +153,9 @@ def _derive(seq_lens, block_table, *, block_size: int, qlen: int, max_tokens: in
     else:
         indices = torch.zeros(max_tokens, dtype=torch.int64, device=device)
 
-    req_q = torch.arange(num_requests, device=device).repeat_interleave(qlen)
-    pos = n.repeat_interleave(qlen) - qlen + torch.arange(qlen, device=device).repeat(num_requests)
+    t = torch.arange(num_requests * qlen, device=device)
+    req_q = torch.div(t, qlen, rounding_mode="floor")                   # query row t is request t // qlen's
+    pos = n[req_q] - qlen + t.remainder(qlen)                           # ... token at this position
     mine = (pos >= 0) & (pos.remainder(world) == rank)
     k_new = torch.div(pos.clamp_min(0), world, rounding_mode="floor")
     slots = torch.where(mine, rows_of(req_q, k_new), -1)
