@@ -1,0 +1,228 @@
+#!/usr/bin/env python3
+"""Benchmark the whole Kimi-K3 TP8 MLA decode layer on the GPU (H200).
+
+    python scripts/bench_layer.py [--out DIR] [--batches 1,8,32,64] [--context 8192] [--qlen 1]
+                                  [--weights mxfp4] [--budget SECONDS]
+
+Per batch size, the decode step (pre / attend / post + o_proj; the metadata is built once,
+outside) of:
+
+* ours, graph:        MLADecodeLayer (kimi_ops ops) eager, captured in a torch.cuda.CUDAGraph
+* ours, compiled+graph: the same step torch.compile'd (fullgraph) and captured
+* plain, eager:       the same layer in plain PyTorch (bf16 W_UK / W_UV as dequantized from the
+                      layer's, gather of the request's cache rows, fp8 -> bf16, masked softmax)
+* plain, compiled:    that, torch.compile'd (fullgraph, default mode)
+* plain, compiled+graph: that, captured in a CUDA graph
+
+Timing: CUDA-graph replays alternate between two independent sets (layer weights, cache,
+metadata), each larger than the 60 MB L2, so no replay finds its data in L2; median of the
+replays (CUDA events around each). Floor = (weight bytes + KV bytes + activations) /
+4.31 TB/s (kimi_ops.demo.step_bytes; the weights are ours: MXFP4 W_UK / W_UV).
+Compiles are skipped once ``--budget`` seconds have passed (they take tens of seconds each).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from kimi_ops.demo import HBM_BYTES_PER_S, step_bytes  # noqa: E402
+from kimi_ops.runtime import DecodeMetadata, MLAConfig, MLADecodeLayer, allocate_blocks, mla  # noqa: E402
+from kimi_ops.runtime.graph import GraphedStep  # noqa: E402
+
+
+# --- the same layer in plain PyTorch --------------------------------------------------------
+
+class PlainInputs:
+    """Padded per-request cache rows [R, L] (what a plain implementation gathers by) and lengths."""
+
+    def __init__(self, md: DecodeMetadata, max_len: int):
+        p = torch.arange(max_len, device=md.device)
+        bt = md.block_table.long()
+        self.rows = bt[:, p // md.block_size] * md.block_size + p % md.block_size      # [R, L]
+        self.lens = md.seq_lens.long()
+        self.slots = md.slot_mapping.clamp_min(0)
+
+
+def plain_weights(layer):
+    w_qkv, w_gate = mla.qkv_gate_weights(layer)
+    w_uk, w_uv = layer.dequantized_kv_b(torch.bfloat16)
+    return dict(qkv=w_qkv, gate=w_gate, qn=layer.q_a_layernorm.weight, kvn=layer.kv_a_layernorm.weight,
+                qb=layer.q_b_proj.weight, w_uk=w_uk, w_uv=w_uv, o=layer.o_proj.weight)
+
+
+def plain_layer(w, cfg: MLAConfig, kv_scale: float, hidden, kv_cache, pin: PlainInputs, qlen: int):
+    h, nope = cfg.num_heads, cfg.qk_nope_head_dim
+    qkv = F.linear(hidden, w["qkv"])
+    q_c, kv_c, k_pe = qkv.split([cfg.q_lora_rank, 512, 64], -1)
+    q_c = F.rms_norm(q_c.float(), (cfg.q_lora_rank,), w["qn"].float(), cfg.rms_norm_eps).to(hidden.dtype)
+    kv_c = F.rms_norm(kv_c.float(), (512,), w["kvn"].float(), cfg.rms_norm_eps).to(hidden.dtype)
+    q = F.linear(q_c, w["qb"]).view(-1, h, cfg.qk_head_dim)
+    q_lat = torch.einsum("thd,hdl->thl", q[..., :nope], w["w_uk"])
+    q_full = torch.cat([q_lat, q[..., nope:]], -1)                                    # [T, H, 576]
+    flat = kv_cache.view(-1, 576)
+    new = (torch.cat([kv_c, k_pe], -1).float() / kv_scale).clamp(-448, 448).to(flat.dtype)
+    flat.view(torch.uint8).index_copy_(0, pin.slots, new.view(torch.uint8))
+    r, L = pin.rows.shape
+    kv = flat[pin.rows].to(hidden.dtype)                                             # [R, L, 576]
+    s = torch.einsum("rihc,rlc->rihl", q_full.view(r, qlen, h, 576), kv).float() * (cfg.softmax_scale * kv_scale)
+    pos = torch.arange(L, device=hidden.device)
+    bound = pin.lens[:, None] - qlen + torch.arange(qlen, device=hidden.device)[None, :]   # [R, qlen]
+    mask = pos[None, None, :] <= bound[:, :, None]
+    s = s.masked_fill(~mask[:, :, None, :], float("-inf"))
+    p = torch.softmax(s, -1).to(hidden.dtype)
+    o = torch.einsum("rihl,rlc->rihc", p, kv[..., :512]) * kv_scale                  # [R, qlen, H, 512]
+    core = torch.einsum("thl,hvl->thv", o.reshape(-1, h, 512), w["w_uv"]).reshape(hidden.shape[0], -1)
+    core = core * torch.sigmoid(F.linear(hidden, w["gate"]))
+    return F.linear(core, w["o"])
+
+
+# --- timing ---------------------------------------------------------------------------------
+
+def time_alternating(runners, iters: int) -> float:
+    """Median seconds of a replay, alternating the runners (independent input sets)."""
+    for r in runners:
+        r()
+    torch.cuda.synchronize()
+    pairs = []
+    for i in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        runners[i % len(runners)]()
+        end.record()
+        pairs.append((start, end))
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) * 1e-3 for s, e in pairs)
+
+
+def make_set(cfg, weights, batch, context, qlen, seed, block_size=64, margin=256):
+    layer = MLADecodeLayer(cfg, weights=weights, device="cuda", seed=seed)
+    max_len = context + margin
+    bt, nblocks = allocate_blocks(batch, max_len, block_size, seed=seed, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    cache = (torch.randn(nblocks, block_size, 576, device="cuda", generator=gen) / layer.kv_scale
+             ).to(torch.float8_e4m3fn)
+    md = DecodeMetadata.allocate(batch, batch * max_len, qlen=qlen, block_size=block_size,
+                                 max_blocks=bt.shape[1], device="cuda")
+    md.update_(torch.full((batch,), context, dtype=torch.int32, device="cuda"), bt)
+    hidden = torch.randn(batch * qlen, cfg.hidden_size, device="cuda", generator=gen).to(torch.bfloat16)
+    return dict(layer=layer, cache=cache, md=md, hidden=hidden, plain_in=PlainInputs(md, context),
+                plain_w=plain_weights(layer))
+
+
+def ours_step(layer, hidden, kv_cache, md):
+    return layer(hidden, kv_cache, md)
+
+
+def bench_one(args, batch, started, log):
+    cfg = MLAConfig.kimi_k3(tp=8)
+    qlen = args.qlen
+    sets = [make_set(cfg, args.weights, batch, args.context, qlen, seed) for seed in (0, 1)]
+    layer0, md0 = sets[0]["layer"], sets[0]["md"]
+    parts = step_bytes(layer0, int(md0.seq_lens.sum()), batch * qlen)
+    floor = sum(parts.values()) / HBM_BYTES_PER_S
+    row = dict(batch=batch, context=args.context, qlen=qlen, weights=args.weights,
+               bytes=sum(parts.values()), floor_us=floor * 1e6)
+    compile_ok = time.time() - started < args.budget
+    compiled_ours = torch.compile(ours_step, fullgraph=True)
+
+    compiled_plain = torch.compile(plain_layer, fullgraph=True)
+
+    variants = {
+        "ours_graph": (ours_step, True, False),
+        "ours_compiled_graph": (compiled_ours, True, True),
+        "plain_eager": (None, False, False),
+        "plain_compiled": (compiled_plain, False, True),
+        "plain_compiled_graph": (compiled_plain, True, True),
+    }
+    outs = {}
+    with torch.no_grad():
+        for name, (fn, graphed, needs_compile) in variants.items():
+            if needs_compile and not compile_ok:
+                log(f"  {name}: skipped (compile budget spent)")
+                continue
+            t0 = time.time()
+            try:
+                if name.startswith("ours"):
+                    runners = [GraphedStep(fn, s["layer"], s["cache"], s["md"], s["hidden"]) for s in sets]
+                else:
+                    f = fn if fn is not None else plain_layer
+
+                    def call(s=None, f=f):
+                        return f(s["plain_w"], cfg, s["layer"].kv_scale, s["hidden"], s["cache"], s["plain_in"], qlen)
+                    if graphed:
+                        runners = [GraphedStep(lambda l, h, c, m, s=s, call=call: call(s), s["layer"], s["cache"],
+                                               s["md"], s["hidden"]) for s in sets]
+                    else:
+                        runners = [lambda s=s, call=call: call(s) for s in sets]
+                setup = time.time() - t0
+                sec = time_alternating(runners, args.iters)
+                outs[name] = runners[0]().clone()
+                row[f"{name}_us"] = sec * 1e6
+                log(f"  {name:<22} {sec * 1e6:9.1f} us  ({100 * floor / sec:5.1f}% of floor; setup {setup:.0f}s)")
+            except Exception as exc:  # noqa: BLE001 - report and go on
+                log(f"  {name}: FAILED {type(exc).__name__}: {str(exc)[:300]}")
+            compile_ok = time.time() - started < args.budget
+    if "ours_graph" in outs and "plain_eager" in outs:
+        a, b = outs["ours_graph"].double(), outs["plain_eager"].double()
+        row["ours_vs_plain_rel_diff"] = float((a - b).norm() / b.norm())
+    return row
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--batches", default="32,1,64,8", help="in this order (compiles stop at --budget)")
+    ap.add_argument("--context", type=int, default=8192)
+    ap.add_argument("--qlen", type=int, default=1)
+    ap.add_argument("--weights", choices=("bf16", "mxfp4"), default="mxfp4")
+    ap.add_argument("--iters", type=int, default=100)
+    ap.add_argument("--budget", type=float, default=240.0, help="seconds after which compiles are skipped")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_layer: needs a CUDA GPU")
+        return 1
+    started = time.time()
+    lines = []
+
+    def log(msg):
+        print(msg, flush=True)
+        lines.append(msg)
+
+    log(f"bench_layer: Kimi-K3 TP8 layer, {args.weights} W_UK/W_UV, context {args.context}, qlen {args.qlen}, "
+        f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    rows = []
+    for batch in [int(b) for b in args.batches.split(",")]:
+        log(f"batch {batch}:")
+        rows.append(bench_one(args, batch, started, log))
+        torch.cuda.empty_cache()
+    log("")
+    log("| batch | floor us | ours graph | ours compiled+graph | plain eager | plain compiled | plain compiled+graph "
+        "| best ours % of floor | plain compiled / best ours |")
+    log("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        def f(k):
+            return f"{r[k]:.1f}" if k in r else "-"
+        ours = min([r[k] for k in ("ours_graph_us", "ours_compiled_graph_us") if k in r], default=None)
+        pct = f"{100 * r['floor_us'] / ours:.0f}%" if ours else "-"
+        ratio = f"{r['plain_compiled_us'] / ours:.1f}x" if ours and "plain_compiled_us" in r else "-"
+        log(f"| {r['batch']} | {r['floor_us']:.1f} | {f('ours_graph_us')} | {f('ours_compiled_graph_us')} | "
+            f"{f('plain_eager_us')} | {f('plain_compiled_us')} | {f('plain_compiled_graph_us')} | {pct} | {ratio} |")
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench_layer.json"), "w") as fh:
+        json.dump(rows, fh, indent=1)
+    with open(os.path.join(args.out, "bench_layer.md"), "w") as fh:
+        fh.write("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
