@@ -147,17 +147,15 @@ def default_num_splits(num_requests: int, num_rows: int, num_heads: int, num_ind
                        device: torch.device) -> int:
     """A split count from shapes and the device alone (never device data).
 
-    Aims at two waves of CTAs over the multiprocessors, counting one CTA per
-    (request, 64 query rows, split), and keeps at least 256 tokens per split on
-    average (``num_indices / num_requests`` estimates a request's length; a
+    GPU tensors: the Triton kernel's heuristic (:func:`kimi_ops.kernels.attention.suggest_num_splits`:
+    about four programs per multiprocessor, at least 256 tokens per split on average,
+    at most 64), with ``num_indices / num_requests`` as a request's length (a
     fixed-capacity index buffer overestimates it, which only adds splits).
     CPU tensors: 1 (the reference gains nothing from splitting).
     """
     if device.type != "cuda" or num_requests == 0:
         return 1
-    rows_per_request = max(1, num_rows // num_requests) * num_heads
-    ctas_per_split = num_requests * -(-rows_per_request // 64)
-    target = 2 * _multiprocessor_count(device.index if device.index is not None else torch.cuda.current_device())
-    by_occupancy = -(-target // ctas_per_split)
-    by_length = max(1, num_indices // max(1, num_requests) // 256)
-    return max(1, min(64, by_occupancy, by_length))
+    from .kernels.attention import suggest_num_splits
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return suggest_num_splits(num_requests, max(1, num_rows // num_requests), num_heads, num_indices,
+                              _multiprocessor_count(index))

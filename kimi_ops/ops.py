@@ -70,11 +70,8 @@ def _splitkv_fake(q, kv_cache, kv_indptr, kv_indices, *, qlen, scale, kv_scale, 
 def _splitkv(q, kv_cache, kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits,
              seq_lens, dcp_rank, dcp_world_size):
     impl = dispatch.implementation("mla_decode_splitkv", q.device)
-    # the decode context parallel arguments travel only when they say something
-    dcp = {} if seq_lens is None and dcp_world_size == 1 else dict(
-        seq_lens=seq_lens, dcp_rank=dcp_rank, dcp_world_size=dcp_world_size)
     return impl(q.contiguous(), _flat_rows(kv_cache), kv_indptr, kv_indices, qlen, scale, kv_scale,
-                num_splits, **dcp)
+                num_splits, seq_lens, dcp_rank, dcp_world_size)
 
 
 def _splitkv_real(q, kv_cache, kv_indptr, kv_indices, *, qlen, scale, kv_scale, num_splits,

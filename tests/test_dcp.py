@@ -5,13 +5,17 @@ W * H heads, combines the partials, and must match the single-process attention
 of its own heads over the whole cache (the float64 oracle of conftest).
 """
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import kimi_ops
-from conftest import assert_attention_close, make_decode_case, oracle_decode
+from conftest import assert_attention_close, make_decode_case, oracle_decode, requires_cuda
 from kimi_ops.runtime import dcp
 
 HEADS_PER_RANK = 4
@@ -61,3 +65,34 @@ def test_combine_on_one_rank_and_bad_method():
     assert dcp.combine(o, lse, None)[0] is o                    # one rank: nothing to combine
     with pytest.raises(ValueError, match=r"method must be one of \('all_to_all', 'gather_reduce_scatter'\), got 'ring'"):
         dcp.combine(o, lse, None, method="ring")
+
+
+def check_shards_merge(device: str, world: int, qlen: int) -> None:
+    """Every rank's shard through the current backend, merged, against the oracle."""
+    case = make_decode_case([0, 1, world - 1, world, 2 * world + 5, 70], heads=12, qlen=qlen,
+                            seed=world + 17 * qlen, device=device)
+    seq_lens = torch.tensor(case.lengths, dtype=torch.int32, device=device)
+    outs, lses = [], []
+    for rank in range(world):
+        indptr, indices = local_shard(case, rank, world)
+        o, lse = kimi_ops.mla_decode(case.q, case.kv_cache, indptr.to(device), indices.to(device), num_splits=3,
+                                     seq_lens=seq_lens, dcp_rank=rank, dcp_world_size=world, **case.kwargs)
+        outs.append(o)
+        lses.append(lse)
+    assert_attention_close(*kimi_ops.mla_merge(torch.stack(outs), torch.stack(lses)), *oracle_decode(case))
+
+
+def test_dcp_bounds_in_the_triton_kernel_interpreted():
+    code = "import test_dcp; [test_dcp.check_shards_merge('cpu', w, q) for w, q in ((2, 1), (3, 2), (4, 4))]"
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.pathsep.join([os.path.dirname(here), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, TRITON_INTERPRET="1", KIMI_OPS_BACKEND="triton", CUDA_VISIBLE_DEVICES="", PYTHONPATH=path)
+    result = subprocess.run([sys.executable, "-c", code], cwd=here, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@requires_cuda
+@pytest.mark.parametrize("world,qlen", [(2, 1), (4, 3), (8, 2), (8, 8)])
+def test_dcp_bounds_in_the_gpu_kernel(world, qlen):
+    check_shards_merge("cuda", world, qlen)

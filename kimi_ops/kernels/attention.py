@@ -65,8 +65,8 @@ def _to_bf16(x, INTERP: tl.constexpr):
 
 @triton.jit
 def _split_kv_kernel(
-    q_ptr, kv_ptr, indptr_ptr, indices_ptr, o_ptr, lse_ptr,
-    T, H, N, qlen, num_splits,
+    q_ptr, kv_ptr, indptr_ptr, indices_ptr, seq_lens_ptr, o_ptr, lse_ptr,
+    T, H, N, qlen, num_splits, dcp_rank, dcp_world_size,
     qk_scale_log2,  # scale * kv_scale * log2(e)
     kv_scale,
     MMA_FP8: tl.constexpr,
@@ -76,6 +76,7 @@ def _split_kv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PREFETCH: tl.constexpr,
+    GLOBAL_LENS: tl.constexpr,  # seq_lens given: causal bounds in global (DCP) positions
 ):
     DC: tl.constexpr = 512
     DP: tl.constexpr = 64
@@ -91,8 +92,15 @@ def _split_kv_kernel(
     m_offs = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = m_offs < rows_per_req
     pos = m_offs // H
-    # visible count of each row (causal): n - qlen + pos + 1, clipped to [0, n]
-    lim = tl.minimum(tl.maximum(n - qlen + pos + 1, 0), n)
+    # visible count of each row (causal): local token j is global position j * W + rank and
+    # row pos sees global positions <= n_global - qlen + pos; one rank: n - qlen + pos + 1
+    if GLOBAL_LENS:
+        n_global = tl.load(seq_lens_ptr + pid_r)
+    else:
+        n_global = n
+    last = n_global - qlen + pos - dcp_rank
+    lim = tl.where(last >= 0, last // dcp_world_size + 1, 0)
+    lim = tl.minimum(lim, n)
     lim = tl.where(row_ok, lim, 0)
     hi_rows = tl.max(lim, axis=0)
 
@@ -319,8 +327,11 @@ def _kv_mode(kv_rows: torch.Tensor):
 
 
 def mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: float, kv_scale: float,
-                       num_splits: int):
-    """M1c. q [T, H, 576] bf16, kv_rows [N, 576] fp8 -> (o_part [S, T, H, 512] bf16, lse_part [S, T, H] f32)."""
+                       num_splits: int, seq_lens=None, dcp_rank: int = 0, dcp_world_size: int = 1):
+    """M1c. q [T, H, 576] bf16, kv_rows [N, 576] fp8 -> (o_part [S, T, H, 512] bf16, lse_part [S, T, H] f32).
+
+    ``seq_lens`` [R] int32 (global lengths), ``dcp_rank`` / ``dcp_world_size``: decode context
+    parallel, as :func:`kimi_ops.mla_decode_splitkv` documents."""
     assert q.dim() == 3 and q.shape[2] == HEAD_DIM and q.dtype == torch.bfloat16 and q.is_contiguous()
     assert kv_rows.dim() == 2 and kv_rows.shape[1] == HEAD_DIM and kv_rows.is_contiguous()
     assert kv_indptr.dtype == torch.int32 and kv_indices.dtype == torch.int32
@@ -340,11 +351,12 @@ def mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: floa
     grid = (triton.cdiv(qlen * H, bm), S, R)
     indices = kv_indices if kv_indices.numel() > 0 else kv_indptr  # never dereferenced when empty
     _split_kv_kernel[grid](
-        q, kv, kv_indptr, indices, o_part, lse_part,
-        T, H, kv_rows.shape[0], qlen, S,
+        q, kv, kv_indptr, indices, seq_lens if seq_lens is not None else kv_indptr, o_part, lse_part,
+        T, H, kv_rows.shape[0], qlen, S, dcp_rank, dcp_world_size,
         float(scale) * float(kv_scale) * LOG2E, float(kv_scale),
         MMA_FP8=(mma == "fp8"), KV_U8_FNUZ=u8_fnuz, FNUZ=fnuz, INTERP=_interpreting(),
-        BLOCK_M=bm, BLOCK_N=bn, PREFETCH=_prefetch(mma, bm), num_warps=warps, num_stages=stages,
+        BLOCK_M=bm, BLOCK_N=bn, PREFETCH=_prefetch(mma, bm), GLOBAL_LENS=seq_lens is not None,
+        num_warps=warps, num_stages=stages,
     )
     return o_part, lse_part
 
@@ -385,8 +397,9 @@ def suggest_num_splits(num_requests: int, qlen: int, num_heads: int, num_tokens:
 
 def _specs():
     specs = []
-    sig_common = {"indptr_ptr": "*i32", "indices_ptr": "*i32", "o_ptr": "*bf16", "lse_ptr": "*fp32",
-                  "T": "i32", "H": "i32", "N": "i32", "qlen": "i32", "num_splits": "i32",
+    sig_common = {"indptr_ptr": "*i32", "indices_ptr": "*i32", "seq_lens_ptr": "*i32", "o_ptr": "*bf16",
+                  "lse_ptr": "*fp32", "T": "i32", "H": "i32", "N": "i32", "qlen": "i32", "num_splits": "i32",
+                  "dcp_rank": "i32", "dcp_world_size": "i32",
                   "qk_scale_log2": "fp32", "kv_scale": "fp32"}
     variants = [("bf16", 16), ("bf16", 32), ("bf16", 64), ("fp8", 16), ("fp8", 32), ("fp8", 64)]
     for mma, rows in variants:
@@ -399,7 +412,8 @@ def _specs():
                        "u8fnuz": ("sm90",)}[fmt]
             sig = {"q_ptr": "*bf16", "kv_ptr": kvt, **sig_common}
             cx = {"MMA_FP8": mma == "fp8", "KV_U8_FNUZ": fmt == "u8fnuz", "FNUZ": fmt != "fn",
-                  "INTERP": False, "BLOCK_M": bm, "BLOCK_N": bn, "PREFETCH": _prefetch(mma, bm)}
+                  "INTERP": False, "BLOCK_M": bm, "BLOCK_N": bn, "PREFETCH": _prefetch(mma, bm),
+                  "GLOBAL_LENS": False}
             for kk in cx:
                 sig[kk] = "constexpr"
             specs.append(dict(name=f"splitkv_{mma}_{fmt}_m{bm}", kernel=_split_kv_kernel,
