@@ -112,7 +112,9 @@ def decode_float64(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale):
 
 def quantize_kv_rows(kv_c, k_pe, kv_scale, dtype):
     """The cache bytes of rows [kv_c | k_pe]: fp8(x / kv_scale) in float32 math, saturated."""
-    rows = torch.cat([kv_c, k_pe], dim=-1).to(torch.float32) / kv_scale
+    rows = torch.cat([kv_c, k_pe], dim=-1).to(torch.float32)
+    # a tensor divisor: CUDA turns division by a Python scalar into a multiply by its reciprocal
+    rows = rows / torch.full((), kv_scale, dtype=torch.float32, device=rows.device)
     bound = fp8_max(dtype)
     return rows.clamp(-bound, bound).to(dtype)
 
