@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: build kimi_ops (with kimi_ops._C), run every test (GPU tests
+# included), run the demo. Logs land in $OUT (or ./out). Carry .whl (expecttest) with the call:
+#   run(command="bash scripts/device_check.sh", carry=[".whl"])
+set -uo pipefail
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
+( time python3 -m pip install -q --no-build-isolation --no-deps -e . ) > "$OUT/build.log" 2>&1
+echo "build rc=$?" | tee -a "$OUT/build.log"
+python3 -c "import kimi_ops._C, torch; print(torch.ops.kimi_ops._build_info())" 2>&1 | tee -a "$OUT/build.log"
+python3 -m pytest -q -ra -n 8 tests ${PYTEST_ARGS:-} > "$OUT/pytest.log" 2>&1
+echo "pytest rc=$?" >> "$OUT/pytest.log"
+python3 -m kimi_ops demo ${DEMO_ARGS:-} > "$OUT/demo.log" 2>&1
+echo "demo rc=$?" >> "$OUT/demo.log"
+tail -n 30 "$OUT/pytest.log"
+cat "$OUT/demo.log"
