@@ -21,3 +21,9 @@ python3 -m kimi_ops demo ${DEMO_ARGS:-} > "$OUT/demo.log" 2>&1
 echo "demo rc=$?" >> "$OUT/demo.log"
 tail -n 30 "$OUT/pytest.log"
 cat "$OUT/demo.log"
+if [ -n "${PROFILE:-}" ] && command -v ncu >/dev/null; then
+    timeout 240 ncu --kernel-name regex:_split_kv_kernel --launch-skip 2 --launch-count 1 --set full \
+        --clock-control none --import-source no -f -o /tmp/prof python3 scripts/profile_attention.py > "$OUT/ncu_run.log" 2>&1
+    ncu --import /tmp/prof.ncu-rep --page details > "$OUT/ncu_details.txt" 2>&1
+    grep -iE "Duration|Memory Throughput|DRAM Throughput|Registers Per|Local|Achieved Occupancy|Theoretical Occupancy|Warp Cycles Per Issued|Block Limit|Shared Memory Configuration|Stall" "$OUT/ncu_details.txt" | head -40
+fi
