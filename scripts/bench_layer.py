@@ -103,6 +103,26 @@ def time_alternating(runners, iters: int) -> float:
     return statistics.median(s.elapsed_time(e) * 1e-3 for s, e in pairs)
 
 
+def profile(runners, log, iters: int = 20) -> None:
+    """Per-kernel GPU time of the replays (torch.profiler), the top kernels."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(iters):
+            runners[i % len(runners)]()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if t > 0:
+            rows.append((t / iters, e.count // iters, e.key))
+    rows.sort(reverse=True)
+    log(f"    profile of ours_graph, per replay (total {sum(r[0] for r in rows):.1f} us):")
+    for us, count, key in rows[:14]:
+        log(f"    {us:8.1f} us  x{count:<2} {key[:90]}")
+
+
 def make_set(cfg, weights, batch, context, qlen, seed, block_size=64, margin=256):
     layer = MLADecodeLayer(cfg, weights=weights, device="cuda", seed=seed)
     max_len = context + margin
@@ -143,6 +163,8 @@ def bench_one(args, batch, started, log):
         "plain_compiled": (compiled_plain, False, True),
         "plain_compiled_graph": (compiled_plain, True, True),
     }
+    if args.only_ours:
+        variants = {k: v for k, v in variants.items() if k.startswith("ours")}
     outs = {}
     with torch.no_grad():
         for name, (fn, graphed, needs_compile) in variants.items():
@@ -167,6 +189,8 @@ def bench_one(args, batch, started, log):
                 sec = time_alternating(runners, args.iters)
                 outs[name] = runners[0]().clone()
                 row[f"{name}_us"] = sec * 1e6
+                if args.profile and name == "ours_graph":
+                    profile(runners, log)
                 log(f"  {name:<22} {sec * 1e6:9.1f} us  ({100 * floor / sec:5.1f}% of floor; setup {setup:.0f}s)")
             except Exception as exc:  # noqa: BLE001 - report and go on
                 log(f"  {name}: FAILED {type(exc).__name__}: {str(exc)[:300]}")
@@ -186,6 +210,8 @@ def main(argv=None):
     ap.add_argument("--weights", choices=("bf16", "mxfp4"), default="mxfp4")
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--budget", type=float, default=240.0, help="seconds after which compiles are skipped")
+    ap.add_argument("--profile", action="store_true", help="per-kernel times of ours_graph (torch.profiler)")
+    ap.add_argument("--only-ours", action="store_true", help="skip the plain PyTorch layer")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_layer: needs a CUDA GPU")

@@ -351,3 +351,19 @@ def test_bad_arguments():
         MLADecodeLayer(MLAConfig.small(), weights="fp8")
     with pytest.raises(ValueError, match="bf16"):
         MLADecodeLayer(MLAConfig.small(), dtype=torch.float16)
+
+
+# --- loop helpers (also used by the compile and GPU tests) --------------------------------------
+
+def run_loop(step, layer, cache, md, hiddens):
+    """Outputs (clones) of ``step(hidden)`` over the hidden states, in order."""
+    outs = []
+    with torch.no_grad():
+        for hidden in hiddens:
+            outs.append(step(hidden).clone())
+    return outs
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
