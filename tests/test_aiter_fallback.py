@@ -81,3 +81,20 @@ def test_not_available_off_rocm():
     assert aiter_fallback.available() == (torch.version.hip is not None and
                                           __import__("importlib").util.find_spec("aiter") is not None)
     assert aiter_fallback.padded_heads(12) == 16 and aiter_fallback.padded_heads(128) == 128
+
+
+def test_layer_asks_for_aiter_only_where_it_exists(monkeypatch):
+    from kimi_ops.runtime import mla
+    from kimi_ops.runtime.config import MLAConfig
+    from kimi_ops.runtime.layer import MLADecodeLayer
+    if not aiter_fallback.available():
+        with pytest.raises(ValueError, match=r"attention='aiter' needs a ROCm torch with aiter importable"):
+            MLADecodeLayer(MLAConfig.small(), attention="aiter")
+    # attend routes to the glue when the layer asks for AITER (the glue itself checked above)
+    layer = MLADecodeLayer(MLAConfig.small())
+    layer.attention = "aiter"
+    seen = []
+    monkeypatch.setattr(aiter_fallback, "aiter_attend", lambda q, cache, md, **kw: seen.append(kw) or (q, None))
+    case = make_decode_case([3], heads=4)
+    mla.attend(layer, case.q, case.kv_cache, metadata_for(case))
+    assert seen == [dict(scale=layer.config.softmax_scale, kv_scale=layer.kv_scale, return_lse=False)]

@@ -17,6 +17,9 @@ import torch.multiprocessing as mp
 import kimi_ops
 from conftest import assert_attention_close, make_decode_case, oracle_decode, requires_cuda
 from kimi_ops.runtime import dcp
+from kimi_ops.runtime.config import MLAConfig
+from kimi_ops.runtime.layer import MLADecodeLayer, random_hf_weights
+from kimi_ops.runtime.metadata import allocate_blocks, build_decode_metadata
 
 HEADS_PER_RANK = 4
 
@@ -96,3 +99,61 @@ def test_dcp_bounds_in_the_triton_kernel_interpreted():
 @pytest.mark.parametrize("world,qlen", [(2, 1), (4, 3), (8, 2), (8, 8)])
 def test_dcp_bounds_in_the_gpu_kernel(world, qlen):
     check_shards_merge("cuda", world, qlen)
+
+
+# --- the whole layer under DCP ----------------------------------------------------------------
+
+LAYER_TOLERANCE = 1e-2
+"""Relative L2 between a DCP rank's layer output and the one-process layer's. Both run the
+same bf16 GEMMs; they differ in the attention's partials (per rank and per split, each
+rounded to bf16: ~1.7e-3 apiece, two of them) and in how W_UV and o_proj round what follows,
+so a few 1e-3; 1e-2 leaves room without hiding a wrong shard (which is off by O(1))."""
+
+
+def layer_rank(rank, world, init_file, qlen, steps, combine):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        every_head = MLAConfig(name="dcp_test", hidden_size=256, total_heads=2 * world, tp=1, q_lora_rank=128)
+        config = every_head.replace(tp=world)                     # 2 heads a rank
+        checkpoint = random_hf_weights(every_head, seed=0)        # unsharded: each rank takes its heads
+        sharded = MLADecodeLayer(config, seed=None, dcp_group=dist.group.WORLD, dcp_combine=combine)
+        sharded.load_weights(checkpoint, tp_rank=rank)
+        whole = MLADecodeLayer(config, seed=None).load_weights(checkpoint, tp_rank=rank)
+        requests, block_size = 3, 4
+        # requests start at different lengths: the first step's earlier tokens are history
+        history = [0, 1, world + 1]
+        max_len = max(history) + qlen * steps
+        block_table, num_blocks = allocate_blocks(requests, max_len, block_size, seed=1)
+        seq_lens = torch.tensor([h + qlen for h in history], dtype=torch.int32)
+        build = dict(block_size=block_size, qlen=qlen, max_tokens=requests * max_len)
+        md_rank = build_decode_metadata(seq_lens, block_table, dcp_world_size=world, dcp_rank=rank, **build)
+        md_whole = build_decode_metadata(seq_lens, block_table, **build)
+        cache_rank = sharded.new_kv_cache(num_blocks, block_size)
+        cache_whole = whole.new_kv_cache(num_blocks, block_size)
+        gen = torch.Generator().manual_seed(5)
+        for k, n in enumerate(history):                     # history rows, on whichever rank owns them
+            for p in range(n):
+                row = torch.randn(1, 576, generator=gen).to(torch.bfloat16)
+                slot_whole = block_table[k, p // block_size] * block_size + p % block_size
+                kimi_ops.mla_cache_write(row[:, :512], row[:, 512:], cache_whole, slot_whole.view(1), sharded.kv_scale)
+                local = p // world
+                slot = block_table[k, local // block_size] * block_size + local % block_size
+                slot = slot if p % world == rank else torch.tensor(-1)
+                kimi_ops.mla_cache_write(row[:, :512], row[:, 512:], cache_rank, slot.view(1), sharded.kv_scale)
+        for step in range(steps):
+            hidden = torch.randn(requests * qlen, 256, generator=gen).to(torch.bfloat16)
+            out, ref = sharded(hidden, cache_rank, md_rank), whole(hidden, cache_whole, md_whole)
+            err = float((out.double() - ref.double()).norm() / ref.double().norm())
+            assert err <= LAYER_TOLERANCE, f"rank {rank} step {step}: relative error {err:.2e}"
+            md_rank.advance_()
+            md_whole.advance_()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world,qlen,combine", [(2, 1, "all_to_all"), (2, 4, "gather_reduce_scatter"),
+                                                (4, 2, "all_to_all"), (8, 3, "all_to_all")])
+def test_dcp_layer_matches_one_process(tmp_path, monkeypatch, world, qlen, combine):
+    monkeypatch.setenv("KIMI_OPS_BACKEND", "reference")
+    mp.spawn(layer_rank, args=(world, str(tmp_path / "init"), qlen, 3, combine), nprocs=world, join=True)

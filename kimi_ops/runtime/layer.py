@@ -30,6 +30,7 @@ from torch import nn
 
 from .. import ops
 from ..formats import KV_LORA_RANK, ROPE_DIM
+from . import aiter_fallback, dcp
 from .config import MLAConfig
 
 WEIGHT_FORMATS = ("bf16", "mxfp4")
@@ -111,13 +112,17 @@ class MLADecodeLayer(nn.Module):
         merge_gate: keep g_proj's rows inside fused_qkv_a_proj (one GEMM).
         kv_scale: the fp8 cache's per-tensor scale (cache rows are ``fp8(x / kv_scale)``).
         num_splits: split-KV count for the attention (``None``: the ops' host heuristic).
-        dcp_group: a ``torch.distributed`` group for decode context parallel; placeholder
-            until issue 6 (a group of more than one rank raises ``NotImplementedError``).
+        dcp_group: a ``torch.distributed`` group for decode context parallel (``None``: one
+            rank). Build the step's metadata with ``dcp_world_size`` / ``dcp_rank`` of the group.
+        dcp_combine: how the ranks' partials are combined (:data:`kimi_ops.runtime.dcp.COMBINES`).
+        attention: ``'kimi_ops'`` (our kernels, every platform) or ``'aiter'`` (AITER's
+            ``mla_decode_fwd``; ROCm with ``aiter`` importable only, never run on AMD by us).
     """
 
     def __init__(self, config: MLAConfig | None = None, *, weights: str = "bf16", dtype=torch.bfloat16,
                  device="cpu", seed: int | None = 0, merge_gate: bool = True, kv_scale: float = 1.0 / 16,
-                 num_splits: int | None = None, dcp_group=None):
+                 num_splits: int | None = None, dcp_group=None, dcp_combine: str = "all_to_all",
+                 attention: str = "kimi_ops"):
         super().__init__()
         config = config or MLAConfig.kimi_k3()
         if weights not in WEIGHT_FORMATS:
@@ -131,9 +136,14 @@ class MLADecodeLayer(nn.Module):
         self.num_splits = num_splits
         self.merge_gate = bool(merge_gate and config.gate)
         self.dcp_group = dcp_group
-        if self.dcp_world_size > 1:
-            raise NotImplementedError("MLADecodeLayer: decode context parallel (dcp_group of more than one rank) "
-                                      "lands with issue 6; the hooks are mla.pre's query gather and mla.post's combine")
+        if dcp_combine not in dcp.COMBINES:
+            raise ValueError(f"MLADecodeLayer: dcp_combine must be one of {dcp.COMBINES}, got {dcp_combine!r}")
+        self.dcp_combine = dcp_combine
+        if attention not in ("kimi_ops", "aiter"):
+            raise ValueError(f"MLADecodeLayer: attention must be 'kimi_ops' or 'aiter', got {attention!r}")
+        if attention == "aiter" and not aiter_fallback.available():
+            raise ValueError("MLADecodeLayer: attention='aiter' needs a ROCm torch with aiter importable")
+        self.attention = attention
         c, h, dev = config, config.num_heads, torch.device(device)
 
         def zeros(*shape, dt=dtype):
@@ -165,10 +175,7 @@ class MLADecodeLayer(nn.Module):
     # --- properties ------------------------------------------------------------------------
     @property
     def dcp_world_size(self) -> int:
-        if self.dcp_group is None:
-            return 1
-        import torch.distributed as dist
-        return dist.get_world_size(self.dcp_group)
+        return dcp.world_and_rank(self.dcp_group)[0]
 
     @property
     def device(self) -> torch.device:

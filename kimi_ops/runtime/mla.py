@@ -4,7 +4,8 @@
   q_b, RoPE where the config has it, W_UK absorbed into the query (M1a,
   :func:`kimi_ops.mla_query`), this step's KV rows into the fp8 cache
   (:func:`kimi_ops.mla_cache_write`), the output gate ``sigmoid(g_proj)``.
-* :func:`attend`: the attention over the latent cache (M1c + M1b, :func:`kimi_ops.mla_decode`).
+* :func:`attend`: the attention over the latent cache (M1c + M1b, :func:`kimi_ops.mla_decode`;
+  AITER's ``mla_decode_fwd`` where the layer asks for it on ROCm, :mod:`.aiter_fallback`).
 * :func:`post`: the W_UV up-projection (MXFP4 :func:`kimi_ops.bmm_a16wfp4` or a bf16 bmm)
   times the gate: o_proj's input ``[T, H * v]`` bf16.
 
@@ -13,10 +14,11 @@
 with fixed shapes and no host sync, so the whole step compiles with
 ``torch.compile(fullgraph=True)`` and replays in a CUDA graph.
 
-Decode context parallel (issue 6) plugs in at two marked places: the query
-all-gather over heads at the end of :func:`pre` and the LSE combine at the start of
-:func:`post` (the seeds' ``dcp_manager.query_gather`` / ``combine``); :func:`attend`
-then also passes the global ``seq_lens`` and the rank to the kernels.
+Decode context parallel (:mod:`.dcp`, the layer's ``dcp_group``): :func:`pre` ends with
+the query all-gather over heads (H -> W * H), :func:`attend` computes this rank's
+partial over its shard with causal bounds in global positions, and :func:`post`
+starts with the LSE combine back to the rank's H heads (the seeds'
+``dcp_manager.query_gather`` / ``combine``).
 """
 
 import contextlib
@@ -26,6 +28,7 @@ import torch.nn.functional as F
 
 from .. import ops
 from ..formats import KV_LORA_RANK, ROPE_DIM
+from . import aiter_fallback, dcp
 
 # --- the step's context (the seeds' get_attention_context, without vLLM) ---------------------
 
@@ -115,8 +118,10 @@ def pre(layer, hidden: torch.Tensor, kv_cache: torch.Tensor, md):
         k_pe = apply_rope(k_pe, md.positions, layer.rotary_inv_freq)
     q = ops.mla_query(q_nope, q_pe, layer.W_UK, layer.W_UK_scale)
     ops.mla_cache_write(kv_c, k_pe, kv_cache, md.slot_mapping, layer.kv_scale)
-    if md.dcp_world_size > 1:                              # issue 6: gather the query over heads
-        q = _dcp_query_gather(layer, q)
+    if md.dcp_world_size != layer.dcp_world_size:
+        raise ValueError(f"kimi_ops.runtime.mla.pre: the metadata is built for DCP world size "
+                         f"{md.dcp_world_size}, the layer's group has {layer.dcp_world_size} ranks")
+    q = dcp.query_all_gather(q, layer.dcp_group)           # DCP: [T, H, 576] -> [T, W * H, 576]
     gate = torch.sigmoid(g) if g is not None else None
     return q, gate
 
@@ -124,10 +129,16 @@ def pre(layer, hidden: torch.Tensor, kv_cache: torch.Tensor, md):
 def attend(layer, q: torch.Tensor, kv_cache: torch.Tensor, md):
     """The attention (M1c + M1b) of the query ``q [T, H, 576]`` over the cache:
     ``(o [T, H, 512] bf16, lse [T, H] f32)``, softmax scale ``config.softmax_scale``,
-    ``kv_scale`` the layer's. (Issue 6 adds the DCP rank's partial and the AITER
-    fallback here.)"""
+    ``kv_scale`` the layer's. Under DCP, ``q`` holds every rank's heads and the result
+    is this rank's partial over its shard of the tokens (causal bounds in global
+    positions: ``md.seq_lens`` are global). ``layer.attention == "aiter"`` routes to
+    AITER's kernel (ROCm)."""
+    if layer.attention == "aiter":
+        return aiter_fallback.aiter_attend(q, kv_cache, md, scale=layer.config.softmax_scale,
+                                           kv_scale=layer.kv_scale, return_lse=md.dcp_world_size > 1)
     return ops.mla_decode(q, kv_cache, md.kv_indptr, md.kv_indices, qlen=md.qlen,
-                          scale=layer.config.softmax_scale, kv_scale=layer.kv_scale, num_splits=layer.num_splits)
+                          scale=layer.config.softmax_scale, kv_scale=layer.kv_scale, num_splits=layer.num_splits,
+                          seq_lens=md.seq_lens, dcp_rank=md.dcp_rank, dcp_world_size=md.dcp_world_size)
 
 
 def m1c_inputs(layer, q: torch.Tensor, kv_cache: torch.Tensor, md, num_splits: int | None = None):
@@ -148,9 +159,7 @@ def m1c_inputs(layer, q: torch.Tensor, kv_cache: torch.Tensor, md, num_splits: i
 
 def post(layer, o: torch.Tensor, lse: torch.Tensor, md, gate: torch.Tensor | None):
     """o_proj's input ``[T, H * v]`` bf16: W_UV applied to each head's latent output, times the gate."""
-    latent = o
-    if md.dcp_world_size > 1:                              # issue 6: combine the ranks' partials by LSE
-        latent = _dcp_combine(layer, o, lse, md)
+    latent, _ = dcp.combine(o, lse, layer.dcp_group, layer.dcp_combine)  # DCP: W * H -> H heads
     x = latent.transpose(0, 1)                             # [H, T, 512], a view
     if layer.W_UV_scale is not None:
         core = ops.bmm_a16wfp4(x, layer.W_UV, layer.W_UV_scale)      # [H, T, v]
@@ -165,13 +174,3 @@ def layer(module, hidden: torch.Tensor, kv_cache: torch.Tensor, md) -> torch.Ten
     q, gate = pre(module, hidden, kv_cache, md)
     o, lse = attend(module, q, kv_cache, md)
     return post(module, o, lse, md, gate)
-
-
-# --- decode context parallel hooks (issue 6) ---------------------------------------------------
-
-def _dcp_query_gather(layer, q):
-    raise NotImplementedError("decode context parallel (query all-gather over heads) lands with issue 6")
-
-
-def _dcp_combine(layer, o, lse, md):
-    raise NotImplementedError("decode context parallel (LSE combine of the ranks' partials) lands with issue 6")
