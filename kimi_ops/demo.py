@@ -228,6 +228,9 @@ def run_demo(args) -> int:
         args.batch = args.batch or 4
         args.context = args.context or 300
         return run_attention_demo(args)
+    if args.dcp > 1:
+        from .demo_dcp import run_dcp_demo
+        return run_dcp_demo(args)
     return run_layer_demo(args)
 
 
@@ -245,6 +248,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--check-every", type=int, default=None, help="also check every N steps")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dcp", type=int, default=1,
+                        help="decode context parallel over N ranks (NCCL with N GPUs, else gloo on the CPU), "
+                             "checked against one rank")
     attention = parser.add_argument_group("attention only (the earlier demo)")
     attention.add_argument("--attention-only", action="store_true",
                            help="just the decode attention on every backend here (the earlier table)")

@@ -40,3 +40,9 @@ def test_demo_attention_only_runs_triton_under_the_interpreter():
     assert result.returncode == 0, result.stdout + result.stderr
     rows = [line.split()[0] for line in result.stdout.splitlines() if line.endswith("PASS")]
     assert rows == ["triton", "reference"], result.stdout
+
+
+def test_demo_dcp_two_ranks_on_gloo():
+    result = run_demo("--dcp", "2", "--batch", "2", "--context", "40", "--steps", "2", "--device", "cpu")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "gloo" in result.stdout and result.stdout.count("PASS") == 2, result.stdout

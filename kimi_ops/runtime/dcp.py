@@ -33,6 +33,10 @@ from .. import ops
 
 COMBINES = ("all_to_all", "gather_reduce_scatter")
 
+# torch 2.13 renamed the tensor collectives (the old names warn there); 2.11-2.12 have the old ones
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def world_and_rank(group) -> tuple[int, int]:
     """(W, rank) of ``group``; (1, 0) when group is None."""
@@ -48,7 +52,7 @@ def query_all_gather(q: torch.Tensor, group) -> torch.Tensor:
         return q
     rows, heads, dim = q.shape
     gathered = q.new_empty((world * rows, heads, dim))       # rank w's query at rows w * T ..
-    dist.all_gather_into_tensor(gathered, q.contiguous(), group=group)
+    _all_gather(gathered, q.contiguous(), group=group)
     return gathered.view(world, rows, heads, dim).transpose(0, 1).reshape(rows, world * heads, dim)
 
 
@@ -81,13 +85,13 @@ def _combine_all_to_all(o, lse, group, world):
 
 def _combine_gather_reduce_scatter(o, lse, group, world, rank):
     every_lse = lse.new_empty((world * lse.shape[0], lse.shape[1]))
-    dist.all_gather_into_tensor(every_lse, lse.contiguous(), group=group)
+    _all_gather(every_lse, lse.contiguous(), group=group)
     total = torch.logsumexp(every_lse.view(world, *lse.shape), dim=0)  # [T, W * H]
     finite = torch.isfinite(total)
     weight = torch.where(finite, torch.exp(lse - torch.where(finite, total, 0.0)), 0.0)
     scaled = torch.where(weight[..., None] > 0, o.float() * weight[..., None], 0.0)
     by_owner = _by_owner(scaled, world)                                # [W, T, H, 512]
     mine = scaled.new_empty(by_owner.shape[1:])
-    dist.reduce_scatter_tensor(mine, by_owner.flatten(0, 1), group=group)
+    _reduce_scatter(mine, by_owner.flatten(0, 1), group=group)
     heads = lse.shape[1] // world
     return mine.to(torch.bfloat16), total[:, rank * heads:(rank + 1) * heads].contiguous()

@@ -1,0 +1,123 @@
+"""``python -m kimi_ops demo --dcp N``: the Kimi-K3 layer under decode context parallel.
+
+Spawns N ranks (NCCL, one GPU each, when N GPUs are present; else gloo on the CPU).
+Rank r holds TP rank r's 12 heads and the tokens at positions p with p % N == r; the
+replicated weights (fused_qkv_a, the norms) are the same on every rank. Every step,
+each rank runs the layer with the DCP group (query all-gather 12 -> 12 N heads, its
+shard's partial, LSE combine) and, beside it, the same weights as one rank over the
+whole cache; the two outputs must agree. Steps run eagerly (no graph capture across
+ranks here); rank 0 times them.
+"""
+
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+REPLICATED = ("fused_qkv_a_proj.weight", "q_a_layernorm.weight", "kv_a_layernorm.weight")
+DCP_RTOL = 1e-2   # rank vs one-process layer (the partials' extra bf16 roundings; tests/test_dcp.py)
+
+
+def rank_weights(config, rank: int, seed: int):
+    """TP rank ``rank``'s random weights; the replicated ones drawn from one seed for all ranks."""
+    from .runtime import random_hf_weights
+    weights = random_hf_weights(config, seed=seed + 1 + rank)
+    shared = random_hf_weights(config, seed=seed)
+    weights.update({name: shared[name] for name in REPLICATED})
+    return weights
+
+
+def history_slots(block_table, lengths, block_size, world=1, rank=0):
+    """(request, position, cache slot) of every history token on ``rank``: local token
+    k = p // world at ``block_table[r, k // block_size] * block_size + k % block_size``."""
+    rows = []
+    for r, n in enumerate(lengths):
+        p = torch.arange(rank, n, world)
+        k = p // world
+        slots = block_table[r, (k // block_size).to(block_table.device)].cpu().long() * block_size + k % block_size
+        rows.append((r, p, slots))
+    return rows
+
+
+def _rank_main(rank, world, init_file, use_nccl, opts, results):
+    from .runtime import DecodeMetadata, MLAConfig, MLADecodeLayer, allocate_blocks
+    from .ops import mla_cache_write
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    device = torch.device("cuda", rank) if use_nccl else torch.device("cpu")
+    if use_nccl:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if use_nccl else "gloo", init_method=f"file://{init_file}",
+                            rank=rank, world_size=world)
+    try:
+        batch, context, qlen, steps, block = opts["batch"], opts["context"], opts["qlen"], opts["steps"], 16
+        config = MLAConfig.kimi_k3(tp=8)
+        weights = rank_weights(config, rank, opts["seed"])
+        sharded = MLADecodeLayer(config, weights=opts["weights"], device=device, seed=None,
+                                 dcp_group=dist.group.WORLD).load_weights(weights)
+        whole = MLADecodeLayer(config, weights=opts["weights"], device=device, seed=None).load_weights(weights)
+        lengths = [max(1, context + (i * 97) % 211 - 105) for i in range(batch)]
+        max_len = max(lengths) + steps * qlen
+        block_table, num_blocks = allocate_blocks(batch, max_len, block, seed=opts["seed"], device=device)
+        mds, caches = {}, {}
+        for name, (w, r) in {"rank": (world, rank), "whole": (1, 0)}.items():
+            mds[name] = DecodeMetadata.allocate(batch, batch * max_len, qlen=qlen, block_size=block,
+                                                max_blocks=block_table.shape[1], device=device,
+                                                dcp_world_size=w, dcp_rank=r)
+            caches[name] = sharded.new_kv_cache(num_blocks, block)
+        gen = torch.Generator().manual_seed(opts["seed"])          # the same history on every rank
+        history = torch.randn(batch, max(lengths), 576, generator=gen).to(torch.bfloat16)
+        for name, (w, r) in {"rank": (world, rank), "whole": (1, 0)}.items():
+            for req, pos, slots in history_slots(block_table, lengths, block, w, r):
+                rows = history[req, pos].to(device)
+                mla_cache_write(rows[:, :512], rows[:, 512:], caches[name], slots.to(device), sharded.kv_scale)
+        seq_lens = torch.tensor(lengths, dtype=torch.int32, device=device) + qlen
+        for md in mds.values():
+            md.update_(seq_lens, block_table)
+        errors, seconds = [], []
+        with torch.no_grad():
+            for step in range(steps):
+                hidden = torch.randn(batch * qlen, config.hidden_size, generator=gen).to(torch.bfloat16).to(device)
+                if use_nccl:
+                    torch.cuda.synchronize(device)
+                dist.barrier()
+                start = time.perf_counter()
+                out = sharded(hidden, caches["rank"], mds["rank"])
+                if use_nccl:
+                    torch.cuda.synchronize(device)
+                seconds.append(time.perf_counter() - start)
+                ref = whole(hidden, caches["whole"], mds["whole"])
+                errors.append(float((out.double() - ref.double()).norm() / ref.double().norm()))
+                for md in mds.values():
+                    md.advance_()
+        gathered = [None] * world if rank == 0 else None
+        dist.gather_object((rank, max(errors), statistics.median(seconds)), gathered, dst=0)
+        if rank == 0:
+            results.put(gathered)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_dcp_demo(args) -> int:
+    world = args.dcp
+    use_nccl = args.device != "cpu" and torch.cuda.is_available() and torch.cuda.device_count() >= world
+    opts = dict(batch=args.batch or 4, context=args.context or 256, qlen=args.qlen, steps=min(args.steps, 8),
+                weights=args.weights, seed=args.seed)
+    print(f"kimi_ops demo --dcp {world}: Kimi-K3 TP8 layer, {world} ranks over "
+          f"{'NCCL (one GPU each)' if use_nccl else 'gloo (CPU)'}, batch {opts['batch']} x qlen {opts['qlen']}, "
+          f"context ~{opts['context']}, {opts['steps']} eager steps, {opts['weights']} W_UK/W_UV")
+    results = mp.get_context("spawn").SimpleQueue()
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_rank_main, args=(world, os.path.join(tmp, "init"), use_nccl, opts, results), nprocs=world)
+    failed = False
+    print(f"{'rank':>4} {'max rel L2 vs one rank':>24} {'step (eager)':>14}  check")
+    for rank, err, sec in sorted(results.get()):
+        ok = err <= DCP_RTOL
+        failed |= not ok
+        print(f"{rank:>4} {err:>24.2e} {sec * 1e3:>11.2f} ms  {'PASS' if ok else 'FAIL'}")
+    print(f"tolerance: rel L2 <= {DCP_RTOL:g} against the same weights as one rank over the whole cache")
+    return 1 if failed else 0

@@ -1,0 +1,76 @@
+"""DCP combine latency over NCCL: all-to-all + merge against all-gather + reduce-scatter.
+
+    torchrun --nproc-per-node W scripts/bench_dcp.py        (or: python scripts/bench_dcp.py --world W)
+
+Each rank holds partials o [T, W * 12, 512] bf16 and lse [T, W * 12] f32 (random, finite)
+and combines them to its own 12 heads; every method runs inside a CUDA graph of 20 calls,
+replayed 20 times, median per call. Rank 0 prints a markdown table.
+"""
+
+import argparse
+import os
+import statistics
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from kimi_ops.runtime import dcp
+
+HEADS = 12
+
+
+def time_method(method, o, lse, group, calls=20, replays=20):
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            dcp.combine(o, lse, group, method)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(calls):
+            dcp.combine(o, lse, group, method)
+    samples = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        dist.barrier()
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(samples)
+
+
+def worker(rank, world, rows_list):
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29561")
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    group = dist.group.WORLD
+    lines = []
+    for rows in rows_list:
+        o = torch.randn(rows, world * HEADS, 512, device="cuda").to(torch.bfloat16)
+        lse = torch.randn(rows, world * HEADS, device="cuda")
+        times = {m: time_method(m, o, lse, group) for m in dcp.COMBINES}
+        lines.append(f"| {world} | {rows} | " + " | ".join(f"{times[m]:.1f}" for m in dcp.COMBINES) + " |")
+    if rank == 0:
+        print(f"| W | T | " + " | ".join(f"{m} us" for m in dcp.COMBINES) + " |")
+        print("|---|---|" + "---|" * len(dcp.COMBINES))
+        print("\n".join(lines))
+    dist.destroy_process_group()
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--world", type=int, default=torch.cuda.device_count())
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 128])
+    args = parser.parse_args()
+    if "RANK" in os.environ:
+        worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args.rows)
+    else:
+        mp.spawn(worker, args=(args.world, args.rows), nprocs=args.world)
+
+
+if __name__ == "__main__":
+    main()
