@@ -21,6 +21,13 @@ python3 -m kimi_ops demo ${DEMO_ARGS:-} > "$OUT/demo.log" 2>&1
 echo "demo rc=$?" >> "$OUT/demo.log"
 tail -n 30 "$OUT/pytest.log"
 cat "$OUT/demo.log"
+GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())")
+if [ "$GPUS" -ge 2 ]; then
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+    timeout 180 python3 -m kimi_ops demo --dcp "$GPUS" > "$OUT/demo_dcp.log" 2>&1; echo "demo --dcp rc=$?" >> "$OUT/demo_dcp.log"
+    timeout 120 python3 scripts/bench_dcp.py --world "$GPUS" > "$OUT/bench_dcp.log" 2>&1; echo "bench_dcp rc=$?" >> "$OUT/bench_dcp.log"
+    grep -vE "Warning|warn|return func" "$OUT/demo_dcp.log" "$OUT/bench_dcp.log" | tail -n 20
+fi
 if [ -n "${PROFILE:-}" ] && command -v ncu >/dev/null; then
     timeout 240 ncu --kernel-name regex:_split_kv_kernel --launch-skip 2 --launch-count 1 --set full \
         --clock-control none --import-source no -f -o /tmp/prof python3 scripts/profile_attention.py > "$OUT/ncu_run.log" 2>&1
