@@ -21,6 +21,7 @@ that cannot run here raises a ``RuntimeError`` saying why.
 
 import functools
 import importlib
+import importlib.util
 import os
 from collections.abc import Callable
 
@@ -75,11 +76,10 @@ def _load(target: str) -> Callable:
 
 @functools.cache
 def triton_unavailable_reason() -> str | None:
-    """None if Triton can be imported, else why not."""
-    try:
-        import triton  # noqa: F401
-    except ImportError as exc:
-        return f"triton cannot be imported ({exc})"
+    """None if Triton is installed, else why not. (Looked up, not imported: importing
+    Triton freezes TRITON_INTERPRET's meaning for the process.)"""
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed"
     return None
 
 

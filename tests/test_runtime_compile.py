@@ -8,6 +8,7 @@
 GPU versions (the >= 100-step loop under CUDA graphs): tests/test_runtime_gpu.py.
 """
 
+import operator
 import os
 import textwrap
 
@@ -20,8 +21,12 @@ from kimi_ops.runtime.graph import decode_step
 from test_runtime import SMALL, check_step, make_step, rel, run_loop
 
 def op_name(node) -> str:
+    """A node's target, spelled the same across torch 2.11-2.14 (older Dynamo records
+    ``x == y`` as the method ``.__eq__``, newer as the function ``eq``)."""
     t = node.target
     if node.op == "call_method":
+        if t.startswith("__") and t.endswith("__") and hasattr(operator, t.strip("_")):
+            return t.strip("_")
         return f".{t}"
     if isinstance(t, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         return str(t)

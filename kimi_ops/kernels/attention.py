@@ -19,8 +19,6 @@ O += (P_hi + P_lo) V as fp8 x fp8 dots.  ``MMA="bf16"``: the K tile is converted
 (exact) and both products run as bf16 dots.  ``KV_U8_FNUZ``: an e4m3fnuz cache on a backend
 without that type (NVIDIA) is read as bytes and decoded in the kernel (bf16 dots).
 """
-from __future__ import annotations
-
 import math
 import os
 
@@ -64,6 +62,15 @@ def _to_bf16(x, INTERP: tl.constexpr):
 
 
 @triton.jit
+def _visible_tokens(n, n_global, qlen, pos, dcp_rank, dcp_world_size):
+    """Tokens (of the n listed) that query position ``pos`` sees: the listed token j is global
+    position ``j * W + rank`` and position pos sees global positions ``<= n_global - qlen + pos``
+    (one rank: ``n - qlen + pos + 1``, clipped to [0, n])."""
+    last = n_global - qlen + pos - dcp_rank
+    return tl.minimum(tl.where(last >= 0, last // dcp_world_size + 1, 0), n)
+
+
+@triton.jit
 def _split_kv_kernel(
     q_ptr, kv_ptr, indptr_ptr, indices_ptr, seq_lens_ptr, o_ptr, lse_ptr,
     T, H, N, qlen, num_splits, dcp_rank, dcp_world_size,
@@ -77,6 +84,7 @@ def _split_kv_kernel(
     BLOCK_N: tl.constexpr,
     PREFETCH: tl.constexpr,
     GLOBAL_LENS: tl.constexpr,  # seq_lens given: causal bounds in global (DCP) positions
+    INTERP_STEPS: tl.constexpr,  # interpreter: a fixed trip count (Triton 3.6's cannot loop to a runtime bound)
 ):
     DC: tl.constexpr = 512
     DP: tl.constexpr = 64
@@ -92,17 +100,15 @@ def _split_kv_kernel(
     m_offs = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = m_offs < rows_per_req
     pos = m_offs // H
-    # visible count of each row (causal): local token j is global position j * W + rank and
-    # row pos sees global positions <= n_global - qlen + pos; one rank: n - qlen + pos + 1
     if GLOBAL_LENS:
         n_global = tl.load(seq_lens_ptr + pid_r)
     else:
         n_global = n
-    last = n_global - qlen + pos - dcp_rank
-    lim = tl.where(last >= 0, last // dcp_world_size + 1, 0)
-    lim = tl.minimum(lim, n)
-    lim = tl.where(row_ok, lim, 0)
-    hi_rows = tl.max(lim, axis=0)
+    lim = tl.where(row_ok, _visible_tokens(n, n_global, qlen, pos, dcp_rank, dcp_world_size), 0)
+    # the block's last row sees the most (a scalar, not a reduction: Triton 3.6's interpreter
+    # cannot take a loop bound from a reduction)
+    last_pos = (tl.minimum(pid_m * BLOCK_M + BLOCK_M, rows_per_req) - 1) // H
+    hi_rows = _visible_tokens(n, n_global, qlen, last_pos, dcp_rank, dcp_world_size)
 
     chunk = tl.cdiv(tl.cdiv(n, num_splits), BLOCK_N) * BLOCK_N
     lo = pid_s * chunk
@@ -169,7 +175,9 @@ def _split_kv_kernel(
         tok2 = lo + BLOCK_N + offs_n
         idx_nx = tl.load(indices_ptr + start + tok2, mask=tok2 < hi, other=-1).to(tl.int64)
 
-    for j0 in range(lo, hi, BLOCK_N):
+    # the interpreter's trip count is >= the split's tiles (the extra ones are fully masked)
+    for step in range(0, INTERP_STEPS if INTERP_STEPS > 0 else tl.cdiv(hi - lo, BLOCK_N)):
+        j0 = lo + step * BLOCK_N
         tok = j0 + offs_n
         tok_ok = tok < hi
         if PREFETCH:
@@ -247,6 +255,7 @@ def _merge_kernel(
     o_part_ptr, lse_part_ptr, o_ptr, lse_ptr,
     TH, S,
     BLOCK_R: tl.constexpr,
+    INTERP_SPLITS: tl.constexpr,  # interpreter: S as a constant (Triton 3.6's cannot loop to a runtime bound)
     INTERP: tl.constexpr,
 ):
     DC: tl.constexpr = 512
@@ -258,7 +267,7 @@ def _merge_kernel(
     m = tl.zeros([BLOCK_R], dtype=tl.float32) - float("inf")
     l = tl.zeros([BLOCK_R], dtype=tl.float32)
     acc = tl.zeros([BLOCK_R, DC], dtype=tl.float32)
-    for s in range(0, S):
+    for s in range(0, INTERP_SPLITS if INTERP_SPLITS > 0 else S):
         base = s * TH + rows64
         lse_s = tl.load(lse_part_ptr + base, mask=rows_ok, other=float("-inf"))
         live = lse_s > float("-inf")
@@ -315,6 +324,15 @@ def _prefetch(mma: str, bm: int) -> bool:
     return mma == "bf16" and bm <= 32
 
 
+def _interpreter_steps(kv_indptr: torch.Tensor, block_n: int) -> int:
+    """Under the interpreter (CPU tensors, host reads are free): tiles of the longest request,
+    a trip count every split's loop fits in. Compiled: 0 (the loop bound is computed on the device)."""
+    if not _interpreting() or kv_indptr.numel() < 2:
+        return 0
+    longest = int((kv_indptr[1:] - kv_indptr[:-1]).max())
+    return max(1, -(-longest // block_n))
+
+
 def _kv_mode(kv_rows: torch.Tensor):
     """(tensor to pass, KV_U8_FNUZ, FNUZ)."""
     if kv_rows.dtype == torch.float8_e4m3fn:
@@ -356,6 +374,7 @@ def mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: floa
         float(scale) * float(kv_scale) * LOG2E, float(kv_scale),
         MMA_FP8=(mma == "fp8"), KV_U8_FNUZ=u8_fnuz, FNUZ=fnuz, INTERP=_interpreting(),
         BLOCK_M=bm, BLOCK_N=bn, PREFETCH=_prefetch(mma, bm), GLOBAL_LENS=seq_lens is not None,
+        INTERP_STEPS=_interpreter_steps(kv_indptr, bn),
         num_warps=warps, num_stages=stages,
     )
     return o_part, lse_part
@@ -373,6 +392,7 @@ def mla_merge(o_part, lse_part):
         return o, lse
     br = 4
     _merge_kernel[(triton.cdiv(TH, br),)](o_part, lse_part, o, lse, TH, S, BLOCK_R=br,
+                                        INTERP_SPLITS=S if _interpreting() else 0,
                                         INTERP=_interpreting(), num_warps=4)
     return o, lse
 
@@ -413,7 +433,7 @@ def _specs():
             sig = {"q_ptr": "*bf16", "kv_ptr": kvt, **sig_common}
             cx = {"MMA_FP8": mma == "fp8", "KV_U8_FNUZ": fmt == "u8fnuz", "FNUZ": fmt != "fn",
                   "INTERP": False, "BLOCK_M": bm, "BLOCK_N": bn, "PREFETCH": _prefetch(mma, bm),
-                  "GLOBAL_LENS": False}
+                  "GLOBAL_LENS": False, "INTERP_STEPS": 0}
             for kk in cx:
                 sig[kk] = "constexpr"
             specs.append(dict(name=f"splitkv_{mma}_{fmt}_m{bm}", kernel=_split_kv_kernel,
@@ -422,8 +442,8 @@ def _specs():
     specs.append(dict(name="merge_r4", kernel=_merge_kernel,
                       signature={"o_part_ptr": "*bf16", "lse_part_ptr": "*fp32", "o_ptr": "*bf16",
                                  "lse_ptr": "*fp32", "TH": "i32", "S": "i32", "BLOCK_R": "constexpr",
-                                 "INTERP": "constexpr"},
-                      constexprs={"BLOCK_R": 4, "INTERP": False}, num_warps=4, num_stages=1))
+                                 "INTERP_SPLITS": "constexpr", "INTERP": "constexpr"},
+                      constexprs={"BLOCK_R": 4, "INTERP": False, "INTERP_SPLITS": 0}, num_warps=4, num_stages=1))
     return specs
 
 

@@ -8,8 +8,6 @@ saturates to the format's finite max and gives the same bytes as torch's
 the NVIDIA backend has no e4m3fnuz type).  The store goes through a uint8 view of
 the cache, so e4m3fn and e4m3fnuz caches are written by the same kernel anywhere.
 """
-from __future__ import annotations
-
 import torch
 import triton
 import triton.language as tl

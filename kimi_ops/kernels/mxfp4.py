@@ -23,8 +23,6 @@ has ``2|v| = m`` when E = 0 else ``(2 + m) << (E - 1)``, an integer 0..12; the b
 value is ``2|v| * 2^(s - 128)`` with the scale byte s built as float32 bits (s = 0, 1 are
 the float32 subnormals 2^-128, 2^-127; s = 0xFF is NaN, as in the reference).
 """
-from __future__ import annotations
-
 import os
 
 import torch

@@ -12,8 +12,6 @@ also copy the rows' q_pe into columns ``L .. L + P``. **Pad heads** (``H <= h < 
 written as all zeros (latent and rope parts), by the same launch. D, L and P are generic (any
 D with D % 32 == 0 for MXFP4; any L, P), the block sizes are powers of two with masks.
 """
-from __future__ import annotations
-
 import torch
 import triton
 import triton.language as tl
