@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Benchmark bmm_a16wfp4 and mla_query (M1a) on Kimi-K3 TP8 shapes against torch's bf16 bmm.
 
-    python scripts/bench_query.py [--out docs/PERF_query.md] [--sweep]
+    python scripts/bench_query.py [--out query_table.md] [--sweep]
 
 Shapes: 12 heads; W_UK [12, 512 out, 128 in] (x = q_nope.transpose(0, 1), read in place),
 W_UV [12, 128 out, 512 in] (x = o.transpose(0, 1)); T (rows) in 1, 8, 64, 256, 512.

@@ -173,7 +173,7 @@ def use_dot_scaled(device: torch.device) -> bool:
 
 def bmm_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) from shapes alone."""
-    # measured on the H200 (docs/PERF_query.md's sweep), Kimi-K3 TP8 shapes
+    # measured on the H200 (docs/PERF.md, query section's sweep), Kimi-K3 TP8 shapes
     if m >= 256:
         return (128, 128, 64, 8, 3) if n >= 256 else (64, 64, 128, 4, 3)
     bm = 16 if m <= 16 else 32 if m <= 32 else 64
@@ -200,7 +200,7 @@ def bmm_a16wfp4(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,
         return y.zero_()
     bm, bn, bk, warps, stages = config or bmm_config(m, n, k)
     # BLOCK_K beyond K's power of two only wastes work; and an (untuned) BLOCK_K = 4 K config
-    # once faulted on the H200 under Triton 3.6 (docs/PERF_query.md): never launch one.
+    # once faulted on the H200 under Triton 3.6 (docs/PERF.md, query section): never launch one.
     bk = min(bk, max(32, triton.next_power_of_2(k)))
     ds = use_dot_scaled(x.device) if dot_scaled is None else dot_scaled
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), batch)
