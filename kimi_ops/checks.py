@@ -156,12 +156,12 @@ def check_query_args(op: str, q_nope, q_pe, w_uk, w_uk_scale, pad_heads) -> None
     heads, nope = q_nope.shape[1], q_nope.shape[2]
     if w_uk_scale is None:
         check_tensor(op, "w_uk", w_uk, ndim=3, dtypes=(torch.bfloat16,),
-                     what=f"a bf16 [H, D, L] tensor (or uint8 MXFP4 with w_uk_scale)")
+                     what="a bf16 [H, D, L] tensor (or uint8 MXFP4 with w_uk_scale)")
         if w_uk.shape[0] != heads or w_uk.shape[1] != nope:
             fail(op, "w_uk", f"a bf16 [{heads}, {nope}, L] tensor (q_nope's H, D)", _describe(w_uk))
     else:
         check_tensor(op, "w_uk", w_uk, ndim=3, dtypes=(torch.uint8,),
-                     what=f"an MXFP4 uint8 [H, L, D/2] tensor (with w_uk_scale given)")
+                     what="an MXFP4 uint8 [H, L, D/2] tensor (with w_uk_scale given)")
         check_mxfp4_weight(op, w_uk, w_uk_scale, packed_name="w_uk", scale_name="w_uk_scale")
         if w_uk.shape[0] != heads or w_uk.shape[2] * 2 != nope:
             fail(op, "w_uk", f"an MXFP4 uint8 [{heads}, L, {nope // 2}] tensor (q_nope's H, D/2)",

@@ -11,6 +11,7 @@ backend that can run here, each checked against the float64 reference (the earli
 """
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -79,7 +80,7 @@ def run_attention_demo(args) -> int:
             os.environ[dispatch.ENV_VAR] = backend
             splits = args.splits or dispatch.default_num_splits(
                 args.batch, work.q.shape[0], args.heads, work.num_tokens, device)
-            call = lambda: ops.mla_decode(*work.decode_args(), num_splits=splits, **work.decode_kwargs())  # noqa: E731
+            call = functools.partial(ops.mla_decode, *work.decode_args(), num_splits=splits, **work.decode_kwargs())
             o, lse = call()
             rel, lse_err, pattern = errors(o, lse, o_ref, lse_ref)
             ok = rel <= RTOL and lse_err <= LSE_ATOL and pattern

@@ -80,7 +80,7 @@ def _rank_main(rank, world, init_file, use_nccl, opts, results):
             md.update_(seq_lens, block_table)
         errors, seconds = [], []
         with torch.no_grad():
-            for step in range(steps):
+            for _ in range(steps):
                 hidden = torch.randn(batch * qlen, config.hidden_size, generator=gen).to(torch.bfloat16).to(device)
                 if use_nccl:
                     torch.cuda.synchronize(device)

@@ -20,7 +20,6 @@ import math
 import os
 import statistics
 import sys
-import time
 
 import torch
 
@@ -226,7 +225,7 @@ def main(argv=None):
                 hbm=HBM, fp8_rate=FP8_RATE, peers=["naive torch"] if not args.no_naive else [])
     with open(os.path.join(args.out, f"bench_attention{args.tag}.json"), "w") as f:
         json.dump(dict(meta=meta, results=results), f, indent=1)
-    md = [f"| shape | splits | floor us | " + " | ".join(f"{m} us" for m in mmas)
+    md = ["| shape | splits | floor us | " + " | ".join(f"{m} us" for m in mmas)
           + " | splitkv us | TB/s (KV) | % floor | % floor (splitkv only) | naive us | x naive |",
           "|" + "---|" * (9 + len(mmas))]
     for r in results:

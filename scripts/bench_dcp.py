@@ -55,7 +55,7 @@ def worker(rank, world, rows_list):
         times = {m: time_method(m, o, lse, group) for m in dcp.COMBINES}
         lines.append(f"| {world} | {rows} | " + " | ".join(f"{times[m]:.1f}" for m in dcp.COMBINES) + " |")
     if rank == 0:
-        print(f"| W | T | " + " | ".join(f"{m} us" for m in dcp.COMBINES) + " |")
+        print("| W | T | " + " | ".join(f"{m} us" for m in dcp.COMBINES) + " |")
         print("|---|---|" + "---|" * len(dcp.COMBINES))
         print("\n".join(lines))
     dist.destroy_process_group()

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import kimi_ops
-from conftest import KV_ROW, assert_attention_close, make_decode_case, oracle_decode
+from conftest import assert_attention_close, make_decode_case, oracle_decode
 
 
 @pytest.fixture(autouse=True)

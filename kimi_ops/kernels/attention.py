@@ -19,7 +19,6 @@ O += (P_hi + P_lo) V as fp8 x fp8 dots.  ``MMA="bf16"``: the K tile is converted
 (exact) and both products run as bf16 dots.  ``KV_U8_FNUZ``: an e4m3fnuz cache on a backend
 without that type (NVIDIA) is read as bytes and decoded in the kernel (bf16 dots).
 """
-import math
 import os
 
 import torch
