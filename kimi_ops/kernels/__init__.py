@@ -9,6 +9,14 @@ gfx950 / gfx942 / sm90 without a GPU.  Modules are listed in
 ``CROSS_COMPILE_MODULES`` below (missing ones are skipped).
 """
 
+import os
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its interpreter (``TRITON_INTERPRET=1``: CPU tensors)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 CROSS_COMPILE_MODULES = (
     "kimi_ops.kernels.attention",
     "kimi_ops.kernels.cache",

@@ -25,17 +25,11 @@ import torch
 import triton
 import triton.language as tl
 
+from ..formats import KV_LORA_RANK, KV_ROW
+from . import interpreting
 from .cache import fp8_bits
 
-HEAD_DIM = 576
-KV_LORA = 512
-ROPE = 64
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
@@ -326,7 +320,7 @@ def _prefetch(mma: str, bm: int) -> bool:
 def _interpreter_steps(kv_indptr: torch.Tensor, block_n: int) -> int:
     """Under the interpreter (CPU tensors, host reads are free): tiles of the longest request,
     a trip count every split's loop fits in. Compiled: 0 (the loop bound is computed on the device)."""
-    if not _interpreting() or kv_indptr.numel() < 2:
+    if not interpreting() or kv_indptr.numel() < 2:
         return 0
     longest = int((kv_indptr[1:] - kv_indptr[:-1]).max())
     return max(1, -(-longest // block_n))
@@ -337,7 +331,7 @@ def _kv_mode(kv_rows: torch.Tensor):
     if kv_rows.dtype == torch.float8_e4m3fn:
         return kv_rows, False, False
     if kv_rows.dtype == torch.float8_e4m3fnuz:
-        if _interpreting() or torch.version.hip is not None:
+        if interpreting() or torch.version.hip is not None:
             return kv_rows, False, True
         return kv_rows.view(torch.uint8), True, True
     raise TypeError(f"kv_rows must be float8_e4m3fn or float8_e4m3fnuz, got {kv_rows.dtype}")
@@ -349,8 +343,8 @@ def mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: floa
 
     ``seq_lens`` [R] int32 (global lengths), ``dcp_rank`` / ``dcp_world_size``: decode context
     parallel, as :func:`kimi_ops.mla_decode_splitkv` documents."""
-    assert q.dim() == 3 and q.shape[2] == HEAD_DIM and q.dtype == torch.bfloat16 and q.is_contiguous()
-    assert kv_rows.dim() == 2 and kv_rows.shape[1] == HEAD_DIM and kv_rows.is_contiguous()
+    assert q.dim() == 3 and q.shape[2] == KV_ROW and q.dtype == torch.bfloat16 and q.is_contiguous()
+    assert kv_rows.dim() == 2 and kv_rows.shape[1] == KV_ROW and kv_rows.is_contiguous()
     assert kv_indptr.dtype == torch.int32 and kv_indices.dtype == torch.int32
     assert num_splits >= 1 and qlen >= 1
     T, H, _ = q.shape
@@ -358,7 +352,7 @@ def mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: floa
     R = T // qlen
     assert kv_indptr.shape[0] == R + 1
     S = int(num_splits)
-    o_part = torch.empty((S, T, H, KV_LORA), dtype=torch.bfloat16, device=q.device)
+    o_part = torch.empty((S, T, H, KV_LORA_RANK), dtype=torch.bfloat16, device=q.device)
     lse_part = torch.empty((S, T, H), dtype=torch.float32, device=q.device)
     if T == 0:
         return o_part, lse_part
@@ -371,7 +365,7 @@ def mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: floa
         q, kv, kv_indptr, indices, seq_lens if seq_lens is not None else kv_indptr, o_part, lse_part,
         T, H, kv_rows.shape[0], qlen, S, dcp_rank, dcp_world_size,
         float(scale) * float(kv_scale) * LOG2E, float(kv_scale),
-        MMA_FP8=(mma == "fp8"), KV_U8_FNUZ=u8_fnuz, FNUZ=fnuz, INTERP=_interpreting(),
+        MMA_FP8=(mma == "fp8"), KV_U8_FNUZ=u8_fnuz, FNUZ=fnuz, INTERP=interpreting(),
         BLOCK_M=bm, BLOCK_N=bn, PREFETCH=_prefetch(mma, bm), GLOBAL_LENS=seq_lens is not None,
         INTERP_STEPS=_interpreter_steps(kv_indptr, bn),
         num_warps=warps, num_stages=stages,
@@ -381,18 +375,18 @@ def mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: floa
 
 def mla_merge(o_part, lse_part):
     """M1b. o_part [S, T, H, 512] bf16, lse_part [S, T, H] f32 -> (o [T, H, 512] bf16, lse [T, H] f32)."""
-    assert o_part.dim() == 4 and o_part.shape[3] == KV_LORA and o_part.is_contiguous()
+    assert o_part.dim() == 4 and o_part.shape[3] == KV_LORA_RANK and o_part.is_contiguous()
     assert lse_part.shape == o_part.shape[:3] and lse_part.dtype == torch.float32 and lse_part.is_contiguous()
     S, T, H, _ = o_part.shape
-    o = torch.empty((T, H, KV_LORA), dtype=torch.bfloat16, device=o_part.device)
+    o = torch.empty((T, H, KV_LORA_RANK), dtype=torch.bfloat16, device=o_part.device)
     lse = torch.empty((T, H), dtype=torch.float32, device=o_part.device)
     TH = T * H
     if TH == 0:
         return o, lse
     br = 4
     _merge_kernel[(triton.cdiv(TH, br),)](o_part, lse_part, o, lse, TH, S, BLOCK_R=br,
-                                        INTERP_SPLITS=S if _interpreting() else 0,
-                                        INTERP=_interpreting(), num_warps=4)
+                                        INTERP_SPLITS=S if interpreting() else 0,
+                                        INTERP=interpreting(), num_warps=4)
     return o, lse
 
 

@@ -12,11 +12,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ..formats import KV_LORA_RANK, KV_ROW, ROPE_DIM
+
 FP8_FN = torch.float8_e4m3fn
 FP8_FNUZ = torch.float8_e4m3fnuz
-HEAD_DIM = 576
-KV_LORA = 512
-ROPE = 64
 
 
 @triton.jit
@@ -89,10 +88,10 @@ def _cache_write_kernel(
 def mla_cache_write(kv_c, k_pe, kv_rows, slot_mapping, kv_scale: float) -> None:
     """Write row ``slot_mapping[t]`` of ``kv_rows [N, 576]`` (fp8) with
     ``fp8(cat(kv_c[t], k_pe[t]) / kv_scale)``; slots outside [0, N) (-1 included) are skipped."""
-    assert kv_rows.dim() == 2 and kv_rows.shape[1] == HEAD_DIM and kv_rows.is_contiguous()
+    assert kv_rows.dim() == 2 and kv_rows.shape[1] == KV_ROW and kv_rows.is_contiguous()
     assert kv_rows.dtype in (FP8_FN, FP8_FNUZ), kv_rows.dtype
     T = kv_c.shape[0]
-    assert kv_c.shape == (T, KV_LORA) and k_pe.shape == (T, ROPE) and slot_mapping.shape == (T,)
+    assert kv_c.shape == (T, KV_LORA_RANK) and k_pe.shape == (T, ROPE_DIM) and slot_mapping.shape == (T,)
     assert kv_c.stride(1) == 1 and k_pe.stride(1) == 1
     if T == 0:
         return
@@ -102,7 +101,7 @@ def mla_cache_write(kv_c, k_pe, kv_rows, slot_mapping, kv_scale: float) -> None:
         N, float(kv_scale),
         kv_c.stride(0), k_pe.stride(0),
         FNUZ=kv_rows.dtype == FP8_FNUZ,
-        BLOCK_C=KV_LORA, BLOCK_PE=ROPE,
+        BLOCK_C=KV_LORA_RANK, BLOCK_PE=ROPE_DIM,
         num_warps=4,
     )
 
@@ -119,7 +118,7 @@ def _specs():
                                "slot_ptr": f"*{sdt}", "N": "i32", "kv_scale": "fp32",
                                "stride_c": "i32", "stride_pe": "i32",
                                "FNUZ": "constexpr", "BLOCK_C": "constexpr", "BLOCK_PE": "constexpr"},
-                    constexprs={"FNUZ": fnuz, "BLOCK_C": KV_LORA, "BLOCK_PE": ROPE},
+                    constexprs={"FNUZ": fnuz, "BLOCK_C": KV_LORA_RANK, "BLOCK_PE": ROPE_DIM},
                     num_warps=4, num_stages=1,
                 ))
     return specs

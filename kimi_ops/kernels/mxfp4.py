@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import interpreting
+
 
 @triton.jit
 def _mxfp4_decode(packed, scale, BN: tl.constexpr, BK: tl.constexpr):
@@ -151,10 +153,6 @@ def _bmm_a16wfp4_kernel(
             acc = tl.dot(_dot_operand(x, INTERP), tl.trans(w), acc)
     y = y_ptr + b * stride_yb + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
     tl.store(y, _to_bf16(acc, INTERP), mask=mask_m[:, None] & mask_n[None, :])
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _is_gfx950(device: torch.device) -> bool:

@@ -16,7 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .mxfp4 import _dot_mxfp4_scaled, _dot_operand, _mxfp4_decode, _to_bf16, interpreting, use_dot_scaled
+from . import interpreting
+from .mxfp4 import _dot_mxfp4_scaled, _dot_operand, _mxfp4_decode, _to_bf16, use_dot_scaled
 
 
 @triton.jit
