@@ -32,14 +32,13 @@ def rank_weights(config, rank: int, seed: int):
 
 
 def history_slots(block_table, lengths, block_size, world=1, rank=0):
-    """(request, position, cache slot) of every history token on ``rank``: local token
-    k = p // world at ``block_table[r, k // block_size] * block_size + k % block_size``."""
+    """(request, positions, cache slots) of every history token on ``rank``: position p is
+    the rank's local token ``p // world`` (:func:`kimi_ops.runtime.metadata.cache_rows`)."""
+    from .runtime.metadata import cache_rows
     rows = []
     for r, n in enumerate(lengths):
-        p = torch.arange(rank, n, world)
-        k = p // world
-        slots = block_table[r, (k // block_size).to(block_table.device)].cpu().long() * block_size + k % block_size
-        rows.append((r, p, slots))
+        p = torch.arange(rank, n, world, device=block_table.device)
+        rows.append((r, p.cpu(), cache_rows(block_table, r, p // world, block_size)))
     return rows
 
 
@@ -74,7 +73,7 @@ def _rank_main(rank, world, init_file, use_nccl, opts, results):
         for name, (w, r) in {"rank": (world, rank), "whole": (1, 0)}.items():
             for req, pos, slots in history_slots(block_table, lengths, block, w, r):
                 rows = history[req, pos].to(device)
-                mla_cache_write(rows[:, :512], rows[:, 512:], caches[name], slots.to(device), sharded.kv_scale)
+                mla_cache_write(rows[:, :512], rows[:, 512:], caches[name], slots, sharded.kv_scale)
         seq_lens = torch.tensor(lengths, dtype=torch.int32, device=device) + qlen
         for md in mds.values():
             md.update_(seq_lens, block_table)

@@ -128,3 +128,15 @@ def fp8_round_oracle(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     score = candidates.double() * 4 + ((codes & 1) == 0).double()[None, :] * 2 + same_sign.double()
     pick = score.argmax(dim=1)
     return codes[pick].reshape(x.shape).view(dtype)
+
+
+def dcp_shard(case: DecodeCase, rank: int, world: int):
+    """Rank ``rank``'s CSR under decode context parallel (token p of a request on rank
+    p % world): (kv_indptr [R + 1] int32, kv_indices int32), on the case's device."""
+    indptr = case.kv_indptr.tolist()
+    rows, local_indptr = [], [0]
+    for r in range(len(indptr) - 1):
+        rows.append(case.kv_indices[indptr[r]:indptr[r + 1]][rank::world])
+        local_indptr.append(local_indptr[-1] + rows[-1].numel())
+    return (torch.tensor(local_indptr, dtype=torch.int32, device=case.kv_indices.device),
+            torch.cat(rows) if rows else case.kv_indices[:0])

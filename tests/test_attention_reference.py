@@ -126,35 +126,6 @@ def test_cache_write_bytes(dtype, src_dtype):
             assert torch.equal(flat[slot], expected[t]), f"row {t} -> slot {slot}"
 
 
-def shard_for_rank(case, rank, world):
-    """Rank ``rank``'s share of a case under DCP: token p of a request lives on rank p % world."""
-    indptr = case.kv_indptr.tolist()
-    local, local_indptr = [], [0]
-    for r in range(len(indptr) - 1):
-        tokens = case.kv_indices[indptr[r]:indptr[r + 1]]
-        local.append(tokens[rank::world])
-        local_indptr.append(local_indptr[-1] + local[-1].numel())
-    return (torch.cat(local) if local else case.kv_indices[:0],
-            torch.tensor(local_indptr, dtype=torch.int32))
-
-
-@pytest.mark.parametrize("world", [2, 3, 4, 8])
-@pytest.mark.parametrize("qlen", [1, 2, 4])
-def test_dcp_shards_merge_to_the_whole(world, qlen):
-    # lengths shorter than, equal to and not a multiple of the world size
-    case = make_decode_case([0, 1, world - 1, world, 2 * world + 3, 41], heads=12, qlen=qlen, seed=world * 10 + qlen)
-    seq_lens = torch.tensor(case.lengths, dtype=torch.int32)
-    outs, lses = [], []
-    for rank in range(world):
-        indices, indptr = shard_for_rank(case, rank, world)
-        o, lse = kimi_ops.mla_decode(case.q, case.kv_cache, indptr, indices, num_splits=2, seq_lens=seq_lens,
-                                     dcp_rank=rank, dcp_world_size=world, **case.kwargs)
-        outs.append(o)
-        lses.append(lse)
-    o, lse = kimi_ops.mla_merge(torch.stack(outs), torch.stack(lses))
-    assert_attention_close(o, lse, *oracle_decode(case))
-
-
 def test_dcp_arguments_are_checked():
     case = make_decode_case([4, 4], heads=2)
     with pytest.raises(ValueError, match=r"seq_lens must be the global lengths \[R\] int32 when dcp_world_size > 1"):

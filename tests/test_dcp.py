@@ -15,23 +15,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import kimi_ops
-from conftest import assert_attention_close, make_decode_case, oracle_decode, requires_cuda
+from conftest import assert_attention_close, dcp_shard, make_decode_case, oracle_decode, requires_cuda
 from kimi_ops.runtime import dcp
 from kimi_ops.runtime.config import MLAConfig
 from kimi_ops.runtime.layer import MLADecodeLayer, random_hf_weights
-from kimi_ops.runtime.metadata import allocate_blocks, build_decode_metadata
+from kimi_ops.runtime.metadata import allocate_blocks, build_decode_metadata, cache_rows
 
 HEADS_PER_RANK = 4
-
-
-def local_shard(case, rank, world):
-    """This rank's CSR: request r's tokens at global positions p with p % world == rank."""
-    indptr = case.kv_indptr.tolist()
-    rows, local_indptr = [], [0]
-    for r in range(len(indptr) - 1):
-        rows.append(case.kv_indices[indptr[r]:indptr[r + 1]][rank::world])
-        local_indptr.append(local_indptr[-1] + rows[-1].numel())
-    return torch.tensor(local_indptr, dtype=torch.int32), torch.cat(rows)
 
 
 def attention_rank(rank, world, init_file, qlen):
@@ -44,7 +34,7 @@ def attention_rank(rank, world, init_file, qlen):
         mine = slice(rank * HEADS_PER_RANK, (rank + 1) * HEADS_PER_RANK)
         gathered = dcp.query_all_gather(case.q[:, mine].contiguous(), group=dist.group.WORLD)
         assert torch.equal(gathered, case.q), "the gathered query is every rank's heads in rank order"
-        indptr, indices = local_shard(case, rank, world)
+        indptr, indices = dcp_shard(case, rank, world)
         seq_lens = torch.tensor(case.lengths, dtype=torch.int32)
         o, lse = kimi_ops.mla_decode(gathered, case.kv_cache, indptr, indices, seq_lens=seq_lens,
                                      dcp_rank=rank, dcp_world_size=world, **case.kwargs)
@@ -77,8 +67,8 @@ def check_shards_merge(device: str, world: int, qlen: int) -> None:
     seq_lens = torch.tensor(case.lengths, dtype=torch.int32, device=device)
     outs, lses = [], []
     for rank in range(world):
-        indptr, indices = local_shard(case, rank, world)
-        o, lse = kimi_ops.mla_decode(case.q, case.kv_cache, indptr.to(device), indices.to(device), num_splits=3,
+        indptr, indices = dcp_shard(case, rank, world)
+        o, lse = kimi_ops.mla_decode(case.q, case.kv_cache, indptr, indices, num_splits=3,
                                      seq_lens=seq_lens, dcp_rank=rank, dcp_world_size=world, **case.kwargs)
         outs.append(o)
         lses.append(lse)
@@ -93,6 +83,13 @@ def test_dcp_bounds_in_the_triton_kernel_interpreted():
     result = subprocess.run([sys.executable, "-c", code], cwd=here, env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+@pytest.mark.parametrize("qlen", [1, 2, 4])
+def test_dcp_bounds_in_the_reference(monkeypatch, world, qlen):
+    monkeypatch.setenv("KIMI_OPS_BACKEND", "reference")
+    check_shards_merge("cpu", world, qlen)
 
 
 @requires_cuda
@@ -135,12 +132,11 @@ def layer_rank(rank, world, init_file, qlen, steps, combine):
         for k, n in enumerate(history):                     # history rows, on whichever rank owns them
             for p in range(n):
                 row = torch.randn(1, 576, generator=gen).to(torch.bfloat16)
-                slot_whole = block_table[k, p // block_size] * block_size + p % block_size
-                kimi_ops.mla_cache_write(row[:, :512], row[:, 512:], cache_whole, slot_whole.view(1), sharded.kv_scale)
-                local = p // world
-                slot = block_table[k, local // block_size] * block_size + local % block_size
-                slot = slot if p % world == rank else torch.tensor(-1)
-                kimi_ops.mla_cache_write(row[:, :512], row[:, 512:], cache_rank, slot.view(1), sharded.kv_scale)
+                slot_whole = cache_rows(block_table, k, torch.tensor([p]), block_size)
+                kimi_ops.mla_cache_write(row[:, :512], row[:, 512:], cache_whole, slot_whole, sharded.kv_scale)
+                slot = cache_rows(block_table, k, torch.tensor([p // world]), block_size)
+                slot = slot if p % world == rank else torch.tensor([-1])
+                kimi_ops.mla_cache_write(row[:, :512], row[:, 512:], cache_rank, slot, sharded.kv_scale)
         for step in range(steps):
             hidden = torch.randn(requests * qlen, 256, generator=gen).to(torch.bfloat16)
             out, ref = sharded(hidden, cache_rank, md_rank), whole(hidden, cache_whole, md_whole)

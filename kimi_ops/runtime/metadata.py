@@ -125,6 +125,15 @@ def _check(md: DecodeMetadata) -> None:
                          f"got {tuple(md.block_table.shape)}")
 
 
+def cache_rows(block_table: torch.Tensor, request, k: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Flat cache row (int64) of request ``request``'s local token ``k`` (tensors broadcast):
+    ``block_table[request, k // block_size] * block_size + k % block_size``, the block index
+    clamped to the table."""
+    k = k.to(torch.int64)
+    blk = torch.div(k, block_size, rounding_mode="floor").clamp(0, block_table.shape[1] - 1)
+    return block_table[request, blk].to(torch.int64) * block_size + k.remainder(block_size)
+
+
 def _derive(seq_lens, block_table, *, block_size: int, qlen: int, max_tokens: int,
             dcp_world_size: int = 1, dcp_rank: int = 0):
     """(kv_indptr, kv_indices, slot_mapping, positions) from lengths and a block table: torch ops
@@ -139,9 +148,7 @@ def _derive(seq_lens, block_table, *, block_size: int, qlen: int, max_tokens: in
     table = block_table.to(torch.int64)
 
     def rows_of(req, k):
-        """Flat cache row of request ``req``'s local token k."""
-        blk = table[req, torch.div(k, block_size, rounding_mode="floor").clamp(0, max_blocks - 1)]
-        return blk * block_size + k.remainder(block_size)
+        return cache_rows(table, req, k, block_size)
 
     if num_requests > 0:
         j = torch.arange(max_tokens, device=device)
