@@ -126,12 +126,11 @@ def _check(md: DecodeMetadata) -> None:
 
 
 def cache_rows(block_table: torch.Tensor, request, k: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Flat cache row (int64) of request ``request``'s local token ``k`` (tensors broadcast):
+    """Flat cache row of request ``request``'s local token ``k`` (int64; tensors broadcast):
     ``block_table[request, k // block_size] * block_size + k % block_size``, the block index
-    clamped to the table."""
-    k = k.to(torch.int64)
+    clamped to the table. int64 ``k`` makes the result int64 whatever the table's dtype."""
     blk = torch.div(k, block_size, rounding_mode="floor").clamp(0, block_table.shape[1] - 1)
-    return block_table[request, blk].to(torch.int64) * block_size + k.remainder(block_size)
+    return block_table[request, blk] * block_size + k.remainder(block_size)
 
 
 def _derive(seq_lens, block_table, *, block_size: int, qlen: int, max_tokens: int,
