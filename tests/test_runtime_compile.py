@@ -39,6 +39,12 @@ HEAVY = ("kimi_ops.", "auto_functionalized", "aten.mm", "aten.bmm", "aten.addmm"
          "aten.searchsorted", "aten.cumsum", "aten.index_put", "aten.scatter")
 
 
+def heavy_ops(graph_module) -> str:
+    """The heavy ATen / custom ops of a functionalized graph, one a line, in order."""
+    return "\n".join(op_name(n) for n in graph_module.graph.nodes
+                     if n.op == "call_function" and op_name(n).startswith(HEAVY))
+
+
 def record_graphs(fn, *args):
     """Compile ``fn`` with fullgraph=True and a recording backend: (Dynamo graphs, ATen graphs)."""
     from torch._dynamo.backends.common import aot_autograd
@@ -87,9 +93,7 @@ div getitem sub .remainder add ge .remainder eq and_ .clamp_min div div .clamp g
 rsqrt mul .float mul .to linear .view .split getitem getitem kimi_ops.mla_query
 kimi_ops.mla_cache_write sigmoid kimi_ops.mla_decode getitem .transpose kimi_ops.bmm_a16wfp4
 .transpose .reshape mul linear""")
-        heavy = [op_name(n) for n in aten[0].graph.nodes
-                 if n.op == "call_function" and op_name(n).startswith(HEAVY)]
-        self.assertExpectedInline("\n".join(heavy), """\
+        self.assertExpectedInline(heavy_ops(aten[0]), """\
 aten.cumsum.default
 aten.searchsorted.Tensor
 aten.copy.default
@@ -109,9 +113,7 @@ aten.mm.default""")
         layer, cache, md, hidden, _ = make_step(MLAConfig.small(gate=False, rope=True, heads=2), SMALL, qlen=1)
         _, dynamo, aten = record_graphs(decode_step, layer, hidden, cache, md)
         self.assertEqual((len(dynamo), len(aten)), (1, 1), "one graph: no graph break")
-        heavy = [op_name(n) for n in aten[0].graph.nodes
-                 if n.op == "call_function" and op_name(n).startswith(HEAVY)]
-        self.assertExpectedInline("\n".join(heavy), """\
+        self.assertExpectedInline(heavy_ops(aten[0]), """\
 aten.cumsum.default
 aten.searchsorted.Tensor
 aten.copy.default
