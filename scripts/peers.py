@@ -205,7 +205,6 @@ def make_vllm_triton(c: Case, num_sms: int, shared: dict | None = None):
     shared = {} if shared is None else shared
     key = ("vllm", T, H, S)
     if key not in shared:  # scratch and outputs reused by every set of a shape (calls run in order)
-        shared.clear()
         shared[key] = dict(
             logits=torch.empty(T, H, S, 512 + 1, dtype=torch.float32, device=c.q.device),
             o=torch.empty(T, H, 512, dtype=c.q.dtype, device=c.q.device),
@@ -258,7 +257,11 @@ def make_flashinfer(c: Case, shared: dict | None = None, backend: str = "fa3"):
     if "fi_ws" not in shared:
         shared["fi_ws"] = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
     qo_indptr, kv_indptr, kv_indices, kv_len = flashinfer_csr(c.indptr_list, c.idx, c.qlen)
-    w = fmla.BatchMLAPagedAttentionWrapper(shared["fi_ws"], backend=backend)
+    # CUDA-graph mode: plan copies the metadata into these buffers, which the graph then reads.
+    w = fmla.BatchMLAPagedAttentionWrapper(
+        shared["fi_ws"], use_cuda_graph=True, qo_indptr=torch.empty_like(qo_indptr),
+        kv_indptr=torch.empty_like(kv_indptr), kv_indices=torch.empty_like(kv_indices),
+        kv_len_arr=torch.empty_like(kv_len), backend=backend)
     w.plan(metadata=fmla.MLAPlanMetadata.csr(qo_indptr, kv_indptr, kv_indices, kv_len),
            num_heads=H, head_dim_ckv=512, head_dim_kpe=64, page_size=1, causal=True, sm_scale=c.scale,
            q_data_type=torch.bfloat16, kv_data_type=c.pool.dtype, query_layout="packed",
