@@ -215,6 +215,7 @@ def main(argv=None):
 
     import kimi_ops
     import kimi_ops.kernels.attention as A
+    from kimi_ops import dispatch
 
     dev = torch.device(DEVICE)
     props = torch.cuda.get_device_properties(dev)
@@ -261,11 +262,11 @@ def main(argv=None):
                    floor_us=fl["floor"] * 1e6, mem_floor_us=fl["t_mem"] * 1e6, mma_floor_us=fl["t_mma"] * 1e6,
                    kv_bytes=fl["kv_bytes"], backends={}, peers={})
 
-        def dec(q, idx):
+        def dec(q, idx, S):
             return kimi_ops.mla_decode(q, pool, indptr, idx, qlen=qlen, scale=SCALE, kv_scale=KV_SCALE,
                                        num_splits=S)
 
-        def spl(q, idx):
+        def spl(q, idx, S):
             return kimi_ops.mla_decode_splitkv(q, pool, indptr, idx, qlen=qlen, scale=SCALE,
                                                kv_scale=KV_SCALE, num_splits=S)
 
@@ -277,12 +278,17 @@ def main(argv=None):
                 continue
             os.environ[BACKEND_ENV] = b
             try:
+                # each backend's own split heuristic (the one mla_decode uses when num_splits is None)
+                Sb = S if b == "triton" else max(1, int(round(
+                    dispatch.default_num_splits(R, R * qlen, H, tok, dev) * args.splits_mult)))
+                flb = fl if Sb == S else floor_of(H, qlen, lens, Sb)
+                br["num_splits"] = Sb
                 variants = mmas if b == "triton" else [None]
                 for mma in variants:
                     if mma is not None:
                         os.environ["KIMI_OPS_TRITON_MMA"] = mma
-                    t_dec, _ = time_graph([lambda q=q, idx=idx: dec(q, idx) for q, idx in sets], args.reps)
-                    t_spl, _ = time_graph([lambda q=q, idx=idx: spl(q, idx) for q, idx in sets], args.reps)
+                    t_dec, _ = time_graph([lambda q=q, idx=idx: dec(q, idx, Sb) for q, idx in sets], args.reps)
+                    t_spl, _ = time_graph([lambda q=q, idx=idx: spl(q, idx, Sb) for q, idx in sets], args.reps)
                     key = b if mma is None else mma
                     row[f"{key}_us"] = t_dec * 1e6
                     row[f"{key}_splitkv_us"] = t_spl * 1e6
@@ -293,10 +299,10 @@ def main(argv=None):
                     br["mma"] = best_v
                     row["best"] = best_v  # the triton mma variant (kept for older readers)
                 t = row[f"{key}_us"] * 1e-6
-                br.update(status="ran", us=t * 1e6, splitkv_us=row[f"{key}_splitkv_us"],
-                          tbps=fl["kv_bytes"] / t / 1e12, pct_floor=100 * fl["floor"] / t,
-                          pct_floor_splitkv=100 * fl["floor"] / (row[f"{key}_splitkv_us"] * 1e-6))
-                o, lse = dec(*sets[0])
+                br.update(status="ran", us=t * 1e6, splitkv_us=row[f"{key}_splitkv_us"], floor_us=flb["floor"] * 1e6,
+                          tbps=flb["kv_bytes"] / t / 1e12, pct_floor=100 * flb["floor"] / t,
+                          pct_floor_splitkv=100 * flb["floor"] / (row[f"{key}_splitkv_us"] * 1e-6))
+                o, lse = dec(*sets[0], Sb)
                 torch.cuda.synchronize()
                 outs[b] = (o.clone(), lse.clone())
             except Exception as e:  # noqa: BLE001 - report, keep going
@@ -337,7 +343,7 @@ def main(argv=None):
             br = row["backends"][b]
             if br.get("status") == "ran":
                 extra = f" [{br['mma']}]" if "mma" in br else ""
-                line += (f"  {b}{extra} {br['us']:8.1f}us (splitkv {br['splitkv_us']:7.1f}) "
+                line += (f"  {b}{extra} S={br['num_splits']} {br['us']:8.1f}us (splitkv {br['splitkv_us']:7.1f}) "
                          f"{br['tbps']:.2f} TB/s {br['pct_floor']:5.1f}% floor")
             else:
                 line += f"  {b}: not run"
@@ -389,7 +395,7 @@ def markdown(results, backends, mmas, peer_names):
         if b == "triton":
             head += [f"triton {m} us" for m in mmas]
         else:
-            head.append(f"{b} us")
+            head += [f"{b} splits", f"{b} us"]
         head += [f"{b} splitkv us", f"{b} TB/s (KV)", f"{b} % floor"]
     head.append("best")
     for n in peer_names:
@@ -403,7 +409,7 @@ def markdown(results, backends, mmas, peer_names):
             if b == "triton":
                 cells += [fmt(r.get(f"{m}_us")) if ran else "-" for m in mmas]
             else:
-                cells.append(fmt(br.get("us")))
+                cells += [str(br.get("num_splits", "-")), fmt(br.get("us"))]
             cells += [fmt(br.get("splitkv_us")), fmt(br.get("tbps"), 2), fmt(br.get("pct_floor"), 0)]
         cells.append(r.get("best_backend", "-") + (f" ({r['backends']['triton']['mma']})"
                      if r.get("best_backend") == "triton" else ""))
