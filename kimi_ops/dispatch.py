@@ -36,10 +36,12 @@ IMPLEMENTATIONS: dict[str, dict[str, str]] = {
     "mla_decode_splitkv": {
         "reference": "kimi_ops.reference.attention:mla_decode_splitkv",
         "triton": "kimi_ops.kernels.attention:mla_decode_splitkv",
+        "cuda": "kimi_ops.hopper:mla_decode_splitkv",
     },
     "mla_merge": {
         "reference": "kimi_ops.reference.attention:mla_merge",
         "triton": "kimi_ops.kernels.attention:mla_merge",
+        "cuda": "kimi_ops.hopper:mla_merge",
     },
     "mla_cache_write": {
         "reference": "kimi_ops.reference.attention:mla_cache_write",
@@ -103,7 +105,7 @@ def unavailable_reason(backend: str, device: torch.device) -> str | None:
             return f"no Triton backend for {device.type} tensors"
         return triton_unavailable_reason()
     if backend == "cuda":
-        if device.type != "cuda" or torch.version.hip is not None:
+        if device.type != "cuda" or torch.version.hip is not None or not torch.cuda.is_available():
             return "the cuda backend needs CUDA tensors on an NVIDIA GPU"
         if torch.cuda.get_device_capability(device) != (9, 0):
             return "the cuda backend's kernels are built for sm_90 (Hopper) only"
@@ -147,15 +149,19 @@ def default_num_splits(num_requests: int, num_rows: int, num_heads: int, num_ind
                        device: torch.device) -> int:
     """A split count from shapes and the device alone (never device data).
 
-    GPU tensors: the Triton kernel's heuristic (:func:`kimi_ops.kernels.attention.suggest_num_splits`:
-    about four programs per multiprocessor, at least 256 tokens per split on average,
-    at most 64), with ``num_indices / num_requests`` as a request's length (a
-    fixed-capacity index buffer overestimates it, which only adds splits).
+    GPU tensors: the heuristic of the kernel that will run, with ``num_indices / num_requests``
+    as a request's length (a fixed-capacity index buffer overestimates it, which only adds
+    splits): :func:`kimi_ops.hopper.suggest_num_splits` for the ``cuda`` backend (one wave of
+    CTAs), :func:`kimi_ops.kernels.attention.suggest_num_splits` for Triton (about four
+    programs per multiprocessor, at least 256 tokens per split, at most 64).
     CPU tensors: 1 (the reference gains nothing from splitting).
     """
     if device.type != "cuda" or num_requests == 0:
         return 1
-    from .kernels.attention import suggest_num_splits
+    if backend_for("mla_decode_splitkv", device) == "cuda":
+        from .hopper import suggest_num_splits
+    else:
+        from .kernels.attention import suggest_num_splits
     index = device.index if device.index is not None else torch.cuda.current_device()
     return suggest_num_splits(num_requests, max(1, num_rows // num_requests), num_heads, num_indices,
                               _multiprocessor_count(index))

@@ -31,6 +31,7 @@ def test_num_splits_is_one_on_cpu():
 
 
 def test_num_splits_fills_the_gpu(monkeypatch):
+    monkeypatch.setenv("KIMI_OPS_BACKEND", "triton")  # the Triton kernel's heuristic
     monkeypatch.setattr(dispatch, "_multiprocessor_count", lambda index: 132)
     gpu = torch.device("cuda", 0)
     one_long = dispatch.default_num_splits(1, 1, 12, 65536, gpu)
@@ -39,3 +40,13 @@ def test_num_splits_fills_the_gpu(monkeypatch):
     assert one_long == 64 and many_short <= 4 and short == 1
     for args in [(8, 8, 12, 8 * 8192), (64, 64, 96, 64 * 4096), (32, 256, 12, 32 * 32768)]:
         assert 1 <= dispatch.default_num_splits(*args, gpu) <= 64
+
+
+def test_num_splits_follows_the_backend(monkeypatch):
+    from kimi_ops import hopper
+    from kimi_ops.kernels import attention
+    monkeypatch.setattr(dispatch, "_multiprocessor_count", lambda index: 132)
+    gpu = torch.device("cuda", 0)
+    for backend, module in (("cuda", hopper), ("triton", attention)):
+        monkeypatch.setattr(dispatch, "backend_for", lambda op, device, b=backend: b)
+        assert dispatch.default_num_splits(8, 8, 12, 8 * 8192, gpu) == module.suggest_num_splits(8, 1, 12, 8 * 8192, 132)

@@ -1,0 +1,653 @@
+// Hopper (sm_90a) M1c (split-KV MLA decode) and M1b (merge of split partials).
+//
+// Layouts (DESIGN.md):
+//   q         [T*H, 576] bf16      flat row (r*qlen + i)*H + h: request r, position i, head h
+//   kv        [N, 576] fp8 e4m3fn  token row = [kv_c (512) | k_pe (64)], value = fp8 * kv_scale
+//   indptr    [R+1] int32, indices [indptr[R]] int32 (page-size-1 CSR; an index outside
+//             [0, N) reads as an all-zero row, nothing outside the cache is touched)
+//   o_part    [S, T*H, 512] bf16, lse_part [S, T*H] f32 (natural log; o = 0, lse = -inf
+//             for a row that sees no token of its split)
+//
+// splitkv_kernel: one CTA of 4 warps per (row group, split, request). A row group is 16*MT
+// consecutive query rows of one request. The split's tokens stream through a ring of STAGES
+// shared-memory tiles of 64 rows (cp.async, 16-byte chunks, zero-filled where a token is past
+// the split or its index is out of range). Per tile:
+//   S  = Q K^T   warp w takes the tile's tokens [16w, 16w+16); mma.sync m16n8k16 f16 with
+//                query rows as M; K's fp8 bytes become f16 with cvt.e4m3x2 (exact), Q is the
+//                bf16 query scaled per row by 2^k into [2^14, 2^15) and stored as f16 (exact
+//                for every element above 2^-24 of the row max)
+//   softmax      online, base 2; the tile's row max is shared across warps through smem
+//   O += P V     warp w owns output columns [128w, 128w+128); P (f16, in [0, 1]) goes through
+//                smem; V^T's fragments come from the same K tile: four 32-bit loads of two
+//                token rows each are byte-permuted (prmt) into (token, token+1) pairs and
+//                converted, so no second pass over the tile's bytes and no transpose in memory
+// Accumulation is f32 throughout: within DESIGN.md's accuracy contract with margin (the
+// products are exact; P is rounded to f16, 2^-11 relative).
+//
+// merge_kernel: one CTA of 4 warps per query row; warp w takes splits w, w+4, ...; lane l
+// holds output columns [16l, 16l+16).
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <torch/library.h>
+
+#include <cstdint>
+
+namespace kimi_ops::sm90 {
+namespace {
+
+constexpr int kRowBytes = 576;      // fp8 cache row
+constexpr int kLatent = 512;        // kv_c columns (= V and O width)
+constexpr int kSmemRow = 592;       // smem row stride of a K tile: 576 + 16 (conflict-free ldmatrix / lds)
+constexpr int kTileN = 64;          // tokens per pipeline stage
+constexpr int kWarps = 4;
+constexpr int kThreads = 32 * kWarps;
+constexpr int kQStride = 584;       // f16 per smem Q row: 576 + 8 (conflict-free ldmatrix)
+constexpr int kPStride = 72;        // f16 per smem P row: 64 + 8
+constexpr int kQExp = 14;           // query rows scaled so the row max is in [2^14, 2^15)
+constexpr float kLn2 = 0.6931471805599453f;
+
+template <int MT, int STAGES>
+struct SplitKVSmem {
+  uint8_t kv[STAGES][kTileN * kSmemRow];
+  __half q[MT * 16 * kQStride];
+  __half p[MT * 16 * kPStride];
+  float red[kWarps][MT * 16];
+  float row_fac[MT * 16];
+};
+
+struct SplitKVParams {
+  const __nv_bfloat16* q;
+  const uint8_t* kv;
+  const int* indptr;
+  const int* indices;
+  const int* seq_lens;  // nullptr: causal bounds from the listed lengths
+  __nv_bfloat16* o_part;
+  float* lse_part;
+  int64_t num_kv_rows;
+  int rows_total;  // T*H
+  int heads, qlen, num_splits, dcp_rank, dcp_world;
+  float qk_scale_log2;  // scale * kv_scale * log2(e)
+  float kv_scale;
+};
+
+// ---- PTX wrappers ----------------------------------------------------------------------------
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void cp_async_16(void* dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+               "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+
+__device__ __forceinline__ uint32_t lds32(const void* p) {
+  uint32_t v;
+  asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(smem_addr(p)));
+  return v;
+}
+
+// two e4m3 bytes (low byte -> low half) to f16x2, exact
+__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t two_bytes) {
+  uint32_t out;
+  asm("{\n .reg .b16 t;\n cvt.u16.u32 t, %1;\n cvt.rn.f16x2.e4m3x2 %0, t;\n}\n"
+      : "=r"(out)
+      : "r"(two_bytes));
+  return out;
+}
+
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+
+__device__ __forceinline__ void mma_f16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
+  __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+
+// Tokens (of the n listed) that query position pos sees: listed token j is global position
+// j*W + rank; position pos sees global positions <= n_global - qlen + pos.
+__device__ __forceinline__ int visible_tokens(int n, int n_global, int qlen, int pos, int rank, int world) {
+  const int last = n_global - qlen + pos - rank;
+  return min(last >= 0 ? last / world + 1 : 0, n);
+}
+
+// ---- M1c ---------------------------------------------------------------------------------------
+
+template <int MT, int STAGES>
+__global__ void __launch_bounds__(kThreads) splitkv_kernel(const SplitKVParams p) {
+  extern __shared__ __align__(128) uint8_t smem_raw[];
+  auto& sm = *reinterpret_cast<SplitKVSmem<MT, STAGES>*>(smem_raw);
+  constexpr int kRows = MT * 16;
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, c = lane % 4;
+  const int split = blockIdx.y, req = blockIdx.z;
+  const int rows_per_req = p.qlen * p.heads;
+  const int row0 = blockIdx.x * kRows;  // first row of this CTA within its request
+  const int64_t flat0 = static_cast<int64_t>(req) * rows_per_req + row0;
+
+  const int start = p.indptr[req];
+  const int n = max(p.indptr[req + 1] - start, 0);
+  const int n_global = p.seq_lens != nullptr ? p.seq_lens[req] : n;
+  const int last_row = min(row0 + kRows, rows_per_req) - 1;
+  const int hi_rows = visible_tokens(n, n_global, p.qlen, last_row / p.heads, p.dcp_rank, p.dcp_world);
+  const int per_split = n > 0 ? (n + p.num_splits - 1) / p.num_splits : 0;
+  const int chunk = (per_split + kTileN - 1) / kTileN * kTileN;
+  const int lo = split * chunk;
+  const int hi = min(lo + chunk, hi_rows);
+  const int ntiles = hi > lo ? (hi - lo + kTileN - 1) / kTileN : 0;
+
+  // --- Q: bf16 -> 2^k-scaled f16 in smem, columns permuted inside each 16-column chunk so that
+  // ldmatrix's A fragment pairs physical columns (4c, 4c+1) and (4c+2, 4c+3), the pairs the
+  // K fragment gets from one 32-bit word of fp8 bytes.
+  for (int r = warp; r < kRows; r += kWarps) {
+    const bool valid = row0 + r < rows_per_req;
+    const uint32_t* src = reinterpret_cast<const uint32_t*>(p.q + (flat0 + r) * kRowBytes);
+    float2 v[9];
+    float amax = 0.f;
+#pragma unroll
+    for (int i = 0; i < 9; ++i) {
+      uint32_t w = valid ? src[lane + 32 * i] : 0u;
+      v[i] = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&w));
+      amax = fmaxf(amax, fmaxf(fabsf(v[i].x), fabsf(v[i].y)));
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    int k = 0;
+    if (amax > 0.f) {
+      int e;
+      frexpf(amax, &e);  // amax = m * 2^e, m in [0.5, 1)
+      k = max(-100, min(100, kQExp + 1 - e));
+    }
+#pragma unroll
+    for (int i = 0; i < 9; ++i) {
+      const int col = 2 * (lane + 32 * i);  // physical column of this pair (even)
+      const int within = col % 16, c4 = within / 4;
+      const int scol = col - within + ((within % 4) == 0 ? 2 * c4 : 8 + 2 * c4);
+      *reinterpret_cast<uint32_t*>(&sm.q[r * kQStride + scol]) =
+          pack_half2(ldexpf(v[i].x, k), ldexpf(v[i].y, k));
+    }
+    if (lane == 0) sm.row_fac[r] = ldexpf(p.qk_scale_log2, -k);
+  }
+
+  // --- per-thread row state: rows g and g+8 of each 16-row tile
+  int lim[MT][2];
+  float row_fac[MT][2], m_run[MT][2], l_run[MT][2];
+  float acc[MT][16][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = row0 + mt * 16 + g + 8 * h;
+      lim[mt][h] = r < rows_per_req
+                       ? min(visible_tokens(n, n_global, p.qlen, r / p.heads, p.dcp_rank, p.dcp_world), hi)
+                       : 0;
+      m_run[mt][h] = -INFINITY;
+      l_run[mt][h] = 0.f;
+    }
+#pragma unroll
+    for (int j = 0; j < 16; ++j) acc[mt][j][0] = acc[mt][j][1] = acc[mt][j][2] = acc[mt][j][3] = 0.f;
+  }
+
+  // --- KV tile loader: warp w gathers tokens [16w, 16w+16) of a tile; lane l < 16 holds the
+  // index of token l, fetched one tile ahead so its latency hides behind a tile of compute.
+  const int* idx_base = p.indices + start;
+  auto fetch_index = [&](int t) -> int {
+    const int j = lo + t * kTileN + warp * 16 + lane;
+    return (lane < 16 && t < ntiles && j < hi) ? idx_base[j] : -1;
+  };
+  int next_index = fetch_index(0);
+  auto load_tile = [&](int t) {
+    const int idx_mine = next_index;
+    next_index = fetch_index(t + 1);
+    uint8_t* dst = sm.kv[t % STAGES] + warp * 16 * kSmemRow;
+#pragma unroll
+    for (int r = 0; r < 16; ++r) {
+      const int idx = __shfl_sync(0xffffffffu, idx_mine, r);
+      const bool ok = idx >= 0 && idx < p.num_kv_rows;
+      const uint8_t* src = p.kv + (ok ? static_cast<int64_t>(idx) * kRowBytes + lane * 16 : 0);
+      cp_async_16(dst + r * kSmemRow + lane * 16, src, ok ? 16 : 0);
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {  // the last 64 bytes of 16 rows: 4 chunks x 16 rows
+      const int r = i * 8 + lane / 4, ch = 32 + lane % 4;
+      const int idx = __shfl_sync(0xffffffffu, idx_mine, r);
+      const bool ok = idx >= 0 && idx < p.num_kv_rows;
+      const uint8_t* src = p.kv + (ok ? static_cast<int64_t>(idx) * kRowBytes + ch * 16 : 0);
+      cp_async_16(dst + r * kSmemRow + ch * 16, src, ok ? 16 : 0);
+    }
+  };
+
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < ntiles) load_tile(s);
+    cp_async_commit();
+  }
+  __syncthreads();  // Q and row_fac in smem
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    row_fac[mt][0] = sm.row_fac[mt * 16 + g];
+    row_fac[mt][1] = sm.row_fac[mt * 16 + g + 8];
+  }
+
+  for (int t = 0; t < ntiles; ++t) {
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();  // tile t landed for every warp; stage (t-1) % STAGES is free
+    if (t + STAGES - 1 < ntiles) load_tile(t + STAGES - 1);
+    cp_async_commit();
+
+    const uint8_t* tile = sm.kv[t % STAGES];
+    const int tok_base = lo + t * kTileN + warp * 16;  // request-relative token of this warp's first row
+
+    // S = Q K^T over this warp's 16 tokens: s[mt][nt] holds (row g / g+8, token nt*8 + 2c + {0,1})
+    float s[MT][2][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) s[mt][nt][0] = s[mt][nt][1] = s[mt][nt][2] = s[mt][nt][3] = 0.f;
+    const uint8_t* k_lane = tile + (warp * 16 + (lane & 15)) * kSmemRow + (lane >> 4) * 16;
+#pragma unroll 3
+    for (int kc = 0; kc < kRowBytes / 32; ++kc) {
+      uint32_t kw[4];  // (nt 0, k-step 2kc), (nt 1, 2kc), (nt 0, 2kc+1), (nt 1, 2kc+1)
+      ldmatrix_x4(kw, k_lane + kc * 32);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int ks = 2 * kc + half;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          uint32_t a[4];
+          ldmatrix_x4(a, &sm.q[(mt * 16 + (lane & 15)) * kQStride + ks * 16 + (lane >> 4) * 8]);
+#pragma unroll
+          for (int nt = 0; nt < 2; ++nt) {
+            const uint32_t w = kw[2 * half + nt];
+            mma_f16(s[mt][nt], a, e4m3x2_to_f16x2(w & 0xffffu), e4m3x2_to_f16x2(w >> 16));
+          }
+        }
+      }
+    }
+
+    // scale, mask, row max of the tile (quad, then across warps through smem)
+    float tile_max[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int tok = tok_base + nt * 8 + 2 * c + e;
+            float v = s[mt][nt][2 * h + e] * row_fac[mt][h];
+            v = tok < lim[mt][h] ? v : -INFINITY;
+            s[mt][nt][2 * h + e] = v;
+            mx = fmaxf(mx, v);
+          }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        tile_max[mt][h] = mx;
+      }
+      if (c == 0) {
+        sm.red[warp][mt * 16 + g] = tile_max[mt][0];
+        sm.red[warp][mt * 16 + g + 8] = tile_max[mt][1];
+      }
+    }
+    __syncthreads();
+    float alpha[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float mx = m_run[mt][h];
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, sm.red[w][mt * 16 + g + 8 * h]);
+        const float m_safe = mx == -INFINITY ? 0.f : mx;
+        alpha[mt][h] = fast_exp2(m_run[mt][h] - m_safe);
+        m_run[mt][h] = mx;
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float pv = fast_exp2(s[mt][nt][2 * h + e] - m_safe);
+            s[mt][nt][2 * h + e] = pv;
+            sum += pv;
+          }
+        l_run[mt][h] = l_run[mt][h] * alpha[mt][h] + sum;
+      }
+    // P (f16) to smem: row, token (within the tile)
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          *reinterpret_cast<uint32_t*>(&sm.p[(mt * 16 + g + 8 * h) * kPStride + warp * 16 + nt * 8 + 2 * c]) =
+              pack_half2(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]);
+    __syncthreads();
+
+    // O += P V over the tile's 64 tokens, this warp's 128 columns. acc[mt][4*grp + j] column n
+    // (0..7) is latent warp*128 + grp*32 + 4n + j.
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        acc[mt][j][0] *= alpha[mt][0];
+        acc[mt][j][1] *= alpha[mt][0];
+        acc[mt][j][2] *= alpha[mt][1];
+        acc[mt][j][3] *= alpha[mt][1];
+      }
+#pragma unroll
+    for (int kk = 0; kk < kTileN / 16; ++kk) {
+      uint32_t pa[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+        ldmatrix_x4(pa[mt], &sm.p[(mt * 16 + (lane & 15)) * kPStride + kk * 16 + (lane >> 4) * 8]);
+      const uint8_t* v0 = tile + (kk * 16 + 2 * c) * kSmemRow + warp * 128 + 4 * g;
+#pragma unroll
+      for (int grp = 0; grp < 4; ++grp) {
+        const uint32_t x0 = lds32(v0 + grp * 32);                 // token 2c,   latents 4g..4g+3
+        const uint32_t x1 = lds32(v0 + kSmemRow + grp * 32);      // token 2c+1
+        const uint32_t x2 = lds32(v0 + 8 * kSmemRow + grp * 32);  // token 2c+8
+        const uint32_t x3 = lds32(v0 + 9 * kSmemRow + grp * 32);  // token 2c+9
+        const uint32_t lo01 = prmt(x0, x1, 0x5140), hi01 = prmt(x0, x1, 0x7362);
+        const uint32_t lo23 = prmt(x2, x3, 0x5140), hi23 = prmt(x2, x3, 0x7362);
+        uint32_t b01[4], b23[4];
+        b01[0] = e4m3x2_to_f16x2(lo01 & 0xffffu);
+        b01[1] = e4m3x2_to_f16x2(lo01 >> 16);
+        b01[2] = e4m3x2_to_f16x2(hi01 & 0xffffu);
+        b01[3] = e4m3x2_to_f16x2(hi01 >> 16);
+        b23[0] = e4m3x2_to_f16x2(lo23 & 0xffffu);
+        b23[1] = e4m3x2_to_f16x2(lo23 >> 16);
+        b23[2] = e4m3x2_to_f16x2(hi23 & 0xffffu);
+        b23[3] = e4m3x2_to_f16x2(hi23 >> 16);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) mma_f16(acc[mt][grp * 4 + j], pa[mt], b01[j], b23[j]);
+      }
+    }
+  }
+  cp_async_wait<0>();
+
+  // --- epilogue: row sums across the quad and the warps, O staged in smem as bf16, 16-byte stores
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float l = l_run[mt][h];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      l_run[mt][h] = l;
+    }
+  __syncthreads();  // every warp is done with the K tiles and the last tile's row maxima
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+    if (c == 0) {
+      sm.red[warp][mt * 16 + g] = l_run[mt][0];
+      sm.red[warp][mt * 16 + g + 8] = l_run[mt][1];
+    }
+  __syncthreads();
+  __nv_bfloat16* o_stage = reinterpret_cast<__nv_bfloat16*>(sm.kv[0]);  // [kRows][512]
+  static_assert(kRows * kLatent * 2 <= STAGES * kTileN * kSmemRow, "O staging must fit the K ring");
+  float* lse_out = p.lse_part + static_cast<int64_t>(split) * p.rows_total + flat0;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = mt * 16 + g + 8 * h;
+      float l = 0.f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) l += sm.red[w][r];
+      const float inv = l > 0.f ? p.kv_scale / l : 0.f;
+#pragma unroll
+      for (int j = 0; j < 16; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int col = warp * 128 + (j / 4) * 32 + 4 * (2 * c + e) + (j % 4);
+          o_stage[r * kLatent + col] = __float2bfloat16_rn(acc[mt][j][2 * h + e] * inv);
+        }
+      if (warp == 0 && c == 0 && row0 + r < rows_per_req)
+        lse_out[r] = l > 0.f ? (m_run[mt][h] + log2f(l)) * kLn2 : -INFINITY;
+    }
+  __syncthreads();
+  const int valid_rows = min(kRows, rows_per_req - row0);
+  uint4* o_out = reinterpret_cast<uint4*>(p.o_part + (static_cast<int64_t>(split) * p.rows_total + flat0) * kLatent);
+  const uint4* o_src = reinterpret_cast<const uint4*>(o_stage);
+  for (int i = tid; i < valid_rows * (kLatent / 8); i += kThreads) o_out[i] = o_src[i];
+}
+
+// ---- M1b ---------------------------------------------------------------------------------------
+
+__global__ void __launch_bounds__(128) merge_kernel(const __nv_bfloat16* __restrict__ o_part,
+                                                    const float* __restrict__ lse_part,
+                                                    __nv_bfloat16* __restrict__ o, float* __restrict__ lse,
+                                                    int rows, int splits) {
+  __shared__ float red_max[4];
+  __shared__ float red_sum[4];
+  __shared__ float red_acc[4][kLatent];
+  const int row = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  // pass 1: the row's max LSE
+  float mx = -INFINITY;
+  for (int s = threadIdx.x; s < splits; s += 128) mx = fmaxf(mx, lse_part[static_cast<int64_t>(s) * rows + row]);
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+  if (lane == 0) red_max[warp] = mx;
+  __syncthreads();
+  mx = fmaxf(fmaxf(red_max[0], red_max[1]), fmaxf(red_max[2], red_max[3]));
+  if (mx == -INFINITY) {  // every split empty
+    if (warp == 0) {
+      reinterpret_cast<uint4*>(o + static_cast<int64_t>(row) * kLatent)[lane * 2] = make_uint4(0, 0, 0, 0);
+      reinterpret_cast<uint4*>(o + static_cast<int64_t>(row) * kLatent)[lane * 2 + 1] = make_uint4(0, 0, 0, 0);
+      if (lane == 0) lse[row] = -INFINITY;
+    }
+    return;
+  }
+  // pass 2: warp w sums splits w, w+4, ... (four loads in flight per lane); empty splits are skipped
+  float acc[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) acc[i] = 0.f;
+  float wsum = 0.f;
+  constexpr int kUnroll = 4;
+  for (int s0 = warp; s0 < splits; s0 += 4 * kUnroll) {
+    float wt[kUnroll];
+    uint4 v[kUnroll][2];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int s = s0 + 4 * u;
+      const float l = s < splits ? lse_part[static_cast<int64_t>(s) * rows + row] : -INFINITY;
+      wt[u] = l == -INFINITY ? 0.f : __expf(l - mx);
+      const uint4* src = reinterpret_cast<const uint4*>(o_part + (static_cast<int64_t>(s) * rows + row) * kLatent);
+      v[u][0] = wt[u] > 0.f ? src[lane * 2] : make_uint4(0, 0, 0, 0);
+      v[u][1] = wt[u] > 0.f ? src[lane * 2 + 1] : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      wsum += wt[u];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&v[u][h]);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float2 f = __bfloat1622float2(b[i]);
+          acc[h * 8 + 2 * i] += wt[u] * f.x;
+          acc[h * 8 + 2 * i + 1] += wt[u] * f.y;
+        }
+      }
+    }
+  }
+  if (lane == 0) red_sum[warp] = wsum;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) red_acc[warp][lane * 16 + i] = acc[i];
+  __syncthreads();
+  const float total = red_sum[0] + red_sum[1] + red_sum[2] + red_sum[3];
+  const float inv = 1.f / total;
+  // thread t writes columns [4t, 4t+4)
+  __nv_bfloat162 out[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    float a[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int col = threadIdx.x * 4 + 2 * i + e;
+      a[e] = (red_acc[0][col] + red_acc[1][col] + red_acc[2][col] + red_acc[3][col]) * inv;
+    }
+    out[i] = __floats2bfloat162_rn(a[0], a[1]);
+  }
+  *reinterpret_cast<uint2*>(o + static_cast<int64_t>(row) * kLatent + threadIdx.x * 4) =
+      *reinterpret_cast<uint2*>(out);
+  if (threadIdx.x == 0) lse[row] = mx + logf(total);
+}
+
+// ---- host --------------------------------------------------------------------------------------
+
+void check_cuda_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype) {
+  TORCH_CHECK(t.is_cuda(), "kimi_ops._C: ", name, " must be a CUDA tensor");
+  TORCH_CHECK(t.scalar_type() == dtype, "kimi_ops._C: ", name, " must be ", dtype, ", got ", t.scalar_type());
+  TORCH_CHECK(t.is_contiguous(), "kimi_ops._C: ", name, " must be contiguous");
+}
+
+template <int MT, int STAGES>
+void launch_splitkv(const SplitKVParams& params, dim3 grid, cudaStream_t stream) {
+  constexpr size_t smem = sizeof(SplitKVSmem<MT, STAGES>);
+  auto* kernel = splitkv_kernel<MT, STAGES>;
+  static bool configured[64] = {};  // per device: the dynamic smem limit is a per-context attribute
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  if (device >= 64 || !configured[device]) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    if (device < 64) configured[device] = true;
+  }
+  kernel<<<grid, kThreads, smem, stream>>>(params);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+// The rows of one CTA (16 or 32) and the depth of its K ring: chosen on the host from qlen * H.
+std::tuple<at::Tensor, at::Tensor> mla_decode_splitkv_sm90(const at::Tensor& q, const at::Tensor& kv,
+                                                           const at::Tensor& indptr, const at::Tensor& indices,
+                                                           const std::optional<at::Tensor>& seq_lens, int64_t qlen,
+                                                           double qk_scale_log2, double kv_scale, int64_t num_splits,
+                                                           int64_t dcp_rank, int64_t dcp_world_size,
+                                                           int64_t rows_per_cta, int64_t stages) {
+  check_cuda_tensor(q, "q", at::kBFloat16);
+  check_cuda_tensor(kv, "kv_cache", at::ScalarType::Float8_e4m3fn);
+  check_cuda_tensor(indptr, "kv_indptr", at::kInt);
+  check_cuda_tensor(indices, "kv_indices", at::kInt);
+  TORCH_CHECK(q.dim() == 3 && q.size(2) == kRowBytes, "kimi_ops._C: q must be [T, H, 576]");
+  TORCH_CHECK(kv.dim() == 2 && kv.size(1) == kRowBytes, "kimi_ops._C: kv_cache must be [N, 576]");
+  TORCH_CHECK(qlen >= 1 && q.size(0) % qlen == 0, "kimi_ops._C: qlen must divide T");
+  TORCH_CHECK(num_splits >= 1 && num_splits <= 65535, "kimi_ops._C: num_splits must be in [1, 65535]");
+  TORCH_CHECK(rows_per_cta == 16 || rows_per_cta == 32, "kimi_ops._C: rows_per_cta must be 16 or 32");
+  TORCH_CHECK(stages >= 2 && stages <= 4, "kimi_ops._C: stages must be 2, 3 or 4");
+  const int64_t T = q.size(0), H = q.size(1), R = T / qlen;
+  TORCH_CHECK(indptr.numel() == R + 1, "kimi_ops._C: kv_indptr must have T / qlen + 1 entries");
+  TORCH_CHECK(R <= 65535, "kimi_ops._C: at most 65535 requests");
+  if (seq_lens.has_value()) check_cuda_tensor(*seq_lens, "seq_lens", at::kInt);
+  const c10::cuda::CUDAGuard guard(q.device());
+  auto o_part = at::empty({num_splits, T, H, kLatent}, q.options());
+  auto lse_part = at::empty({num_splits, T, H}, q.options().dtype(at::kFloat));
+  if (T == 0 || H == 0) return {o_part, lse_part};
+
+  SplitKVParams params{};
+  params.q = reinterpret_cast<const __nv_bfloat16*>(q.data_ptr());
+  params.kv = reinterpret_cast<const uint8_t*>(kv.data_ptr());
+  params.indptr = indptr.data_ptr<int>();
+  params.indices = indices.numel() > 0 ? indices.data_ptr<int>() : indptr.data_ptr<int>();
+  params.seq_lens = seq_lens.has_value() ? seq_lens->data_ptr<int>() : nullptr;
+  params.o_part = reinterpret_cast<__nv_bfloat16*>(o_part.data_ptr());
+  params.lse_part = lse_part.data_ptr<float>();
+  params.num_kv_rows = kv.size(0);
+  params.rows_total = static_cast<int>(T * H);
+  params.heads = static_cast<int>(H);
+  params.qlen = static_cast<int>(qlen);
+  params.num_splits = static_cast<int>(num_splits);
+  params.dcp_rank = static_cast<int>(dcp_rank);
+  params.dcp_world = static_cast<int>(dcp_world_size);
+  params.qk_scale_log2 = static_cast<float>(qk_scale_log2);
+  params.kv_scale = static_cast<float>(kv_scale);
+
+  const int64_t groups = (qlen * H + rows_per_cta - 1) / rows_per_cta;
+  TORCH_CHECK(groups <= INT32_MAX, "kimi_ops._C: too many query rows per request");
+  const dim3 grid(static_cast<unsigned>(groups), static_cast<unsigned>(num_splits), static_cast<unsigned>(R));
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  if (rows_per_cta == 16) {
+    if (stages == 2) launch_splitkv<1, 2>(params, grid, stream);
+    else if (stages == 3) launch_splitkv<1, 3>(params, grid, stream);
+    else launch_splitkv<1, 4>(params, grid, stream);
+  } else {
+    if (stages == 2) launch_splitkv<2, 2>(params, grid, stream);
+    else launch_splitkv<2, 3>(params, grid, stream);
+  }
+  return {o_part, lse_part};
+}
+
+std::tuple<at::Tensor, at::Tensor> mla_merge_sm90(const at::Tensor& o_part, const at::Tensor& lse_part) {
+  check_cuda_tensor(o_part, "o_part", at::kBFloat16);
+  check_cuda_tensor(lse_part, "lse_part", at::kFloat);
+  TORCH_CHECK(o_part.dim() == 4 && o_part.size(3) == kLatent, "kimi_ops._C: o_part must be [S, T, H, 512]");
+  TORCH_CHECK(lse_part.sizes() == o_part.sizes().slice(0, 3), "kimi_ops._C: lse_part must be [S, T, H]");
+  const c10::cuda::CUDAGuard guard(o_part.device());
+  const int64_t S = o_part.size(0), T = o_part.size(1), H = o_part.size(2);
+  auto o = at::empty({T, H, kLatent}, o_part.options());
+  auto lse = at::empty({T, H}, lse_part.options());
+  const int64_t rows = T * H;
+  TORCH_CHECK(rows <= INT32_MAX && S <= INT32_MAX, "kimi_ops._C: merge too large");
+  if (rows == 0) return {o, lse};
+  TORCH_CHECK(S >= 1, "kimi_ops._C: o_part must hold at least one split");
+  merge_kernel<<<static_cast<unsigned>(rows), 128, 0, c10::cuda::getCurrentCUDAStream()>>>(
+      reinterpret_cast<const __nv_bfloat16*>(o_part.data_ptr()), lse_part.data_ptr<float>(),
+      reinterpret_cast<__nv_bfloat16*>(o.data_ptr()), lse.data_ptr<float>(), static_cast<int>(rows),
+      static_cast<int>(S));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {o, lse};
+}
+
+}  // namespace kimi_ops::sm90
+
+TORCH_LIBRARY_FRAGMENT(kimi_ops, m) {
+  m.def(
+      "_mla_decode_splitkv_sm90(Tensor q, Tensor kv_cache, Tensor kv_indptr, Tensor kv_indices, "
+      "Tensor? seq_lens, int qlen, float qk_scale_log2, float kv_scale, int num_splits, int dcp_rank, "
+      "int dcp_world_size, int rows_per_cta, int stages) -> (Tensor, Tensor)");
+  m.def("_mla_merge_sm90(Tensor o_part, Tensor lse_part) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(kimi_ops, CUDA, m) {
+  m.impl("_mla_decode_splitkv_sm90", &kimi_ops::sm90::mla_decode_splitkv_sm90);
+  m.impl("_mla_merge_sm90", &kimi_ops::sm90::mla_merge_sm90);
+}

@@ -1,0 +1,138 @@
+#!/usr/bin/env python3
+"""Quick GPU check of the Hopper kernels (kimi_ops._C) with diagnostics, then a short timing.
+
+    python scripts/gpu_cuda_check.py [--time]
+
+1. Structured cases that say *where* a wrong kernel goes wrong: one token (lse = s exactly,
+   o = kv_scale * v: a column permutation shows as such), one query row, one 16-row block.
+2. Random cases against the float64 oracle (errors printed, not asserted).
+3. --time: CUDA-graph replays over rotating input sets for a few shapes, cuda vs triton backend.
+"""
+import argparse
+import math
+import os
+import statistics
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+
+import kimi_ops.hopper as hopper  # noqa: E402
+import kimi_ops.kernels.attention as triton_kernels  # noqa: E402
+from test_triton_attention import SCALE, make_inputs, oracle  # noqa: E402
+
+
+def errors(kern, lens, qlen, H, S, gen, oob=0, kv_scale=0.5):
+    q, kv, indptr, idx = make_inputs(lens, qlen, H, device="cuda", gen=gen, oob=oob, kv_scale=kv_scale)
+    o, lse = kern.mla_merge(*kern.mla_decode_splitkv(q, kv, indptr, idx, qlen, SCALE, kv_scale, S))
+    ro, rl = oracle(q, kv, indptr, idx, qlen, SCALE, kv_scale)
+    fin = ~torch.isneginf(rl)
+    pat = torch.equal(torch.isneginf(lse), ~fin)
+    lerr = (lse.double()[fin] - rl[fin]).abs().max().item() if fin.any() else 0.0
+    err = ((o.double() - ro).norm() / ro.norm()).item() if ro.norm() > 0 else o.double().norm().item()
+    return err, lerr, pat, bool(torch.isnan(o).any())
+
+
+def structured():
+    g = torch.Generator().manual_seed(0)
+    q, kv, indptr, idx = make_inputs([1], 1, 1, device="cuda", gen=g)
+    op, lp = hopper.mla_decode_splitkv(q, kv, indptr, idx, 1, SCALE, 0.5, 1)
+    ro, rl = oracle(q, kv, indptr, idx, 1, SCALE, 0.5)
+    print(f"one token: lse {lp[0, 0, 0].item():.6f} ref {rl[0, 0].item():.6f}")
+    v = (0.5 * kv[idx[0].long(), :512].double())
+    got = op[0, 0, 0].double()
+    print(f"one token: max |o - kv_scale v| = {(got - v).abs().max().item():.3e}")
+    if (got - v).abs().max().item() > 1e-2:
+        where = [int(((got[i] - v).abs() < 1e-6).nonzero()[0]) if ((got[i] - v).abs() < 1e-6).any() else -1
+                 for i in range(24)]
+        print("  o column i equals v column:", where)
+    for lens, qlen, H in [([64], 1, 1), ([64], 1, 16), ([200], 1, 12), ([130], 2, 12), ([300], 1, 32)]:
+        e = errors(hopper, lens, qlen, H, 1, g)
+        print(f"lens {lens} qlen {qlen} H {H}: rel L2 {e[0]:.2e} |lse| {e[1]:.2e} -inf ok {e[2]} nan {e[3]}")
+
+
+def random_cases():
+    g = torch.Generator().manual_seed(1)
+    for lens, qlen, H, S, oob in [([0, 1, 2, 7, 63, 64, 65, 300], 1, 12, 3, 0), ([1000] * 4, 2, 12, 1, 0),
+                                  ([4096, 17, 2500, 0], 3, 12, 8, 2), ([16384], 8, 12, 64, 0),
+                                  ([5, 1, 0, 2], 4, 12, 9, 0), ([3000], 1, 96, 4, 0), ([3000], 1, 128, 4, 0)]:
+        for kern, name in ((hopper, "cuda"), (triton_kernels, "triton")):
+            e = errors(kern, lens, qlen, H, S, g, oob=oob)
+            print(f"{name:6s} lens {str(lens)[:30]:30s} q{qlen} H{H} S{S}: rel L2 {e[0]:.2e} |lse| {e[1]:.2e} "
+                  f"-inf ok {e[2]} nan {e[3]}")
+
+
+def time_one(kern, H, qlen, lens, S, sets=8, reps=10):
+    g = torch.Generator().manual_seed(2)
+    R = len(lens)
+    total = sum(lens)
+    pool_rows = max(min(total * sets, 2_000_000), total, 1)  # >= 1.1 GB: no set stays in L2
+    pool = (torch.randn(pool_rows, 576, device="cuda") * 4).to(torch.float8_e4m3fn)
+    indptr = torch.zeros(R + 1, dtype=torch.int32)
+    indptr[1:] = torch.cumsum(torch.tensor(lens), 0)
+    indptr = indptr.cuda()
+    inputs = []
+    for i in range(sets):
+        idx = torch.randperm(pool_rows, generator=g)[:total].to(torch.int32).cuda()
+        q = torch.randn(R * qlen, H, 576, generator=g).to(torch.bfloat16).cuda()
+        inputs.append((q, idx))
+
+    def run(q, idx):
+        op, lp = kern.mla_decode_splitkv(q, pool, indptr, idx, qlen, SCALE, 0.05, S)
+        return kern.mla_merge(op, lp) if S > 1 else (op[0], lp[0])
+
+    for q, idx in inputs:
+        run(q, idx)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for q, idx in inputs:
+            run(q, idx)
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / sets)
+    us = statistics.median(times)
+    tbps = total * 576 / us / 1e6
+    return us, tbps
+
+
+def timing():
+    shapes = [("H12 q1 b8 8k", 12, 1, [8192] * 8), ("H12 q1 b32 8k", 12, 1, [8192] * 32),
+              ("H12 q1 b32 32k", 12, 1, [32768] * 32), ("H12 q1 b128 8k", 12, 1, [8192] * 128),
+              ("H12 q2 b32 8k", 12, 2, [8192] * 32), ("H12 q8 b32 8k", 12, 8, [8192] * 32),
+              ("H96 q1 b64 4k", 96, 1, [4096] * 64), ("H12 q1 b1 32k", 12, 1, [32768])]
+    for stages in ("2", "3", "4"):
+        os.environ[hopper.STAGES_ENV] = stages
+        for label, H, qlen, lens in shapes:
+            if stages == "4" and qlen * H > 16:
+                continue
+            S = hopper.suggest_num_splits(len(lens), qlen, H, sum(lens))
+            us, tb = time_one(hopper, H, qlen, lens, S)
+            print(f"cuda stages {stages} {label:16s} S={S:3d}: {us:8.1f} us  {tb:5.2f} TB/s  ({100 * tb / 4.31:.0f}% of HBM)")
+    os.environ.pop(hopper.STAGES_ENV)
+    for label, H, qlen, lens in shapes:
+        S = triton_kernels.suggest_num_splits(len(lens), qlen, H, sum(lens))
+        us, tb = time_one(triton_kernels, H, qlen, lens, S)
+        print(f"triton {label:16s} S={S:3d}: {us:8.1f} us  {tb:5.2f} TB/s")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--time", action="store_true")
+    args = ap.parse_args()
+    structured()
+    random_cases()
+    if args.time:
+        timing()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""The Hopper kernels of kimi_ops._C (csrc/mla_decode_sm90.cu) against the float64 oracle.
+
+GPU tests run on an sm_90 GPU with kimi_ops._C built; they reuse the Triton tests' inputs
+(fresh random data, permuted cache rows among NaN-filled unused rows, out-of-range indices,
+empty and short requests) and oracle. CPU (CI): the extension's private op schemas.
+"""
+import math
+
+import pytest
+import torch
+
+import kimi_ops
+from kimi_ops import dispatch
+from test_triton_attention import SCALE, check_decode, check_merge, make_inputs, oracle
+
+
+def _sm90_ready() -> bool:
+    return (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+            and dispatch.cuda_extension_unavailable_reason() is None)
+
+
+sm90 = pytest.mark.skipif(not _sm90_ready(), reason="needs an sm_90 GPU and kimi_ops._C")
+
+
+@pytest.mark.skipif(dispatch.cuda_extension_unavailable_reason() is not None, reason="kimi_ops._C not built")
+def test_private_op_schemas():
+    import kimi_ops.hopper
+    ops = kimi_ops.hopper._ops()
+    split = ops._mla_decode_splitkv_sm90.default._schema
+    merge = ops._mla_merge_sm90.default._schema
+    assert [a.name for a in split.arguments] == [
+        "q", "kv_cache", "kv_indptr", "kv_indices", "seq_lens", "qlen", "qk_scale_log2", "kv_scale",
+        "num_splits", "dcp_rank", "dcp_world_size", "rows_per_cta", "stages"]
+    assert [a.name for a in merge.arguments] == ["o_part", "lse_part"]
+
+
+def test_split_heuristic_fills_one_wave():
+    from kimi_ops.hopper import suggest_num_splits
+    assert suggest_num_splits(1, 1, 12, 65536) == 128          # one long request: as many as allowed
+    assert suggest_num_splits(32, 1, 12, 32 * 8192) == 8       # 256 CTAs in 264 slots
+    assert suggest_num_splits(128, 8, 12, 128 * 8192) == 1     # already several waves
+    assert suggest_num_splits(1, 1, 12, 200) == 1              # too short to split
+    for args in [(8, 1, 12, 8 * 8192), (64, 1, 96, 64 * 4096), (3, 4, 12, 3 * 1000)]:
+        assert 1 <= suggest_num_splits(*args) <= 128
+
+
+@sm90
+def test_auto_backend_is_cuda():
+    dev = torch.device("cuda")
+    assert dispatch.backend_for("mla_decode_splitkv", dev) == "cuda"
+    assert dispatch.backend_for("mla_merge", dev) == "cuda"
+
+
+@sm90
+@pytest.mark.parametrize("stages", ["2", "3", "4"])
+@pytest.mark.parametrize("H", [12, 16, 96, 128])
+def test_grid(H, stages, monkeypatch):
+    monkeypatch.setenv("KIMI_OPS_SM90_STAGES", stages if H * 1 <= 16 or stages != "4" else "3")
+    import kimi_ops.hopper as hopper
+    g = torch.Generator().manual_seed(H)
+    worst = (0.0, 0.0)
+    for qlen in (1, 2, 3, 4, 8):
+        if stages == "4" and qlen * H > 16:
+            continue  # 32-row CTAs take 2..3 stages
+        cases = [
+            ([0, 1, 2, 7, 63, 64, 65, 300], 3),
+            ([1000] * 4, 1),
+            ([4096, 17, 2500, 0], 8),
+            ([5, 1, 0, 2], 9),                       # more splits than tokens, n < qlen
+            ([16384], 64),
+        ]
+        if H <= 16:
+            cases += [([65536], 32), ([65536, 3, 9000], 128)]
+        elif qlen in (1, 8):
+            cases += [([65536], 16)]
+        for lens, S in cases:
+            e = check_decode(lens, qlen, H, S, device="cuda", gen=g, oob=2 if qlen == 3 else 0, kernels=hopper)
+            worst = (max(worst[0], e[0]), max(worst[1], e[1]))
+    print(f"cuda H={H} stages={stages}: worst rel L2 {worst[0]:.2e}, worst |lse| {worst[1]:.2e}")
+
+
+@sm90
+def test_variable_lengths():
+    import kimi_ops.hopper as hopper
+    g = torch.Generator().manual_seed(7)
+    lens = torch.distributions.LogNormal(math.log(3000), 1.0).sample((24,)).clamp(0, 65536).long().tolist()
+    lens[0] = 0
+    for S in (1, 7, 64):
+        for qlen in (1, 4):
+            check_decode(lens, qlen, 12, S, device="cuda", gen=g, kernels=hopper)
+
+
+@sm90
+def test_kv_scale_and_extreme_queries():
+    """Query rows of very different magnitudes (the per-row 2^k scaling) and other kv_scales."""
+    import kimi_ops.hopper as hopper
+    g = torch.Generator().manual_seed(17)
+    q, kv, indptr, idx = make_inputs([700, 33], 2, 12, kv_scale=0.03, device="cuda", gen=g)
+    mags = torch.tensor([1e-30, 1e-6, 1.0, 1e4, 3e30, 0.0], device="cuda")
+    q = (q.float() * mags.repeat(2)[:, None, None].repeat(2, 1, 1)[: q.shape[0]].reshape(-1, 1, 1)).to(torch.bfloat16)
+    q[0, 3] = 0
+    for S in (1, 4):
+        op, lp = hopper.mla_decode_splitkv(q, kv, indptr, idx, 2, SCALE, 0.03, S)
+        o, lse = hopper.mla_merge(op, lp)
+        ro, rl = oracle(q, kv, indptr, idx, 2, SCALE, 0.03)
+        fin = ~torch.isneginf(rl)
+        assert torch.equal(torch.isneginf(lse), ~fin) and not torch.isnan(o).any()
+        assert (lse.double()[fin] - rl[fin]).abs().max().item() <= 1e-3
+        # per row: each row's own relative error (magnitudes differ by 1e60)
+        err = ((o.double() - ro).norm(dim=-1) / ro.norm(dim=-1).clamp_min(1e-300))[fin]
+        assert err.max().item() <= 4e-3, err.max().item()
+
+
+@sm90
+def test_merge():
+    import kimi_ops.hopper as hopper
+    g = torch.Generator().manual_seed(5)
+    for S, T, H in [(64, 40, 12), (1, 3, 128), (5, 6, 3), (17, 2, 96), (130, 1, 12)]:
+        check_merge(S, T, H, device="cuda", gen=g, kernels=hopper)
+
+
+@sm90
+def test_public_ops_and_cuda_graph():
+    """mla_decode through the dispatcher (auto -> cuda), captured in a CUDA graph, replayed after
+    the lengths, indices and q changed in place: equal to eager and to the oracle."""
+    g = torch.Generator().manual_seed(13)
+    qlen, H, S, R, cap = 2, 12, 8, 6, 9000
+    q, kv, indptr, idx = make_inputs([cap // R] * R, qlen, H, device="cuda", gen=g, extra=2000)
+    idx_buf = torch.zeros(cap, dtype=torch.int32, device="cuda")
+    idx_buf[: idx.numel()] = idx
+
+    def step():
+        return kimi_ops.mla_decode(q, kv, indptr, idx_buf, qlen=qlen, scale=SCALE, kv_scale=0.5, num_splits=S)
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o_g, lse_g = step()
+    for trial in range(3):
+        lens = torch.randint(0, cap // R, (R,), generator=g)
+        lens[trial] = 0
+        new_ptr = torch.zeros(R + 1, dtype=torch.int32)
+        new_ptr[1:] = torch.cumsum(lens, 0)
+        indptr.copy_(new_ptr)
+        idx_buf.copy_(idx[torch.randperm(cap, generator=g).to(idx.device)])
+        q.copy_(torch.randn(q.shape, generator=g).to(torch.bfloat16))
+        graph.replay()
+        o_e, lse_e = step()
+        torch.cuda.synchronize()
+        assert torch.equal(o_g, o_e) and torch.equal(lse_g, lse_e)
+        ro, rl = oracle(q, kv, indptr, idx_buf, qlen, SCALE, 0.5)
+        fin = ~torch.isneginf(rl)
+        assert torch.equal(torch.isneginf(lse_g), ~fin)
+        assert ((o_g.double() - ro).norm() / ro.norm()).item() <= 4e-3
+
+
+@sm90
+def test_agrees_with_triton():
+    """The two GPU backends on one input: both within the contract of each other."""
+    import kimi_ops.hopper as hopper
+    import kimi_ops.kernels.attention as triton_kernels
+    g = torch.Generator().manual_seed(23)
+    q, kv, indptr, idx = make_inputs([3000, 1, 700], 4, 16, device="cuda", gen=g)
+    a = hopper.mla_merge(*hopper.mla_decode_splitkv(q, kv, indptr, idx, 4, SCALE, 0.5, 5))
+    b = triton_kernels.mla_merge(*triton_kernels.mla_decode_splitkv(q, kv, indptr, idx, 4, SCALE, 0.5, 5))
+    assert ((a[0].float() - b[0].float()).norm() / b[0].float().norm()).item() <= 4e-3
+    assert (a[1] - b[1]).abs().max().item() <= 1e-3
