@@ -227,12 +227,32 @@ def make_vllm_triton(c: Case, num_sms: int, shared: dict | None = None):
 _fi = None
 
 
+def _preload_cudart():
+    """The prebuilt kernel needs libcudart.so.13 by soname; make sure one is loaded (torch's
+    bundled copy, else the toolkit's) so dlopen resolves it without LD_LIBRARY_PATH."""
+    import ctypes
+    import glob
+    cands = ["libcudart.so.13"]
+    for d in sys.path:
+        cands += sorted(glob.glob(os.path.join(d, "nvidia", "cu13", "lib", "libcudart.so.13")))
+        cands += sorted(glob.glob(os.path.join(d, "nvidia", "cuda_runtime", "lib", "libcudart.so.13")))
+    cands += [os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "lib64", "libcudart.so.13")]
+    for c in cands:
+        try:
+            ctypes.CDLL(c, mode=ctypes.RTLD_GLOBAL)
+            return c
+        except OSError:
+            continue
+    return None
+
+
 def load_flashinfer():
     global _fi
     if _fi is not None:
         return _fi
     _add_paths()
     os.environ.setdefault("FLASHINFER_WORKSPACE_BASE", "/tmp/flashinfer-ws")
+    _preload_cudart()
     try:
         import flashinfer
         import flashinfer.mla as fmla
@@ -255,7 +275,7 @@ def make_flashinfer(c: Case, shared: dict | None = None, backend: str = "fa3"):
     dev = c.q.device
     shared = {} if shared is None else shared
     if "fi_ws" not in shared:
-        shared["fi_ws"] = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+        shared["fi_ws"] = torch.empty(512 << 20, dtype=torch.uint8, device=dev)
     qo_indptr, kv_indptr, kv_indices, kv_len = flashinfer_csr(c.indptr_list, c.idx, c.qlen)
     # CUDA-graph mode: plan copies the metadata into these buffers, which the graph then reads.
     w = fmla.BatchMLAPagedAttentionWrapper(
@@ -337,3 +357,76 @@ def trim_flashinfer(src_root: str, dst_root: str, imported_files: list, aot_so: 
         shutil.copy2(aot_so, q)
         total += os.path.getsize(aot_so)
     return total
+
+
+FI_VERSION = "0.7.4"
+VLLM_VERSION = "0.33.0"
+FI_DEPS = ("apache-tvm-ffi==0.1.15.post2", "packaging==26.4", "requests==2.34.2", "urllib3==2.8.0", "idna==3.20",
+           "certifi==2026.10.19.post1", "nvidia-ml-py==13.615.71", "tqdm==4.70.1", "einops==0.8.2",
+           "tabulate==0.10.0")
+DEVICE_PIP = ("--no-deps", "--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
+              "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_17_x86_64",
+              "--platform", "manylinux2014_x86_64", "--platform", "any")
+
+_FI_PROBE = r"""
+import json, sys, torch
+import flashinfer, flashinfer.mla
+from flashinfer.mla._batch_mla._backends import fa3_backend, _fa_common  # noqa: F401
+from flashinfer.jit import gen_batch_mla_module
+spec = gen_batch_mla_module("fa3", torch.bfloat16, torch.float8_e4m3fn, torch.bfloat16, torch.int32, 512, 64, False)
+spec.build()
+files = [m.__file__ for k, m in list(sys.modules.items()) if k.startswith("flashinfer") and getattr(m, "__file__", None)]
+json.dump(dict(files=files, so=str(spec.jit_library_path)), open(sys.argv[1], "w"))
+"""
+
+
+def prepare(work: str, python: str, jobs: int = 2) -> None:
+    """Fill .whl/ (device wheels of FlashInfer's dependencies) and .peers/ (vLLM's kernel file, a
+    trimmed FlashInfer with its sm_90a MLA kernel prebuilt) on a machine without a GPU.
+    ``python``: an interpreter with a CUDA build of torch (for FlashInfer's JIT); nvcc from
+    CUDA_HOME (default /usr/local/cuda). Slow part: the kernel build, ~3 min on 2 cores."""
+    import glob
+    import json
+    import shutil
+    import subprocess
+    import zipfile
+    os.makedirs(work, exist_ok=True)
+    pip = [sys.executable, "-m", "pip", "download", "-q", "-d"]
+    subprocess.run(pip + [os.path.join(REPO, ".whl"), *DEVICE_PIP, *FI_DEPS], check=True)
+    subprocess.run(pip + [work, *DEVICE_PIP, f"flashinfer-python=={FI_VERSION}", f"vllm=={VLLM_VERSION}"], check=True)
+    with zipfile.ZipFile(glob.glob(os.path.join(work, f"vllm-{VLLM_VERSION}-*.whl"))[0]) as z:
+        os.makedirs(os.path.dirname(VLLM_FILE), exist_ok=True)
+        with open(VLLM_FILE, "wb") as f:
+            f.write(z.read("vllm/v1/attention/ops/triton_decode_attention.py"))
+    src = os.path.join(work, "flashinfer-src")
+    with zipfile.ZipFile(glob.glob(os.path.join(work, f"flashinfer_python-{FI_VERSION}-*.whl"))[0]) as z:
+        z.extractall(src)
+    site = os.path.join(work, "site")  # the same dependencies, for the local interpreter
+    subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", "--upgrade", "--target", site, *FI_DEPS],
+                   check=True)
+    stub = os.path.join(work, "cudastub")  # link-time stand-in for the driver library (no GPU here)
+    os.makedirs(stub, exist_ok=True)
+    subprocess.run(["gcc", "-shared", "-Wl,-soname,libcuda.so.1", "-o", os.path.join(stub, "libcuda.so"),
+                    "-x", "c", "/dev/null"], check=True)
+    cuda = os.environ.get("CUDA_HOME", "/usr/local/cuda")
+    env = dict(os.environ, PYTHONPATH=f"{src}:{site}", FLASHINFER_CUDA_ARCH_LIST="9.0a", CUDA_HOME=cuda,
+               FLASHINFER_WORKSPACE_BASE=os.path.join(work, "ws"), MAX_JOBS=str(jobs),
+               LIBRARY_PATH=stub + (":" + os.environ["LIBRARY_PATH"] if "LIBRARY_PATH" in os.environ else ""),
+               PATH=f"{cuda}/bin:" + os.environ.get("PATH", ""))
+    probe = os.path.join(work, "probe.json")
+    subprocess.run([python, "-c", _FI_PROBE, probe], env=env, check=True)
+    info = json.load(open(probe))
+    shutil.rmtree(FLASHINFER_DIR, ignore_errors=True)
+    n = trim_flashinfer(src, FLASHINFER_DIR, info["files"], info["so"])
+    print(f"{os.path.relpath(FLASHINFER_DIR, REPO)}: {n / 1e6:.1f} MB; {os.path.relpath(VLLM_FILE, REPO)}")
+
+
+if __name__ == "__main__":
+    import argparse
+    ap = argparse.ArgumentParser(description="prepare .whl/ and .peers/ for the device (run here, not there)")
+    ap.add_argument("command", choices=["prepare"])
+    ap.add_argument("--work", default="/tmp/kimi-peers-work")
+    ap.add_argument("--python", default=sys.executable, help="a Python with a CUDA torch (FlashInfer's JIT)")
+    ap.add_argument("--jobs", type=int, default=2)
+    a = ap.parse_args()
+    prepare(a.work, a.python, a.jobs)
