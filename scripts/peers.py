@@ -415,7 +415,8 @@ def prepare(work: str, python: str, jobs: int = 2) -> None:
                PATH=f"{cuda}/bin:" + os.environ.get("PATH", ""))
     probe = os.path.join(work, "probe.json")
     subprocess.run([python, "-c", _FI_PROBE, probe], env=env, check=True)
-    info = json.load(open(probe))
+    with open(probe) as f:
+        info = json.load(f)
     shutil.rmtree(FLASHINFER_DIR, ignore_errors=True)
     n = trim_flashinfer(src, FLASHINFER_DIR, info["files"], info["so"])
     print(f"{os.path.relpath(FLASHINFER_DIR, REPO)}: {n / 1e6:.1f} MB; {os.path.relpath(VLLM_FILE, REPO)}")
