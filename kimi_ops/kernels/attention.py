@@ -247,38 +247,46 @@ def _split_kv_kernel(
 def _merge_kernel(
     o_part_ptr, lse_part_ptr, o_ptr, lse_ptr,
     TH, S,
-    BLOCK_R: tl.constexpr,
-    INTERP_SPLITS: tl.constexpr,  # interpreter: S as a constant (Triton 3.6's cannot loop to a runtime bound)
+    BLOCK_S: tl.constexpr,  # splits loaded at once (a power of two; S > BLOCK_S loops over chunks)
+    BLOCK_C: tl.constexpr,  # columns of the 512 a program owns (divides 512)
+    INTERP_CHUNKS: tl.constexpr,  # interpreter: cdiv(S, BLOCK_S) as a constant (Triton 3.6's cannot loop to a runtime bound)
     INTERP: tl.constexpr,
 ):
+    # One program per (row, column block); the column blocks of a row are adjacent in the grid
+    # (they share the row's LSE reads through L2).  Each chunk of BLOCK_S splits is one
+    # [BLOCK_S] LSE load and then one [BLOCK_S, BLOCK_C] o_part load (every split of the
+    # chunk in flight at once), folded into an f32 [BLOCK_S, BLOCK_C] accumulator by the
+    # online-softmax rescale; the split axis is reduced once at the end.
     DC: tl.constexpr = 512
+    NCB: tl.constexpr = DC // BLOCK_C
     pid = tl.program_id(0)
-    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
-    rows_ok = rows < TH
-    rows64 = rows.to(tl.int64)
-    offs_c = tl.arange(0, DC)
-    m = tl.zeros([BLOCK_R], dtype=tl.float32) - float("inf")
-    l = tl.zeros([BLOCK_R], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_R, DC], dtype=tl.float32)
-    for s in range(0, INTERP_SPLITS if INTERP_SPLITS > 0 else S):
-        base = s * TH + rows64
-        lse_s = tl.load(lse_part_ptr + base, mask=rows_ok, other=float("-inf"))
-        live = lse_s > float("-inf")
+    row = (pid // NCB).to(tl.int64)
+    cb = pid % NCB
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    m = tl.full((), float("-inf"), tl.float32)
+    l = tl.full((), 0.0, tl.float32)
+    acc = tl.zeros([BLOCK_S, BLOCK_C], dtype=tl.float32)
+    for c in range(0, INTERP_CHUNKS if INTERP_CHUNKS > 0 else tl.cdiv(S, BLOCK_S)):
+        s = c * BLOCK_S + offs_s
+        base = s.to(tl.int64) * TH + row
+        lse_s = tl.load(lse_part_ptr + base, mask=s < S, other=float("-inf"))
+        live = lse_s > float("-inf")  # an empty split's o is not read (never NaN * 0)
         o_s = tl.load(o_part_ptr + base[:, None] * DC + offs_c[None, :],
-                      mask=(rows_ok & live)[:, None], other=0.0).to(tl.float32)
-        m_new = tl.maximum(m, lse_s)
+                      mask=live[:, None], other=0.0).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(lse_s, axis=0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m - m_safe)
         w = tl.exp(lse_s - m_safe)
-        l = l * alpha + w
-        acc = acc * alpha[:, None] + o_s * w[:, None]
+        l = l * alpha + tl.sum(w, axis=0)
+        acc = acc * alpha + o_s * w[:, None]
         m = m_new
     has = l > 0
     inv = tl.where(has, 1.0 / tl.where(has, l, 1.0), 0.0)
-    o = acc * inv[:, None]
+    o = tl.sum(acc, axis=0) * inv
+    tl.store(o_ptr + row * DC + offs_c, _to_bf16(o, INTERP))
     lse = tl.where(has, m + tl.log(tl.where(has, l, 1.0)), float("-inf"))
-    tl.store(o_ptr + rows64[:, None] * DC + offs_c[None, :], _to_bf16(o, INTERP), mask=rows_ok[:, None])
-    tl.store(lse_ptr + rows64, lse, mask=rows_ok)
+    tl.store(lse_ptr + row, lse, mask=cb == 0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -373,6 +381,34 @@ def mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: floa
     return o_part, lse_part
 
 
+MERGE_TILE = 4096        # o_part elements a program loads per chunk: 8 KB of bf16
+MERGE_MAX_SPLITS = 64   # splits a chunk holds at most (S > 64 loops)
+MERGE_MIN_COLS = 64     # a split's row segment: 128 bytes, one full cache line
+MERGE_PROGRAMS = 264    # shrink the column block until about 2 programs an SM (132 on the H200)
+
+
+def _merge_config(S: int, TH: int):
+    """(BLOCK_S, BLOCK_C, num_warps) for merging S splits of TH rows.
+
+    The merge streams S * TH * 1 KB of o_part once; it is bound by how many bytes are in
+    flight, not by arithmetic.  A program owns one row's BLOCK_C columns and loads a chunk of
+    BLOCK_S splits as one [BLOCK_S, BLOCK_C] tile of at most MERGE_TILE elements (8 KB), all
+    splits of the chunk in flight at once.  num_warps = tile / 1024 (1..4): a thread holds
+    up to 32 elements, four 16-byte loads.  ptxas (sm_90a) reports 34-96 registers, no
+    spills (96 for the 64 x 64 tile: 5 programs an SM, 40 KB in flight an SM, ~5 MB on 132
+    SMs; the 2 KB tiles of S <= 2 fit 16-32 one-warp programs an SM), above the ~3-4 MB that
+    Little's law asks of 4.3 TB/s at ~1 us of latency.  Small TH (batch 1: 12 rows) narrows
+    the column block (down to 64 columns, a 128-byte line a split) so that the grid still
+    spreads over the SMs: at that size the merge is one LSE read and one o_part read deep.
+    """
+    bs = min(triton.next_power_of_2(max(S, 1)), MERGE_MAX_SPLITS)
+    bc = max(MERGE_MIN_COLS, min(KV_LORA_RANK, MERGE_TILE // bs))
+    while bc > MERGE_MIN_COLS and TH * (KV_LORA_RANK // bc) < MERGE_PROGRAMS:
+        bc //= 2
+    warps = max(1, min(4, bs * bc // 1024))
+    return bs, bc, warps
+
+
 def mla_merge(o_part, lse_part):
     """M1b. o_part [S, T, H, 512] bf16, lse_part [S, T, H] f32 -> (o [T, H, 512] bf16, lse [T, H] f32)."""
     assert o_part.dim() == 4 and o_part.shape[3] == KV_LORA_RANK and o_part.is_contiguous()
@@ -383,10 +419,11 @@ def mla_merge(o_part, lse_part):
     TH = T * H
     if TH == 0:
         return o, lse
-    br = 4
-    _merge_kernel[(triton.cdiv(TH, br),)](o_part, lse_part, o, lse, TH, S, BLOCK_R=br,
-                                        INTERP_SPLITS=S if interpreting() else 0,
-                                        INTERP=interpreting(), num_warps=4)
+    bs, bc, warps = _merge_config(S, TH)
+    _merge_kernel[(TH * (KV_LORA_RANK // bc),)](
+        o_part, lse_part, o, lse, TH, S, BLOCK_S=bs, BLOCK_C=bc,
+        INTERP_CHUNKS=triton.cdiv(S, bs) if interpreting() else 0,
+        INTERP=interpreting(), num_warps=warps, num_stages=1)
     return o, lse
 
 
@@ -432,11 +469,17 @@ def _specs():
             specs.append(dict(name=f"splitkv_{mma}_{fmt}_m{bm}", kernel=_split_kv_kernel,
                               signature=sig, constexprs=cx, num_warps=warps, num_stages=stages,
                               targets=targets))
-    specs.append(dict(name="merge_r4", kernel=_merge_kernel,
-                      signature={"o_part_ptr": "*bf16", "lse_part_ptr": "*fp32", "o_ptr": "*bf16",
-                                 "lse_ptr": "*fp32", "TH": "i32", "S": "i32", "BLOCK_R": "constexpr",
-                                 "INTERP_SPLITS": "constexpr", "INTERP": "constexpr"},
-                      constexprs={"BLOCK_R": 4, "INTERP": False, "INTERP_SPLITS": 0}, num_warps=4, num_stages=1))
+    # every (BLOCK_S, BLOCK_C, num_warps) _merge_config can return
+    merge_cfgs = sorted({_merge_config(S, TH) for S in (1, 2, 4, 8, 16, 32, 64, 65)
+                         for TH in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)})
+    for bs, bc, warps in merge_cfgs:
+        specs.append(dict(name=f"merge_s{bs}_c{bc}", kernel=_merge_kernel,
+                          signature={"o_part_ptr": "*bf16", "lse_part_ptr": "*fp32", "o_ptr": "*bf16",
+                                     "lse_ptr": "*fp32", "TH": "i32", "S": "i32", "BLOCK_S": "constexpr",
+                                     "BLOCK_C": "constexpr", "INTERP_CHUNKS": "constexpr",
+                                     "INTERP": "constexpr"},
+                          constexprs={"BLOCK_S": bs, "BLOCK_C": bc, "INTERP": False, "INTERP_CHUNKS": 0},
+                          num_warps=warps, num_stages=1))
     return specs
 
 
