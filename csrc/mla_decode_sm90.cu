@@ -8,10 +8,11 @@
 //   o_part    [S, T*H, 512] bf16, lse_part [S, T*H] f32 (natural log; o = 0, lse = -inf
 //             for a row that sees no token of its split)
 //
-// splitkv_kernel: one CTA of 4 warps per (row group, split, request). A row group is 16*MT
-// consecutive query rows of one request. The split's tokens stream through a ring of STAGES
-// shared-memory tiles of 64 rows (cp.async, 16-byte chunks, zero-filled where a token is past
-// the split or its index is out of range). Per tile:
+// splitkv_kernel: one CTA of 4*MT warps per (row group, split, request). A row group is 16*MT
+// consecutive query rows of one request; warps 4m..4m+3 take its m-th 16 rows. The split's
+// tokens stream through a ring of STAGES shared-memory tiles of 64 rows (cp.async, 16-byte
+// chunks, zero-filled where a token is past the split or its index is out of range), read from
+// HBM once for all the CTA's rows. Per tile, in each group of 4 warps:
 //   S  = Q K^T   warp w takes the tile's tokens [16w, 16w+16); mma.sync m16n8k16 f16 with
 //                query rows as M; K's fp8 bytes become f16 with cvt.e4m3x2 (exact), Q is the
 //                bf16 query scaled per row by 2^k into [2^14, 2^15) and stored as f16 (exact
@@ -44,8 +45,7 @@ constexpr int kRowBytes = 576;      // fp8 cache row
 constexpr int kLatent = 512;        // kv_c columns (= V and O width)
 constexpr int kSmemRow = 592;       // smem row stride of a K tile: 576 + 16 (conflict-free ldmatrix / lds)
 constexpr int kTileN = 64;          // tokens per pipeline stage
-constexpr int kWarps = 4;
-constexpr int kThreads = 32 * kWarps;
+constexpr int kWarpsPerM = 4;      // warps sharing one 16-row m-tile
 constexpr int kQStride = 584;       // f16 per smem Q row: 576 + 8 (conflict-free ldmatrix)
 constexpr int kPStride = 72;        // f16 per smem P row: 64 + 8
 constexpr int kQExp = 14;           // query rows scaled so the row max is in [2^14, 2^15)
@@ -56,7 +56,7 @@ struct SplitKVSmem {
   uint8_t kv[STAGES][kTileN * kSmemRow];
   __half q[MT * 16 * kQStride];
   __half p[MT * 16 * kPStride];
-  float red[kWarps][MT * 16];
+  float red[kWarpsPerM][MT * 16];
   float row_fac[MT * 16];
 };
 
@@ -147,12 +147,16 @@ __device__ __forceinline__ int visible_tokens(int n, int n_global, int qlen, int
 // ---- M1c ---------------------------------------------------------------------------------------
 
 template <int MT, int STAGES>
-__global__ void __launch_bounds__(kThreads) splitkv_kernel(const SplitKVParams p) {
+__global__ void __launch_bounds__(128 * MT, 1) splitkv_kernel(const SplitKVParams p) {
   extern __shared__ __align__(128) uint8_t smem_raw[];
   auto& sm = *reinterpret_cast<SplitKVSmem<MT, STAGES>*>(smem_raw);
   constexpr int kRows = MT * 16;
+  constexpr int kThreads = 128 * MT;
+  constexpr int kWarps = 4 * MT;
+  constexpr int kLoadRows = kTileN / kWarps;  // tokens of a tile each warp gathers
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int mg = warp / kWarpsPerM, wq = warp % kWarpsPerM;  // m-tile; token / column quarter
   const int g = lane / 4, c = lane % 4;
   const int split = blockIdx.y, req = blockIdx.z;
   const int rows_per_req = p.qlen * p.heads;
@@ -169,6 +173,43 @@ __global__ void __launch_bounds__(kThreads) splitkv_kernel(const SplitKVParams p
   const int lo = split * chunk;
   const int hi = min(lo + chunk, hi_rows);
   const int ntiles = hi > lo ? (hi - lo + kTileN - 1) / kTileN : 0;
+
+  // --- KV tile loader: warp w gathers tokens [kLoadRows*w, kLoadRows*(w+1)) of a tile; lane l <
+  // kLoadRows holds the index of token l, fetched one tile ahead so its latency hides behind a
+  // tile of compute.
+  const int* idx_base = p.indices + start;
+  auto fetch_index = [&](int t) -> int {
+    const int j = lo + t * kTileN + warp * kLoadRows + lane;
+    return (lane < kLoadRows && t < ntiles && j < hi) ? idx_base[j] : -1;
+  };
+  int next_index = fetch_index(0);
+  auto load_tile = [&](int t) {
+    const int idx_mine = next_index;
+    next_index = fetch_index(t + 1);
+    uint8_t* dst = sm.kv[t % STAGES] + warp * kLoadRows * kSmemRow;
+#pragma unroll
+    for (int r = 0; r < kLoadRows; ++r) {  // the first 512 bytes of each row: one chunk a lane
+      const int idx = __shfl_sync(0xffffffffu, idx_mine, r);
+      const bool ok = idx >= 0 && idx < p.num_kv_rows;
+      const uint8_t* src = p.kv + (ok ? static_cast<int64_t>(idx) * kRowBytes + lane * 16 : 0);
+      cp_async_16(dst + r * kSmemRow + lane * 16, src, ok ? 16 : 0);
+    }
+#pragma unroll
+    for (int i = 0; i < (kLoadRows * 4 + 31) / 32; ++i) {  // the last 64 bytes: 4 chunks a row
+      const int e = i * 32 + lane;
+      const int r = min(e / 4, kLoadRows - 1), ch = 32 + e % 4;
+      const int idx = __shfl_sync(0xffffffffu, idx_mine, r);
+      const bool ok = idx >= 0 && idx < p.num_kv_rows;
+      const uint8_t* src = p.kv + (ok ? static_cast<int64_t>(idx) * kRowBytes + ch * 16 : 0);
+      if (e < kLoadRows * 4) cp_async_16(dst + r * kSmemRow + ch * 16, src, ok ? 16 : 0);
+    }
+  };
+  // the first tiles' loads go out before the query is staged
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < ntiles) load_tile(s);
+    cp_async_commit();
+  }
 
   // --- Q: bf16 -> 2^k-scaled f16 in smem, columns permuted inside each 16-column chunk so that
   // ldmatrix's A fragment pairs physical columns (4c, 4c+1) and (4c+2, 4c+3), the pairs the
@@ -203,65 +244,25 @@ __global__ void __launch_bounds__(kThreads) splitkv_kernel(const SplitKVParams p
     if (lane == 0) sm.row_fac[r] = ldexpf(p.qk_scale_log2, -k);
   }
 
-  // --- per-thread row state: rows g and g+8 of each 16-row tile
-  int lim[MT][2];
-  float row_fac[MT][2], m_run[MT][2], l_run[MT][2];
-  float acc[MT][16][4];
+  // --- per-thread row state: rows g and g+8 of the warp's m-tile
+  int lim[2];
+  float m_run[2], l_run[2];
+  float acc[16][4];
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = row0 + mt * 16 + g + 8 * h;
-      lim[mt][h] = r < rows_per_req
-                       ? min(visible_tokens(n, n_global, p.qlen, r / p.heads, p.dcp_rank, p.dcp_world), hi)
-                       : 0;
-      m_run[mt][h] = -INFINITY;
-      l_run[mt][h] = 0.f;
-    }
-#pragma unroll
-    for (int j = 0; j < 16; ++j) acc[mt][j][0] = acc[mt][j][1] = acc[mt][j][2] = acc[mt][j][3] = 0.f;
+  for (int h = 0; h < 2; ++h) {
+    const int r = row0 + mg * 16 + g + 8 * h;
+    lim[h] = r < rows_per_req ? min(visible_tokens(n, n_global, p.qlen, r / p.heads, p.dcp_rank, p.dcp_world), hi)
+                              : 0;
+    m_run[h] = -INFINITY;
+    l_run[h] = 0.f;
   }
+#pragma unroll
+  for (int j = 0; j < 16; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
 
-  // --- KV tile loader: warp w gathers tokens [16w, 16w+16) of a tile; lane l < 16 holds the
-  // index of token l, fetched one tile ahead so its latency hides behind a tile of compute.
-  const int* idx_base = p.indices + start;
-  auto fetch_index = [&](int t) -> int {
-    const int j = lo + t * kTileN + warp * 16 + lane;
-    return (lane < 16 && t < ntiles && j < hi) ? idx_base[j] : -1;
-  };
-  int next_index = fetch_index(0);
-  auto load_tile = [&](int t) {
-    const int idx_mine = next_index;
-    next_index = fetch_index(t + 1);
-    uint8_t* dst = sm.kv[t % STAGES] + warp * 16 * kSmemRow;
-#pragma unroll
-    for (int r = 0; r < 16; ++r) {
-      const int idx = __shfl_sync(0xffffffffu, idx_mine, r);
-      const bool ok = idx >= 0 && idx < p.num_kv_rows;
-      const uint8_t* src = p.kv + (ok ? static_cast<int64_t>(idx) * kRowBytes + lane * 16 : 0);
-      cp_async_16(dst + r * kSmemRow + lane * 16, src, ok ? 16 : 0);
-    }
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {  // the last 64 bytes of 16 rows: 4 chunks x 16 rows
-      const int r = i * 8 + lane / 4, ch = 32 + lane % 4;
-      const int idx = __shfl_sync(0xffffffffu, idx_mine, r);
-      const bool ok = idx >= 0 && idx < p.num_kv_rows;
-      const uint8_t* src = p.kv + (ok ? static_cast<int64_t>(idx) * kRowBytes + ch * 16 : 0);
-      cp_async_16(dst + r * kSmemRow + ch * 16, src, ok ? 16 : 0);
-    }
-  };
-
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < ntiles) load_tile(s);
-    cp_async_commit();
-  }
   __syncthreads();  // Q and row_fac in smem
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
-    row_fac[mt][0] = sm.row_fac[mt * 16 + g];
-    row_fac[mt][1] = sm.row_fac[mt * 16 + g + 8];
-  }
+  const float row_fac[2] = {sm.row_fac[mg * 16 + g], sm.row_fac[mg * 16 + g + 8]};
+  const __half* q_lane = &sm.q[(mg * 16 + (lane & 15)) * kQStride + (lane >> 4) * 8];
+  const __half* p_lane = &sm.p[(mg * 16 + (lane & 15)) * kPStride + (lane >> 4) * 8];
 
   for (int t = 0; t < ntiles; ++t) {
     cp_async_wait<STAGES - 2>();
@@ -270,113 +271,100 @@ __global__ void __launch_bounds__(kThreads) splitkv_kernel(const SplitKVParams p
     cp_async_commit();
 
     const uint8_t* tile = sm.kv[t % STAGES];
-    const int tok_base = lo + t * kTileN + warp * 16;  // request-relative token of this warp's first row
+    const int tok_base = lo + t * kTileN + wq * 16;  // request-relative token of this warp's first row
 
-    // S = Q K^T over this warp's 16 tokens: s[mt][nt] holds (row g / g+8, token nt*8 + 2c + {0,1})
-    float s[MT][2][4];
+    // S = Q K^T over this warp's 16 tokens: s[nt] holds (row g / g+8, token nt*8 + 2c + {0,1}).
+    // Four independent accumulators per n-tile (k-step mod 4) keep the MMA chains short.
+    float s4[4][2][4];
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
+    for (int i = 0; i < 4; ++i)
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt) s[mt][nt][0] = s[mt][nt][1] = s[mt][nt][2] = s[mt][nt][3] = 0.f;
-    const uint8_t* k_lane = tile + (warp * 16 + (lane & 15)) * kSmemRow + (lane >> 4) * 16;
-#pragma unroll 3
+      for (int nt = 0; nt < 2; ++nt) s4[i][nt][0] = s4[i][nt][1] = s4[i][nt][2] = s4[i][nt][3] = 0.f;
+    const uint8_t* k_lane = tile + (wq * 16 + (lane & 15)) * kSmemRow + (lane >> 4) * 16;
+#pragma unroll
     for (int kc = 0; kc < kRowBytes / 32; ++kc) {
       uint32_t kw[4];  // (nt 0, k-step 2kc), (nt 1, 2kc), (nt 0, 2kc+1), (nt 1, 2kc+1)
       ldmatrix_x4(kw, k_lane + kc * 32);
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int ks = 2 * kc + half;
+        uint32_t a[4];
+        ldmatrix_x4(a, q_lane + ks * 16);
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          uint32_t a[4];
-          ldmatrix_x4(a, &sm.q[(mt * 16 + (lane & 15)) * kQStride + ks * 16 + (lane >> 4) * 8]);
-#pragma unroll
-          for (int nt = 0; nt < 2; ++nt) {
-            const uint32_t w = kw[2 * half + nt];
-            mma_f16(s[mt][nt], a, e4m3x2_to_f16x2(w & 0xffffu), e4m3x2_to_f16x2(w >> 16));
-          }
+        for (int nt = 0; nt < 2; ++nt) {
+          const uint32_t w = kw[2 * half + nt];
+          mma_f16(s4[ks % 4][nt], a, e4m3x2_to_f16x2(w & 0xffffu), e4m3x2_to_f16x2(w >> 16));
         }
       }
     }
+    float s[2][4];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) s[nt][i] = (s4[0][nt][i] + s4[1][nt][i]) + (s4[2][nt][i] + s4[3][nt][i]);
 
-    // scale, mask, row max of the tile (quad, then across warps through smem)
-    float tile_max[MT][2];
+    // scale, mask, row max of the tile (quad, then across the m-tile's 4 warps through smem)
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float mx = -INFINITY;
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int tok = tok_base + nt * 8 + 2 * c + e;
-            float v = s[mt][nt][2 * h + e] * row_fac[mt][h];
-            v = tok < lim[mt][h] ? v : -INFINITY;
-            s[mt][nt][2 * h + e] = v;
-            mx = fmaxf(mx, v);
-          }
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        tile_max[mt][h] = mx;
-      }
-      if (c == 0) {
-        sm.red[warp][mt * 16 + g] = tile_max[mt][0];
-        sm.red[warp][mt * 16 + g + 8] = tile_max[mt][1];
-      }
-    }
-    __syncthreads();
-    float alpha[MT][2];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float mx = m_run[mt][h];
-#pragma unroll
-        for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, sm.red[w][mt * 16 + g + 8 * h]);
-        const float m_safe = mx == -INFINITY ? 0.f : mx;
-        alpha[mt][h] = fast_exp2(m_run[mt][h] - m_safe);
-        m_run[mt][h] = mx;
-        float sum = 0.f;
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float pv = fast_exp2(s[mt][nt][2 * h + e] - m_safe);
-            s[mt][nt][2 * h + e] = pv;
-            sum += pv;
-          }
-        l_run[mt][h] = l_run[mt][h] * alpha[mt][h] + sum;
-      }
-    // P (f16) to smem: row, token (within the tile)
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
+    for (int h = 0; h < 2; ++h) {
+      float mx = -INFINITY;
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-        for (int h = 0; h < 2; ++h)
-          *reinterpret_cast<uint32_t*>(&sm.p[(mt * 16 + g + 8 * h) * kPStride + warp * 16 + nt * 8 + 2 * c]) =
-              pack_half2(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]);
+        for (int e = 0; e < 2; ++e) {
+          const int tok = tok_base + nt * 8 + 2 * c + e;
+          float v = s[nt][2 * h + e] * row_fac[h];
+          v = tok < lim[h] ? v : -INFINITY;
+          s[nt][2 * h + e] = v;
+          mx = fmaxf(mx, v);
+        }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      if (c == 0) sm.red[wq][mg * 16 + g + 8 * h] = mx;
+    }
+    __syncthreads();
+    float alpha[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mx = m_run[h];
+#pragma unroll
+      for (int w = 0; w < kWarpsPerM; ++w) mx = fmaxf(mx, sm.red[w][mg * 16 + g + 8 * h]);
+      const float m_safe = mx == -INFINITY ? 0.f : mx;
+      alpha[h] = fast_exp2(m_run[h] - m_safe);
+      m_run[h] = mx;
+      float sum = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float pv = fast_exp2(s[nt][2 * h + e] - m_safe);
+          s[nt][2 * h + e] = pv;
+          sum += pv;
+        }
+      l_run[h] = l_run[h] * alpha[h] + sum;
+    }
+    // P (f16) to smem: row, token (within the tile)
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        *reinterpret_cast<uint32_t*>(&sm.p[(mg * 16 + g + 8 * h) * kPStride + wq * 16 + nt * 8 + 2 * c]) =
+            pack_half2(s[nt][2 * h], s[nt][2 * h + 1]);
     __syncthreads();
 
-    // O += P V over the tile's 64 tokens, this warp's 128 columns. acc[mt][4*grp + j] column n
-    // (0..7) is latent warp*128 + grp*32 + 4n + j.
+    // O += P V over the tile's 64 tokens, this warp's 128 columns. acc[4*grp + j] column n (0..7)
+    // is latent wq*128 + grp*32 + 4n + j.
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        acc[mt][j][0] *= alpha[mt][0];
-        acc[mt][j][1] *= alpha[mt][0];
-        acc[mt][j][2] *= alpha[mt][1];
-        acc[mt][j][3] *= alpha[mt][1];
-      }
+    for (int j = 0; j < 16; ++j) {
+      acc[j][0] *= alpha[0];
+      acc[j][1] *= alpha[0];
+      acc[j][2] *= alpha[1];
+      acc[j][3] *= alpha[1];
+    }
 #pragma unroll
     for (int kk = 0; kk < kTileN / 16; ++kk) {
-      uint32_t pa[MT][4];
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-        ldmatrix_x4(pa[mt], &sm.p[(mt * 16 + (lane & 15)) * kPStride + kk * 16 + (lane >> 4) * 8]);
-      const uint8_t* v0 = tile + (kk * 16 + 2 * c) * kSmemRow + warp * 128 + 4 * g;
+      uint32_t pa[4];
+      ldmatrix_x4(pa, p_lane + kk * 16);
+      const uint8_t* v0 = tile + (kk * 16 + 2 * c) * kSmemRow + wq * 128 + 4 * g;
 #pragma unroll
       for (int grp = 0; grp < 4; ++grp) {
         const uint32_t x0 = lds32(v0 + grp * 32);                 // token 2c,   latents 4g..4g+3
@@ -385,19 +373,12 @@ __global__ void __launch_bounds__(kThreads) splitkv_kernel(const SplitKVParams p
         const uint32_t x3 = lds32(v0 + 9 * kSmemRow + grp * 32);  // token 2c+9
         const uint32_t lo01 = prmt(x0, x1, 0x5140), hi01 = prmt(x0, x1, 0x7362);
         const uint32_t lo23 = prmt(x2, x3, 0x5140), hi23 = prmt(x2, x3, 0x7362);
-        uint32_t b01[4], b23[4];
-        b01[0] = e4m3x2_to_f16x2(lo01 & 0xffffu);
-        b01[1] = e4m3x2_to_f16x2(lo01 >> 16);
-        b01[2] = e4m3x2_to_f16x2(hi01 & 0xffffu);
-        b01[3] = e4m3x2_to_f16x2(hi01 >> 16);
-        b23[0] = e4m3x2_to_f16x2(lo23 & 0xffffu);
-        b23[1] = e4m3x2_to_f16x2(lo23 >> 16);
-        b23[2] = e4m3x2_to_f16x2(hi23 & 0xffffu);
-        b23[3] = e4m3x2_to_f16x2(hi23 >> 16);
+        const uint32_t b01[4] = {e4m3x2_to_f16x2(lo01 & 0xffffu), e4m3x2_to_f16x2(lo01 >> 16),
+                                 e4m3x2_to_f16x2(hi01 & 0xffffu), e4m3x2_to_f16x2(hi01 >> 16)};
+        const uint32_t b23[4] = {e4m3x2_to_f16x2(lo23 & 0xffffu), e4m3x2_to_f16x2(lo23 >> 16),
+                                 e4m3x2_to_f16x2(hi23 & 0xffffu), e4m3x2_to_f16x2(hi23 >> 16)};
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-          for (int j = 0; j < 4; ++j) mma_f16(acc[mt][grp * 4 + j], pa[mt], b01[j], b23[j]);
+        for (int j = 0; j < 4; ++j) mma_f16(acc[grp * 4 + j], pa, b01[j], b23[j]);
       }
     }
   }
@@ -405,44 +386,36 @@ __global__ void __launch_bounds__(kThreads) splitkv_kernel(const SplitKVParams p
 
   // --- epilogue: row sums across the quad and the warps, O staged in smem as bf16, 16-byte stores
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float l = l_run[mt][h];
-      l += __shfl_xor_sync(0xffffffffu, l, 1);
-      l += __shfl_xor_sync(0xffffffffu, l, 2);
-      l_run[mt][h] = l;
-    }
+  for (int h = 0; h < 2; ++h) {
+    l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 1);
+    l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 2);
+  }
   __syncthreads();  // every warp is done with the K tiles and the last tile's row maxima
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-    if (c == 0) {
-      sm.red[warp][mt * 16 + g] = l_run[mt][0];
-      sm.red[warp][mt * 16 + g + 8] = l_run[mt][1];
-    }
+  if (c == 0) {
+    sm.red[wq][mg * 16 + g] = l_run[0];
+    sm.red[wq][mg * 16 + g + 8] = l_run[1];
+  }
   __syncthreads();
   __nv_bfloat16* o_stage = reinterpret_cast<__nv_bfloat16*>(sm.kv[0]);  // [kRows][512]
   static_assert(kRows * kLatent * 2 <= STAGES * kTileN * kSmemRow, "O staging must fit the K ring");
   float* lse_out = p.lse_part + static_cast<int64_t>(split) * p.rows_total + flat0;
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
+  for (int h = 0; h < 2; ++h) {
+    const int r = mg * 16 + g + 8 * h;
+    float l = 0.f;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = mt * 16 + g + 8 * h;
-      float l = 0.f;
+    for (int w = 0; w < kWarpsPerM; ++w) l += sm.red[w][r];
+    const float inv = l > 0.f ? p.kv_scale / l : 0.f;
 #pragma unroll
-      for (int w = 0; w < kWarps; ++w) l += sm.red[w][r];
-      const float inv = l > 0.f ? p.kv_scale / l : 0.f;
+    for (int j = 0; j < 16; ++j)
 #pragma unroll
-      for (int j = 0; j < 16; ++j)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int col = warp * 128 + (j / 4) * 32 + 4 * (2 * c + e) + (j % 4);
-          o_stage[r * kLatent + col] = __float2bfloat16_rn(acc[mt][j][2 * h + e] * inv);
-        }
-      if (warp == 0 && c == 0 && row0 + r < rows_per_req)
-        lse_out[r] = l > 0.f ? (m_run[mt][h] + log2f(l)) * kLn2 : -INFINITY;
-    }
+      for (int e = 0; e < 2; ++e) {
+        const int col = wq * 128 + (j / 4) * 32 + 4 * (2 * c + e) + (j % 4);
+        o_stage[r * kLatent + col] = __float2bfloat16_rn(acc[j][2 * h + e] * inv);
+      }
+    if (wq == 0 && c == 0 && row0 + r < rows_per_req)
+      lse_out[r] = l > 0.f ? (m_run[h] + log2f(l)) * kLn2 : -INFINITY;
+  }
   __syncthreads();
   const int valid_rows = min(kRows, rows_per_req - row0);
   uint4* o_out = reinterpret_cast<uint4*>(p.o_part + (static_cast<int64_t>(split) * p.rows_total + flat0) * kLatent);
@@ -551,13 +524,13 @@ void launch_splitkv(const SplitKVParams& params, dim3 grid, cudaStream_t stream)
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     if (device < 64) configured[device] = true;
   }
-  kernel<<<grid, kThreads, smem, stream>>>(params);
+  kernel<<<grid, 128 * MT, smem, stream>>>(params);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace
 
-// The rows of one CTA (16 or 32) and the depth of its K ring: chosen on the host from qlen * H.
+// The rows of one CTA (16, 32 or 64) and the depth of its K ring: chosen on the host from qlen * H.
 std::tuple<at::Tensor, at::Tensor> mla_decode_splitkv_sm90(const at::Tensor& q, const at::Tensor& kv,
                                                            const at::Tensor& indptr, const at::Tensor& indices,
                                                            const std::optional<at::Tensor>& seq_lens, int64_t qlen,
@@ -572,8 +545,10 @@ std::tuple<at::Tensor, at::Tensor> mla_decode_splitkv_sm90(const at::Tensor& q, 
   TORCH_CHECK(kv.dim() == 2 && kv.size(1) == kRowBytes, "kimi_ops._C: kv_cache must be [N, 576]");
   TORCH_CHECK(qlen >= 1 && q.size(0) % qlen == 0, "kimi_ops._C: qlen must divide T");
   TORCH_CHECK(num_splits >= 1 && num_splits <= 65535, "kimi_ops._C: num_splits must be in [1, 65535]");
-  TORCH_CHECK(rows_per_cta == 16 || rows_per_cta == 32, "kimi_ops._C: rows_per_cta must be 16 or 32");
-  TORCH_CHECK(stages >= 2 && stages <= 4, "kimi_ops._C: stages must be 2, 3 or 4");
+  TORCH_CHECK(rows_per_cta == 16 || rows_per_cta == 32 || rows_per_cta == 64,
+              "kimi_ops._C: rows_per_cta must be 16, 32 or 64");
+  TORCH_CHECK(stages >= 2 && stages <= (rows_per_cta == 16 ? 4 : 3),
+              "kimi_ops._C: stages must be 2..4 (16 rows per CTA) or 2..3 (32 or 64)");
   const int64_t T = q.size(0), H = q.size(1), R = T / qlen;
   TORCH_CHECK(indptr.numel() == R + 1, "kimi_ops._C: kv_indptr must have T / qlen + 1 entries");
   TORCH_CHECK(R <= 65535, "kimi_ops._C: at most 65535 requests");
@@ -605,13 +580,14 @@ std::tuple<at::Tensor, at::Tensor> mla_decode_splitkv_sm90(const at::Tensor& q, 
   TORCH_CHECK(groups <= INT32_MAX, "kimi_ops._C: too many query rows per request");
   const dim3 grid(static_cast<unsigned>(groups), static_cast<unsigned>(num_splits), static_cast<unsigned>(R));
   auto stream = c10::cuda::getCurrentCUDAStream();
-  if (rows_per_cta == 16) {
-    if (stages == 2) launch_splitkv<1, 2>(params, grid, stream);
-    else if (stages == 3) launch_splitkv<1, 3>(params, grid, stream);
-    else launch_splitkv<1, 4>(params, grid, stream);
-  } else {
-    if (stages == 2) launch_splitkv<2, 2>(params, grid, stream);
-    else launch_splitkv<2, 3>(params, grid, stream);
+  switch (rows_per_cta * 10 + stages) {
+    case 162: launch_splitkv<1, 2>(params, grid, stream); break;
+    case 163: launch_splitkv<1, 3>(params, grid, stream); break;
+    case 164: launch_splitkv<1, 4>(params, grid, stream); break;
+    case 322: launch_splitkv<2, 2>(params, grid, stream); break;
+    case 323: launch_splitkv<2, 3>(params, grid, stream); break;
+    case 642: launch_splitkv<4, 2>(params, grid, stream); break;
+    default: launch_splitkv<4, 3>(params, grid, stream); break;
   }
   return {o_part, lse_part};
 }

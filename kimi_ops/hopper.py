@@ -27,8 +27,19 @@ def _ops():
 
 
 def rows_per_cta(rows_per_request: int) -> int:
-    """Query rows one CTA takes (an MMA's M is 16): 16 or 32."""
-    return 16 if rows_per_request <= 16 else 32
+    """Query rows one CTA takes: 16, 32 or 64 (4, 8 or 16 warps; an MMA's M is 16).
+
+    Cost model: the padded rows computed plus half a 16-row tile for each CTA of a request (each
+    re-reads the request's KV, from L2 after the first); ties go to the bigger CTA."""
+    def cost(rows):
+        ctas = -(-rows_per_request // rows)
+        return ctas * rows + 8 * ctas
+    return min((64, 32, 16), key=cost)
+
+
+DEFAULT_STAGES = {16: 2, 32: 3, 64: 3}
+MAX_STAGES = {16: 4, 32: 3, 64: 3}
+CTAS_PER_SM = {(16, 2): 2}  # by shared memory (97 KB); every other (rows, stages) takes 135-199 KB: 1
 
 
 def ring_stages(rows: int) -> int:
@@ -36,10 +47,10 @@ def ring_stages(rows: int) -> int:
     env = os.environ.get(STAGES_ENV)
     if env:
         stages = int(env)
-        if not 2 <= stages <= (4 if rows == 16 else 3):
-            raise ValueError(f"{STAGES_ENV} must be 2..{4 if rows == 16 else 3} for {rows}-row CTAs, got {stages}")
+        if not 2 <= stages <= MAX_STAGES[rows]:
+            raise ValueError(f"{STAGES_ENV} must be 2..{MAX_STAGES[rows]} for {rows}-row CTAs, got {stages}")
         return stages
-    return 2
+    return DEFAULT_STAGES[rows]
 
 
 def mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: float, kv_scale: float,
@@ -65,14 +76,24 @@ def mla_merge(o_part, lse_part):
 
 def suggest_num_splits(num_requests: int, qlen: int, num_heads: int, num_tokens: int,
                        num_sms: int = 132) -> int:
-    """A split count from shapes only: the largest that keeps the CTAs (requests x row groups x
-    splits) within one wave of the device's CTA slots, with at least two 64-token tiles a split
-    on average and at most 128 splits."""
+    """A split count from shapes only (never device data).
+
+    The CTAs (requests x row groups x splits) run in waves over the device's CTA slots; a
+    split count is good when its last wave is nearly full. Take the smallest count whose waves
+    are at least 90% full, else the fullest; at most one split per 128 tokens of an average
+    request and at most 128."""
     if num_requests <= 0:
         return 1
     rows = rows_per_cta(qlen * num_heads)
-    ctas_per_sm = 2 if rows == 16 and ring_stages(rows) == 2 else 1
-    groups = math.ceil(qlen * num_heads / rows)
-    fill = (num_sms * ctas_per_sm) // (num_requests * groups)
-    longest_useful = max(1, (num_tokens // num_requests) // 128)
-    return int(max(1, min(fill, longest_useful, 128)))
+    slots = num_sms * CTAS_PER_SM.get((rows, ring_stages(rows)), 1)
+    ctas = num_requests * -(-qlen * num_heads // rows)
+    cap = int(max(1, min((num_tokens // num_requests) // 128, 128)))
+
+    def fullness(splits):
+        total = ctas * splits
+        return total / (-(-total // slots) * slots)
+
+    for splits in range(1, cap + 1):
+        if fullness(splits) >= 0.9:
+            return splits
+    return max(range(1, cap + 1), key=lambda splits: (fullness(splits), -splits))

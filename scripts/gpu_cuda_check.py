@@ -107,16 +107,18 @@ def time_one(kern, H, qlen, lens, S, sets=8, reps=10):
 def timing():
     shapes = [("H12 q1 b8 8k", 12, 1, [8192] * 8), ("H12 q1 b32 8k", 12, 1, [8192] * 32),
               ("H12 q1 b32 32k", 12, 1, [32768] * 32), ("H12 q1 b128 8k", 12, 1, [8192] * 128),
-              ("H12 q2 b32 8k", 12, 2, [8192] * 32), ("H12 q8 b32 8k", 12, 8, [8192] * 32),
+              ("H12 q2 b32 8k", 12, 2, [8192] * 32), ("H12 q4 b32 8k", 12, 4, [8192] * 32),
+              ("H12 q8 b32 8k", 12, 8, [8192] * 32), ("H12 q8 b128 8k", 12, 8, [8192] * 128),
               ("H96 q1 b64 4k", 96, 1, [4096] * 64), ("H12 q1 b1 32k", 12, 1, [32768])]
-    for stages in ("2", "3", "4"):
+    for stages in ("", "2", "3", "4"):
         os.environ[hopper.STAGES_ENV] = stages
         for label, H, qlen, lens in shapes:
-            if stages == "4" and qlen * H > 16:
+            rows = hopper.rows_per_cta(qlen * H)
+            if stages and (int(stages) > hopper.MAX_STAGES[rows] or stages == str(hopper.DEFAULT_STAGES[rows])):
                 continue
             S = hopper.suggest_num_splits(len(lens), qlen, H, sum(lens))
             us, tb = time_one(hopper, H, qlen, lens, S)
-            print(f"cuda stages {stages} {label:16s} S={S:3d}: {us:8.1f} us  {tb:5.2f} TB/s  ({100 * tb / 4.31:.0f}% of HBM)")
+            print(f"cuda rows {rows} stages {stages or 'default'} {label:16s} S={S:3d}: {us:8.1f} us  {tb:5.2f} TB/s  ({100 * tb / 4.31:.0f}% of HBM)")
     os.environ.pop(hopper.STAGES_ENV)
     for label, H, qlen, lens in shapes:
         S = triton_kernels.suggest_num_splits(len(lens), qlen, H, sum(lens))

@@ -105,18 +105,22 @@ def test_kv_scale_and_extreme_queries():
         ro, rl = oracle(q, kv, indptr, idx, 2, SCALE, 0.03)
         fin = ~torch.isneginf(rl)
         assert torch.equal(torch.isneginf(lse), ~fin) and not torch.isnan(o).any()
-        assert (lse.double()[fin] - rl[fin]).abs().max().item() <= 1e-3
+        # f32 holds an lse of 5e4 to 4e-3: the absolute 1e-3 of the contract, relative beyond 1e3
+        assert ((lse.double()[fin] - rl[fin]).abs() <= 1e-3 + 1e-6 * rl[fin].abs()).all()
         # per row: each row's own relative error (magnitudes differ by 1e60)
         err = ((o.double() - ro).norm(dim=-1) / ro.norm(dim=-1).clamp_min(1e-300))[fin]
         assert err.max().item() <= 4e-3, err.max().item()
 
 
 @sm90
-def test_merge():
+def test_merge(monkeypatch):
     import kimi_ops.hopper as hopper
+    import kimi_ops.kernels.attention as triton_kernels
+    monkeypatch.setattr(triton_kernels, "mla_merge", hopper.mla_merge)  # check_merge calls it from there
     g = torch.Generator().manual_seed(5)
     for S, T, H in [(64, 40, 12), (1, 3, 128), (5, 6, 3), (17, 2, 96), (130, 1, 12)]:
-        check_merge(S, T, H, device="cuda", gen=g, kernels=hopper)
+        check_merge(S, T, H, device="cuda", gen=g)
+        check_merge(S, T, H, device="cuda", gen=g, spread=80.0)
 
 
 @sm90
@@ -165,4 +169,6 @@ def test_agrees_with_triton():
     a = hopper.mla_merge(*hopper.mla_decode_splitkv(q, kv, indptr, idx, 4, SCALE, 0.5, 5))
     b = triton_kernels.mla_merge(*triton_kernels.mla_decode_splitkv(q, kv, indptr, idx, 4, SCALE, 0.5, 5))
     assert ((a[0].float() - b[0].float()).norm() / b[0].float().norm()).item() <= 4e-3
-    assert (a[1] - b[1]).abs().max().item() <= 1e-3
+    fin = ~torch.isneginf(b[1])
+    assert torch.equal(torch.isneginf(a[1]), ~fin)
+    assert (a[1][fin] - b[1][fin]).abs().max().item() <= 1e-3
