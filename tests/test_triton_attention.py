@@ -126,29 +126,94 @@ def check_decode(lens, qlen, H, S, *, dtype=torch.float8_e4m3fn, oob=0, device="
     return err, lerr
 
 
-def check_merge(S, T, H, device="cpu", gen=None):
+def _poisoned_empty(real_empty):
+    # torch.empty that returns NaN-filled float tensors: an output element the kernel does not
+    # write (e.g. a row whose splits are all empty, which must read back exactly 0) shows up
+    def empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        return t
+    return empty
+
+
+def _merge_poisoned(o_part, lse_part):
     from kimi_ops.kernels.attention import mla_merge
 
+    real = torch.empty
+    torch.empty = _poisoned_empty(real)
+    try:
+        return mla_merge(o_part, lse_part)
+    finally:
+        torch.empty = real
+
+
+def check_merge(S, T, H, device="cpu", gen=None, spread=4.0, dead_frac=0.4, perm=True, dead_nan=False):
+    """mla_merge against a float64 merge.  lse_s ~ U(-spread, spread); a fraction dead_frac of
+    the splits is empty (o = 0, lse = -inf); flat row 0 has every split empty, flat row 1
+    exactly one live split (its o and lse must come back bit for bit), flat row 2 (S > 1)
+    only its last split live, flat row 3 every split live with lse rising.  perm: also merge
+    the splits in another order (same lse within 1e-5).  dead_nan: the empty splits' o is NaN instead of 0 (stricter than the
+    contract: an empty split's o must not be read into the sum at all)."""
     o_part = torch.randn(S, T, H, 512, generator=gen).to(torch.bfloat16)
-    lse_part = torch.randn(S, T, H, generator=gen) * 4
-    dead = torch.rand(S, T, H, generator=gen) < 0.4
+    lse_part = (torch.rand(S, T, H, generator=gen) * 2 - 1) * spread
+    dead = torch.rand(S, T, H, generator=gen) < dead_frac
+    TH = T * H
+    flat_dead = dead.view(S, TH)
+    if TH > 0:
+        flat_dead[:, 0] = True                      # a row every split of which is empty
+    one = None
+    if TH > 1:
+        one = int(torch.randint(0, S, (1,), generator=gen))
+        flat_dead[:, 1] = True                      # a row with exactly one live split
+        flat_dead[one, 1] = False
+    if TH > 2 and S > 1:
+        flat_dead[:, 2] = True                      # only the last split (of the last chunk) live
+        flat_dead[S - 1, 2] = False
+    if TH > 3:
+        flat_dead[:, 3] = False                     # every split live, lse rising with the split:
+        lse_part.view(S, TH)[:, 3] = torch.linspace(-spread, spread, S)  # later chunks rescale
     lse_part[dead] = -math.inf
-    o_part[dead] = 0
-    if T:
-        lse_part[:, 0] = -math.inf  # a row every split of which is empty
-        o_part[:, 0] = 0
-    o_part, lse_part = o_part.to(device), lse_part.to(device)
-    o, lse = mla_merge(o_part, lse_part)
+    o_part[dead] = math.nan if dead_nan else 0.0
+    o, lse = _merge_poisoned(o_part.to(device), lse_part.to(device))
+    assert o.shape == (T, H, 512) and lse.shape == (T, H)
+    o, lse = o.cpu(), lse.cpu()
+    o_in = o_part
+    o_part = o_part.masked_fill(dead[..., None], 0.0)  # for the reference
+    assert not torch.isnan(o).any() and not torch.isnan(lse).any()
     lp = lse_part.double()
     rl = torch.logsumexp(lp, dim=0)
     w = torch.exp(lp - rl.clamp_min(-1e300)[None]).nan_to_num(0.0)
     ro = (w[..., None] * o_part.double()).sum(0)
     assert torch.equal(torch.isneginf(lse), torch.isneginf(rl))
     fin = ~torch.isneginf(rl)
-    assert (lse.double()[fin] - rl[fin]).abs().max().item() <= 1e-5
-    assert (o[~fin] == 0).all() and not torch.isnan(o).any()
-    err = (o.double() - ro).norm() / ro.norm()
-    assert err <= 3e-3, err
+    if fin.any():
+        assert (lse.double()[fin] - rl[fin]).abs().max().item() <= 1e-5
+    assert (o[~fin] == 0).all()
+    if TH:
+        assert (o.view(TH, 512)[0] == 0).all() and torch.isneginf(lse.view(TH)[0])
+    if one is not None:
+        assert torch.equal(o.view(TH, 512)[1], o_part.view(S, TH, 512)[one, 1])
+        assert lse.view(TH)[1].item() == lse_part.view(S, TH)[one, 1].item()
+    if TH > 2 and S > 1:
+        assert torch.equal(o.view(TH, 512)[2], o_part.view(S, TH, 512)[S - 1, 2])
+    # every element: one bf16 rounding (<= 2^-9 relative) plus f32 accumulation error
+    mag = (w[..., None] * o_part.double().abs()).sum(0)
+    bad = (o.double() - ro).abs() > ro.abs() * 2.0 ** -8 + mag * 1e-5 + 1e-30
+    assert not bad.any(), (bad.nonzero()[:5], o.double()[bad][:5], ro[bad][:5])
+    if ro.norm() > 0:
+        err = (o.double() - ro).norm() / ro.norm()
+        assert err <= 3e-3, err
+    if not perm or S == 1:
+        return
+    # the splits in another order: the same lse within 1e-5
+    perm = torch.randperm(S, generator=gen)
+    o2, lse2 = _merge_poisoned(o_in[perm].contiguous().to(device), lse_part[perm].contiguous().to(device))
+    o2, lse2 = o2.cpu(), lse2.cpu()
+    assert torch.equal(torch.isneginf(lse2), torch.isneginf(lse))
+    if fin.any():
+        assert (lse2[fin] - lse[fin]).abs().max().item() <= 1e-5
+    assert ((o2.double() - o.double()).abs() <= o.double().abs() * 2.0 ** -7 + mag * 2e-5 + 1e-30).all()
 
 
 def check_cache_write(dtype, xdt, sdt, T=24, N=61, device="cpu", gen=None):
@@ -243,11 +308,38 @@ t.check_decode([70, 33, 0], 2, 12, 2, dtype=torch.float8_e4m3fnuz, gen=g)
 
 
 def test_interp_merge():
+    # the kernel's edges: S not a multiple of the split chunk (1, 5, 17, 64, 65 = two chunks),
+    # row counts that are not round, every column-block width (64 .. 512), LSE spreads of +-80
     _interp("""
 t.check_merge(5, 6, 3, gen=g)
 t.check_merge(1, 4, 12, gen=g)
 t.check_merge(9, 3, 1, gen=g)
+t.check_merge(17, 3, 5, gen=g)
+t.check_merge(64, 2, 7, gen=g)
+t.check_merge(65, 3, 5, gen=g)
+t.check_merge(2, 1, 3, gen=g)
+t.check_merge(5, 2, 5, gen=g, spread=80.0)
+t.check_merge(65, 1, 3, gen=g, spread=80.0, dead_frac=0.8, dead_nan=True)
+t.check_merge(17, 2, 3, gen=g, dead_nan=True)
+t.check_merge(3, 23, 12, gen=g, perm=False)                 # 276 rows: 512-column blocks
+t.check_merge(16, 11, 12, gen=g, spread=80.0, perm=False)   # 132 rows: 256-column blocks
+t.check_merge(4, 0, 12, gen=g)                  # no rows
 """)
+
+
+def test_merge_configs_cross_compiled():
+    # every launch shape mla_merge picks is in CROSS_COMPILE_SPECS, and the block sizes obey
+    # the kernel's assumptions (power-of-two split chunk, column block dividing 512)
+    import kimi_ops.kernels.attention as A
+
+    specs = {(s["constexprs"]["BLOCK_S"], s["constexprs"]["BLOCK_C"], s["num_warps"])
+             for s in A.CROSS_COMPILE_SPECS if s["kernel"] is A._merge_kernel}
+    for S in list(range(1, 140)) + [255, 256, 1000]:
+        for TH in (1, 3, 12, 24, 33, 96, 132, 264, 384, 1000, 1536, 98304):
+            bs, bc, warps = A._merge_config(S, TH)
+            assert (bs, bc, warps) in specs, (S, TH, bs, bc, warps)
+            assert bs & (bs - 1) == 0 and 512 % bc == 0 and bs * bc <= A.MERGE_TILE
+            assert bs >= min(S, A.MERGE_MAX_SPLITS)
 
 
 def test_interp_cache_write():
@@ -319,6 +411,10 @@ def test_gpu_merge():
     g = _gpu_gen(5)
     check_merge(64, 40, 12, device="cuda", gen=g)
     check_merge(1, 3, 128, device="cuda", gen=g)
+    for S, T, H in [(1, 1, 12), (5, 1, 12), (17, 32, 12), (64, 1, 12), (65, 7, 12), (9, 128, 12),
+                    (64, 128, 12), (2, 23, 12), (3, 1, 1)]:
+        check_merge(S, T, H, device="cuda", gen=g)
+        check_merge(S, T, H, device="cuda", gen=g, spread=80.0, dead_frac=0.7, dead_nan=True)
 
 
 @gpu
