@@ -36,6 +36,7 @@
 #include <cuda_fp16.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 
 namespace kimi_ops::sm90 {
@@ -70,7 +71,8 @@ struct SplitKVParams {
   float* lse_part;
   int64_t num_kv_rows;
   int rows_total;  // T*H
-  int heads, qlen, num_splits, dcp_rank, dcp_world;
+  int num_requests, heads, qlen, num_splits, dcp_rank, dcp_world;
+  int balance_ctas;  // > 0: a split holds at least (all requests' tokens) / balance_ctas tokens
   float qk_scale_log2;  // scale * kv_scale * log2(e)
   float kv_scale;
 };
@@ -168,11 +170,26 @@ __global__ void __launch_bounds__(128 * MT, 1) splitkv_kernel(const SplitKVParam
   const int n_global = p.seq_lens != nullptr ? p.seq_lens[req] : n;
   const int last_row = min(row0 + kRows, rows_per_req) - 1;
   const int hi_rows = visible_tokens(n, n_global, p.qlen, last_row / p.heads, p.dcp_rank, p.dcp_world);
-  const int per_split = n > 0 ? (n + p.num_splits - 1) / p.num_splits : 0;
+  // A split's tokens: ceil(n / S), or more when the whole batch is long enough that
+  // balance_ctas CTAs of (all tokens / balance_ctas) fill the device: then a long request's
+  // chunk is as long as a short one's and takes more of its S splits (its later splits stay
+  // empty for a short request). Device data only: the same grid serves every length mix.
+  int per_split = n > 0 ? (n + p.num_splits - 1) / p.num_splits : 0;
+  if (p.balance_ctas > 0 && n > 0) {
+    const int total = p.indptr[p.num_requests] - p.indptr[0];
+    per_split = max(per_split, (total + p.balance_ctas - 1) / p.balance_ctas);
+  }
   const int chunk = (per_split + kTileN - 1) / kTileN * kTileN;
   const int lo = split * chunk;
   const int hi = min(lo + chunk, hi_rows);
   const int ntiles = hi > lo ? (hi - lo + kTileN - 1) / kTileN : 0;
+  const int valid_rows = min(kRows, rows_per_req - row0);
+  if (ntiles == 0) {  // an empty split: o = 0, lse = -inf, and the slot goes to the next CTA
+    uint4* o_out = reinterpret_cast<uint4*>(p.o_part + (static_cast<int64_t>(split) * p.rows_total + flat0) * kLatent);
+    for (int i = tid; i < valid_rows * (kLatent / 8); i += kThreads) o_out[i] = make_uint4(0, 0, 0, 0);
+    if (tid < valid_rows) p.lse_part[static_cast<int64_t>(split) * p.rows_total + flat0 + tid] = -INFINITY;
+    return;
+  }
 
   // --- KV tile loader: warp w gathers tokens [kLoadRows*w, kLoadRows*(w+1)) of a tile; lane l <
   // kLoadRows holds the index of token l, fetched one tile ahead so its latency hides behind a
@@ -274,6 +291,8 @@ __global__ void __launch_bounds__(128 * MT, 1) splitkv_kernel(const SplitKVParam
     const int tok_base = lo + t * kTileN + wq * 16;  // request-relative token of this warp's first row
 
     // S = Q K^T over this warp's 16 tokens: s[nt] holds (row g / g+8, token nt*8 + 2c + {0,1}).
+    float s[2][4];
+    {
     // Four independent accumulators per n-tile (k-step mod 4) keep the MMA chains short.
     float s4[4][2][4];
 #pragma unroll
@@ -297,11 +316,11 @@ __global__ void __launch_bounds__(128 * MT, 1) splitkv_kernel(const SplitKVParam
         }
       }
     }
-    float s[2][4];
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
       for (int i = 0; i < 4; ++i) s[nt][i] = (s4[0][nt][i] + s4[1][nt][i]) + (s4[2][nt][i] + s4[3][nt][i]);
+    }
 
     // scale, mask, row max of the tile (quad, then across the m-tile's 4 warps through smem)
 #pragma unroll
@@ -417,7 +436,6 @@ __global__ void __launch_bounds__(128 * MT, 1) splitkv_kernel(const SplitKVParam
       lse_out[r] = l > 0.f ? (m_run[h] + log2f(l)) * kLn2 : -INFINITY;
   }
   __syncthreads();
-  const int valid_rows = min(kRows, rows_per_req - row0);
   uint4* o_out = reinterpret_cast<uint4*>(p.o_part + (static_cast<int64_t>(split) * p.rows_total + flat0) * kLatent);
   const uint4* o_src = reinterpret_cast<const uint4*>(o_stage);
   for (int i = tid; i < valid_rows * (kLatent / 8); i += kThreads) o_out[i] = o_src[i];
@@ -536,7 +554,8 @@ std::tuple<at::Tensor, at::Tensor> mla_decode_splitkv_sm90(const at::Tensor& q, 
                                                            const std::optional<at::Tensor>& seq_lens, int64_t qlen,
                                                            double qk_scale_log2, double kv_scale, int64_t num_splits,
                                                            int64_t dcp_rank, int64_t dcp_world_size,
-                                                           int64_t rows_per_cta, int64_t stages) {
+                                                           int64_t rows_per_cta, int64_t stages,
+                                                           int64_t balance_ctas) {
   check_cuda_tensor(q, "q", at::kBFloat16);
   check_cuda_tensor(kv, "kv_cache", at::ScalarType::Float8_e4m3fn);
   check_cuda_tensor(indptr, "kv_indptr", at::kInt);
@@ -568,6 +587,8 @@ std::tuple<at::Tensor, at::Tensor> mla_decode_splitkv_sm90(const at::Tensor& q, 
   params.lse_part = lse_part.data_ptr<float>();
   params.num_kv_rows = kv.size(0);
   params.rows_total = static_cast<int>(T * H);
+  params.num_requests = static_cast<int>(R);
+  params.balance_ctas = static_cast<int>(std::min<int64_t>(std::max<int64_t>(balance_ctas, 0), INT32_MAX));
   params.heads = static_cast<int>(H);
   params.qlen = static_cast<int>(qlen);
   params.num_splits = static_cast<int>(num_splits);
@@ -619,7 +640,7 @@ TORCH_LIBRARY_FRAGMENT(kimi_ops, m) {
   m.def(
       "_mla_decode_splitkv_sm90(Tensor q, Tensor kv_cache, Tensor kv_indptr, Tensor kv_indices, "
       "Tensor? seq_lens, int qlen, float qk_scale_log2, float kv_scale, int num_splits, int dcp_rank, "
-      "int dcp_world_size, int rows_per_cta, int stages) -> (Tensor, Tensor)");
+      "int dcp_world_size, int rows_per_cta, int stages, int balance_ctas) -> (Tensor, Tensor)");
   m.def("_mla_merge_sm90(Tensor o_part, Tensor lse_part) -> (Tensor, Tensor)");
 }
 

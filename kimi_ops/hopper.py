@@ -12,6 +12,7 @@ tiling and the byte layouts.
 
 An ``e4m3fnuz`` cache (gfx942's format) has no kernel here: it runs the Triton kernel.
 """
+import functools
 import math
 import os
 
@@ -57,16 +58,30 @@ def mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: floa
                        num_splits: int, seq_lens=None, dcp_rank: int = 0, dcp_world_size: int = 1):
     """M1c. q [T, H, 576] bf16, kv_rows [N, 576] fp8 -> (o_part [S, T, H, 512] bf16, lse_part [S, T, H] f32).
 
-    A request of n tokens is cut into ``num_splits`` chunks of ``ceil(n / S)`` tokens rounded up
-    to 64 (later splits may be empty: o = 0, lse = -inf)."""
+    A request of n tokens is cut into chunks of max(ceil(n / S), all tokens / the CTAs that
+    fill the device) rounded up to 64, at most S of them (later splits may be empty: o = 0,
+    lse = -inf). The chunk length is computed on the device from kv_indptr, so a CUDA graph
+    replayed on a new mix of lengths stays balanced."""
     if kv_rows.dtype != torch.float8_e4m3fn:
         from .kernels.attention import mla_decode_splitkv as triton_splitkv
         return triton_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits,
                               seq_lens, dcp_rank, dcp_world_size)
     rows = rows_per_cta(qlen * q.shape[1])
+    num_requests = kv_indptr.shape[0] - 1
+    balance = num_requests * one_wave_splits(num_requests, qlen, q.shape[1], kv_indices.shape[0],
+                                             _multiprocessor_count(q.device))
     return _ops()._mla_decode_splitkv_sm90(
         q, kv_rows, kv_indptr, kv_indices, seq_lens, qlen, float(scale) * float(kv_scale) * LOG2E,
-        float(kv_scale), num_splits, dcp_rank, dcp_world_size, rows, ring_stages(rows))
+        float(kv_scale), num_splits, dcp_rank, dcp_world_size, rows, ring_stages(rows), balance)
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _multiprocessor_count(device) -> int:
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def mla_merge(o_part, lse_part):
@@ -74,26 +89,43 @@ def mla_merge(o_part, lse_part):
     return _ops()._mla_merge_sm90(o_part, lse_part)
 
 
-def suggest_num_splits(num_requests: int, qlen: int, num_heads: int, num_tokens: int,
-                       num_sms: int = 132) -> int:
-    """A split count from shapes only (never device data).
-
-    The CTAs (requests x row groups x splits) run in waves over the device's CTA slots; a
-    split count is good when its last wave is nearly full. Take the smallest count whose waves
-    are at least 90% full, else the fullest; at most one split per 128 tokens of an average
-    request and at most 128."""
+def one_wave_splits(num_requests: int, qlen: int, num_heads: int, num_tokens: int, num_sms: int = 132) -> int:
+    """Splits a request of average length takes so that the CTAs (requests x row groups x
+    splits) fill the device's CTA slots in waves at least 90% full (else the fullest), at most
+    one per 128 tokens and 128 in all. The kernel sizes every split to at least
+    (all tokens / (requests x this)): a uniform batch gets exactly this many splits a request,
+    a longer request proportionally more."""
     if num_requests <= 0:
         return 1
     rows = rows_per_cta(qlen * num_heads)
     slots = num_sms * CTAS_PER_SM.get((rows, ring_stages(rows)), 1)
     ctas = num_requests * -(-qlen * num_heads // rows)
-    cap = int(max(1, min((num_tokens // num_requests) // 128, 128)))
+    cap = _split_cap(num_requests, num_tokens)
 
     def fullness(splits):
         total = ctas * splits
         return total / (-(-total // slots) * slots)
 
-    for splits in range(1, cap + 1):
-        if fullness(splits) >= 0.9:
-            return splits
-    return max(range(1, cap + 1), key=lambda splits: (fullness(splits), -splits))
+    return next((s for s in range(1, cap + 1) if fullness(s) >= 0.9),
+                max(range(1, cap + 1), key=lambda s: (fullness(s), -s)))
+
+
+def _split_cap(num_requests: int, num_tokens: int) -> int:
+    return int(max(1, min((num_tokens // num_requests) // 128, 128)))
+
+
+def suggest_num_splits(num_requests: int, qlen: int, num_heads: int, num_tokens: int,
+                       num_sms: int = 132) -> int:
+    """A split count from shapes only (never device data): :func:`one_wave_splits` plus
+    headroom for requests longer than the average (the kernel gives them more splits of the
+    balanced length). Headroom costs the empty splits of average requests: their zeros (at most
+    2.5% of the KV bytes) and their CTAs (at most two waves of CTAs that exit at once)."""
+    if num_requests <= 0:
+        return 1
+    rows = rows_per_cta(qlen * num_heads)
+    slots = num_sms * CTAS_PER_SM.get((rows, ring_stages(rows)), 1)
+    ctas_per_split = num_requests * -(-qlen * num_heads // rows)
+    by_bytes = int(0.025 * (num_tokens // num_requests) * 576 // (qlen * num_heads * 1024))
+    by_ctas = 2 * slots // ctas_per_split
+    return int(min(_split_cap(num_requests, num_tokens),
+                   one_wave_splits(num_requests, qlen, num_heads, num_tokens, num_sms) + min(by_bytes, by_ctas)))

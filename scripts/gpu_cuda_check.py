@@ -110,20 +110,14 @@ def timing():
               ("H12 q2 b32 8k", 12, 2, [8192] * 32), ("H12 q4 b32 8k", 12, 4, [8192] * 32),
               ("H12 q8 b32 8k", 12, 8, [8192] * 32), ("H12 q8 b128 8k", 12, 8, [8192] * 128),
               ("H96 q1 b64 4k", 96, 1, [4096] * 64), ("H12 q1 b1 32k", 12, 1, [32768])]
-    for stages in ("", "2", "3", "4"):
-        os.environ[hopper.STAGES_ENV] = stages
-        for label, H, qlen, lens in shapes:
-            rows = hopper.rows_per_cta(qlen * H)
-            if stages and (int(stages) > hopper.MAX_STAGES[rows] or stages == str(hopper.DEFAULT_STAGES[rows])):
-                continue
-            S = hopper.suggest_num_splits(len(lens), qlen, H, sum(lens))
-            us, tb = time_one(hopper, H, qlen, lens, S)
-            print(f"cuda rows {rows} stages {stages or 'default'} {label:16s} S={S:3d}: {us:8.1f} us  {tb:5.2f} TB/s  ({100 * tb / 4.31:.0f}% of HBM)")
-    os.environ.pop(hopper.STAGES_ENV)
+    torch.manual_seed(0)  # bench_attention.py's variable-length batch
+    varlen = torch.distributions.LogNormal(math.log(8192), 0.8).sample((64,)).clamp(16, 65536).long().tolist()
+    shapes.append(("H12 q1 b64 varlen", 12, 1, varlen))
     for label, H, qlen, lens in shapes:
-        S = triton_kernels.suggest_num_splits(len(lens), qlen, H, sum(lens))
-        us, tb = time_one(triton_kernels, H, qlen, lens, S)
-        print(f"triton {label:16s} S={S:3d}: {us:8.1f} us  {tb:5.2f} TB/s")
+        for name, kern in (("cuda", hopper), ("triton", triton_kernels)):
+            S = kern.suggest_num_splits(len(lens), qlen, H, sum(lens))
+            us, tb = time_one(kern, H, qlen, lens, S)
+            print(f"{name:6s} {label:18s} S={S:3d}: {us:8.1f} us  {tb:5.2f} TB/s  ({100 * tb / 4.31:.0f}% of HBM)")
 
 
 def main():

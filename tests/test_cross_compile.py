@@ -33,7 +33,7 @@ def _run(target, only, tmp_path):
 
 
 def test_gfx950_f8f6f4(tmp_path):
-    res = _run("gfx950", ["splitkv_fp8_fn_m64", "merge_r4", "cache_write_bf16_i64_fn"], tmp_path)
+    res = _run("gfx950", ["splitkv_fp8_fn_m64", "merge_s64_c64", "cache_write_bf16_i64_fn"], tmp_path)
     mma = res["splitkv_fp8_fn_m64"]["mma"]
     assert any(k.startswith("v_mfma_") and "f8f6f4" in k for k in mma), mma
 

@@ -30,18 +30,24 @@ def test_private_op_schemas():
     merge = ops._mla_merge_sm90.default._schema
     assert [a.name for a in split.arguments] == [
         "q", "kv_cache", "kv_indptr", "kv_indices", "seq_lens", "qlen", "qk_scale_log2", "kv_scale",
-        "num_splits", "dcp_rank", "dcp_world_size", "rows_per_cta", "stages"]
+        "num_splits", "dcp_rank", "dcp_world_size", "rows_per_cta", "stages", "balance_ctas"]
     assert [a.name for a in merge.arguments] == ["o_part", "lse_part"]
 
 
 def test_split_heuristic_fills_one_wave():
-    from kimi_ops.hopper import suggest_num_splits
-    assert suggest_num_splits(1, 1, 12, 65536) == 128          # one long request: as many as allowed
-    assert suggest_num_splits(32, 1, 12, 32 * 8192) == 8       # 256 CTAs in 264 slots
-    assert suggest_num_splits(128, 8, 12, 128 * 8192) == 1     # already several waves
-    assert suggest_num_splits(1, 1, 12, 200) == 1              # too short to split
-    for args in [(8, 1, 12, 8 * 8192), (64, 1, 96, 64 * 4096), (3, 4, 12, 3 * 1000)]:
-        assert 1 <= suggest_num_splits(*args) <= 128
+    from kimi_ops.hopper import one_wave_splits, suggest_num_splits
+    assert one_wave_splits(1, 1, 12, 65536) == 128             # one long request: as many as allowed
+    assert one_wave_splits(32, 1, 12, 32 * 8192) == 8          # 256 CTAs in 264 slots
+    assert one_wave_splits(128, 8, 12, 128 * 8192) == 1        # already several waves
+    assert one_wave_splits(1, 1, 12, 200) == 1                 # too short to split
+    assert suggest_num_splits(1, 1, 12, 200) == 1
+    # headroom for longer-than-average requests costs <= 2.5% of the KV bytes in zeros
+    for args in [(8, 1, 12, 8 * 8192), (64, 1, 96, 64 * 4096), (3, 4, 12, 3 * 1000), (32, 1, 12, 32 * 32768)]:
+        s, base = suggest_num_splits(*args), one_wave_splits(*args)
+        assert base <= s <= 128
+        R, qlen, H, tokens = args
+        assert (s - base) * R * qlen * H * 1024 <= 0.025 * tokens * 576 + 1
+        assert (s - base) * R * -(-qlen * H // 16) <= 2 * 2 * 132  # at most two waves of empty CTAs
 
 
 @sm90

@@ -92,8 +92,11 @@ def oracle(q, kv, indptr, indices, qlen, scale, kv_scale):
 
 
 def check_decode(lens, qlen, H, S, *, dtype=torch.float8_e4m3fn, oob=0, device="cpu", gen=None,
-                 kv_scale=0.5):
-    from kimi_ops.kernels.attention import mla_decode_splitkv, mla_merge
+                 kv_scale=0.5, kernels=None):
+    """``kernels``: the module whose mla_decode_splitkv / mla_merge run (default: the Triton ones)."""
+    if kernels is None:
+        import kimi_ops.kernels.attention as kernels
+    mla_decode_splitkv, mla_merge = kernels.mla_decode_splitkv, kernels.mla_merge
 
     q, kv, indptr, idx = make_inputs(lens, qlen, H, dtype=dtype, kv_scale=kv_scale, oob=oob,
                                      device=device, gen=gen)
