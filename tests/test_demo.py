@@ -36,7 +36,7 @@ def test_demo_attention_only_default_workload_passes():
 
 def test_demo_attention_only_runs_triton_under_the_interpreter():
     result = run_demo("--attention-only", "--batch", "2", "--context", "40", "--qlen", "2", "--repeats", "1",
-                      env={"TRITON_INTERPRET": "1", "KIMI_OPS_BACKEND": "auto"})
+                      "--device", "cpu", env={"TRITON_INTERPRET": "1", "KIMI_OPS_BACKEND": "auto"})
     assert result.returncode == 0, result.stdout + result.stderr
     rows = [line.split()[0] for line in result.stdout.splitlines() if line.endswith("PASS")]
     assert rows == ["triton", "reference"], result.stdout
