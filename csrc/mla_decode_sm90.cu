@@ -24,6 +24,8 @@
 //                converted, so no second pass over the tile's bytes and no transpose in memory
 // Accumulation is f32 throughout: within DESIGN.md's accuracy contract with margin (the
 // products are exact; P is rounded to f16, 2^-11 relative).
+// Split lengths are computed here from kv_indptr (see per_split below): a long request of a
+// mixed batch takes more, equally long splits; a split with no token exits at once.
 //
 // merge_kernel: one CTA of 4 warps per query row; warp w takes splits w, w+4, ...; lane l
 // holds output columns [16l, 16l+16).
@@ -46,7 +48,7 @@ constexpr int kRowBytes = 576;      // fp8 cache row
 constexpr int kLatent = 512;        // kv_c columns (= V and O width)
 constexpr int kSmemRow = 592;       // smem row stride of a K tile: 576 + 16 (conflict-free ldmatrix / lds)
 constexpr int kTileN = 64;          // tokens per pipeline stage
-constexpr int kWarpsPerM = 4;      // warps sharing one 16-row m-tile
+constexpr int kWarpsPerM = 4;       // warps sharing one 16-row m-tile
 constexpr int kQStride = 584;       // f16 per smem Q row: 576 + 8 (conflict-free ldmatrix)
 constexpr int kPStride = 72;        // f16 per smem P row: 64 + 8
 constexpr int kQExp = 14;           // query rows scaled so the row max is in [2^14, 2^15)
