@@ -13,7 +13,6 @@ tiling and the byte layouts.
 An ``e4m3fnuz`` cache (gfx942's format) has no kernel here: it runs the Triton kernel.
 """
 import functools
-import math
 import os
 
 import torch

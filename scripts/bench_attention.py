@@ -26,7 +26,6 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
 
 import torch
@@ -35,6 +34,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import peers  # noqa: E402  (scripts/peers.py)
+from graph_timing import time_graph  # noqa: E402
 
 HBM = 4.31e12
 FP8_RATE = 1415e12
@@ -77,34 +77,6 @@ def floor_of(H, qlen, lens, S):
     t_mma = flops / FP8_RATE
     return dict(kv_bytes=kv_bytes, bytes=kv_bytes + other, flops=flops, t_mem=t_mem, t_mma=t_mma,
                 floor=max(t_mem, t_mma))
-
-
-def time_graph(fns, reps):
-    """fns: one closure a set; a graph of all of them; median replay time / len(fns)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a = torch.cuda.Event(enable_timing=True)
-        b = torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e-3 / len(fns))
-    del g
-    return statistics.median(ts), ts
 
 
 BACKEND_ENV = "KIMI_OPS_BACKEND"

@@ -16,12 +16,14 @@ import itertools
 import json
 import math
 import os
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from graph_timing import time_graph  # noqa: E402
 
 import kimi_ops.kernels.attention as A  # noqa: E402
 
@@ -56,35 +58,9 @@ def check(inputs, ro, rl, ulp):
     return (o.double() - ro).abs().max().item() / ulp, (lse.double() - rl).abs().max().item()
 
 
-def time_graph(fns, reps):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for f in fns:  # compile + warm up outside the capture
-            f()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e-3 / len(fns))
-    del g
-    return statistics.median(ts)
-
-
 def bench_shape(S, TH, sets, calls, reps):
     fns = [lambda op=op, lp=lp: A.mla_merge(op, lp) for op, lp in (sets[i % len(sets)] for i in range(calls))]
-    t = time_graph(fns, reps)
+    t, _ = time_graph(fns, reps)
     nbytes = S * TH * 512 * 2
     return t, nbytes / t
 

@@ -17,12 +17,14 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from graph_timing import time_graph  # noqa: E402
 
 from kimi_ops.kernels import mxfp4 as KM  # noqa: E402
 from kimi_ops.kernels import query as KQ  # noqa: E402
@@ -35,28 +37,7 @@ TS = (1, 8, 64, 256, 512)
 
 def graph_time_us(fn_per_set, nsets, replays=30):
     """Median per-call time (us) of a CUDA graph that calls fn_per_set(i) for i in range(nsets)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for i in range(min(nsets, 3)):
-            fn_per_set(i)
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(nsets):
-            fn_per_set(i)
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / nsets)
-    return statistics.median(times)
+    return time_graph([lambda i=i: fn_per_set(i) for i in range(nsets)], replays)[0] * 1e6
 
 
 def nsets_for(set_bytes):

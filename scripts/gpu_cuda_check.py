@@ -11,18 +11,20 @@
 import argparse
 import math
 import os
-import statistics
 import sys
 
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+
+from graph_timing import time_graph  # noqa: E402
+from test_triton_attention import SCALE, make_inputs, oracle  # noqa: E402
 
 import kimi_ops.hopper as hopper  # noqa: E402
 import kimi_ops.kernels.attention as triton_kernels  # noqa: E402
-from test_triton_attention import SCALE, make_inputs, oracle  # noqa: E402
 
 
 def errors(kern, lens, qlen, H, S, gen, oob=0, kv_scale=0.5):
@@ -84,22 +86,8 @@ def time_one(kern, H, qlen, lens, S, sets=8, reps=10):
         op, lp = kern.mla_decode_splitkv(q, pool, indptr, idx, qlen, SCALE, 0.05, S)
         return kern.mla_merge(op, lp) if S > 1 else (op[0], lp[0])
 
-    for q, idx in inputs:
-        run(q, idx)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for q, idx in inputs:
-            run(q, idx)
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / sets)
-    us = statistics.median(times)
+    seconds, _ = time_graph([lambda q=q, idx=idx: run(q, idx) for q, idx in inputs], reps)
+    us = seconds * 1e6
     tbps = total * 576 / us / 1e6
     return us, tbps
 

@@ -1,0 +1,33 @@
+"""CUDA-graph timing shared by the benchmark scripts (DESIGN.md's method)."""
+import statistics
+
+import torch
+
+
+def time_graph(fns, reps):
+    """fns: one closure per rotating input set. Runs each once outside the capture (compiles,
+    warms caches), captures all of them in one CUDA graph, replays it ``reps`` times; returns
+    (median seconds a call, the per-replay samples)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for f in fns:
+            f()
+    graph.replay()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e-3 / len(fns))
+    del graph
+    return statistics.median(samples), samples
