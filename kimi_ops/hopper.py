@@ -12,7 +12,6 @@ tiling and the byte layouts.
 
 An ``e4m3fnuz`` cache (gfx942's format) has no kernel here: it runs the Triton kernel.
 """
-import functools
 import os
 
 import torch
@@ -74,13 +73,9 @@ def mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: floa
         float(kv_scale), num_splits, dcp_rank, dcp_world_size, rows, ring_stages(rows), balance)
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _multiprocessor_count(device) -> int:
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    from .dispatch import _multiprocessor_count as by_index
+    return by_index(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def mla_merge(o_part, lse_part):
@@ -96,9 +91,7 @@ def one_wave_splits(num_requests: int, qlen: int, num_heads: int, num_tokens: in
     a longer request proportionally more."""
     if num_requests <= 0:
         return 1
-    rows = rows_per_cta(qlen * num_heads)
-    slots = num_sms * CTAS_PER_SM.get((rows, ring_stages(rows)), 1)
-    ctas = num_requests * -(-qlen * num_heads // rows)
+    slots, ctas = _slots_and_ctas_per_split(num_requests, qlen, num_heads, num_sms)
     cap = _split_cap(num_requests, num_tokens)
 
     def fullness(splits):
@@ -113,6 +106,13 @@ def _split_cap(num_requests: int, num_tokens: int) -> int:
     return int(max(1, min((num_tokens // num_requests) // 128, 128)))
 
 
+def _slots_and_ctas_per_split(num_requests: int, qlen: int, num_heads: int, num_sms: int):
+    """(CTAs the device runs at once, CTAs of one split over all requests)."""
+    rows = rows_per_cta(qlen * num_heads)
+    return (num_sms * CTAS_PER_SM.get((rows, ring_stages(rows)), 1),
+            num_requests * -(-qlen * num_heads // rows))
+
+
 def suggest_num_splits(num_requests: int, qlen: int, num_heads: int, num_tokens: int,
                        num_sms: int = 132) -> int:
     """A split count from shapes only (never device data): :func:`one_wave_splits` plus
@@ -121,9 +121,7 @@ def suggest_num_splits(num_requests: int, qlen: int, num_heads: int, num_tokens:
     2.5% of the KV bytes) and their CTAs (at most two waves of CTAs that exit at once)."""
     if num_requests <= 0:
         return 1
-    rows = rows_per_cta(qlen * num_heads)
-    slots = num_sms * CTAS_PER_SM.get((rows, ring_stages(rows)), 1)
-    ctas_per_split = num_requests * -(-qlen * num_heads // rows)
+    slots, ctas_per_split = _slots_and_ctas_per_split(num_requests, qlen, num_heads, num_sms)
     by_bytes = int(0.025 * (num_tokens // num_requests) * 576 // (qlen * num_heads * 1024))
     by_ctas = 2 * slots // ctas_per_split
     return int(min(_split_cap(num_requests, num_tokens),
