@@ -29,7 +29,7 @@ if [ "$GPUS" -ge 2 ]; then
     grep -vE "Warning|warn|return func" "$OUT/demo_dcp.log" "$OUT/bench_dcp.log" | tail -n 20
 fi
 if [ -n "${PROFILE:-}" ] && command -v ncu >/dev/null; then
-    timeout 240 ncu --kernel-name regex:_split_kv_kernel --launch-skip 2 --launch-count 1 --set full \
+    timeout 240 ncu --kernel-name "regex:splitkv_kernel|_split_kv_kernel" --launch-skip 2 --launch-count 1 --set full \
         --clock-control none --import-source no -f -o /tmp/prof python3 scripts/profile_attention.py > "$OUT/ncu_run.log" 2>&1
     ncu --import /tmp/prof.ncu-rep --page details > "$OUT/ncu_details.txt" 2>&1
     grep -iE "Duration|Memory Throughput|DRAM Throughput|Registers Per|Local|Achieved Occupancy|Theoretical Occupancy|Warp Cycles Per Issued|Block Limit|Shared Memory Configuration|Stall" "$OUT/ncu_details.txt" | head -40
