@@ -4,14 +4,14 @@ GPU tests run on an sm_90 GPU with kimi_ops._C built; they reuse the Triton test
 (fresh random data, permuted cache rows among NaN-filled unused rows, out-of-range indices,
 empty and short requests) and oracle. CPU (CI): the extension's private op schemas.
 """
-import math
 
 import pytest
 import torch
 
 import kimi_ops
 from kimi_ops import dispatch
-from test_triton_attention import SCALE, check_decode, check_graph_replay, check_merge, make_inputs, oracle
+from test_triton_attention import (SCALE, check_decode_grid, check_graph_replay, check_merge, check_variable_lengths,
+                                   make_inputs, oracle)
 
 
 def _sm90_ready() -> bool:
@@ -73,39 +73,19 @@ def test_auto_backend_is_cuda():
 @pytest.mark.parametrize("stages", ["2", "3", "4"])
 @pytest.mark.parametrize("H", [12, 16, 96, 128])
 def test_grid(H, stages, monkeypatch):
-    monkeypatch.setenv("KIMI_OPS_SM90_STAGES", stages if H * 1 <= 16 or stages != "4" else "3")
     import kimi_ops.hopper as hopper
-    g = torch.Generator().manual_seed(H)
-    worst = (0.0, 0.0)
-    for qlen in (1, 2, 3, 4, 8):
-        if stages == "4" and qlen * H > 16:
-            continue  # 32-row CTAs take 2..3 stages
-        cases = [
-            ([0, 1, 2, 7, 63, 64, 65, 300], 3),
-            ([1000] * 4, 1),
-            ([4096, 17, 2500, 0], 8),
-            ([5, 1, 0, 2], 9),                       # more splits than tokens, n < qlen
-            ([16384], 64),
-        ]
-        if H <= 16:
-            cases += [([65536], 32), ([65536, 3, 9000], 128)]
-        elif qlen in (1, 8):
-            cases += [([65536], 16)]
-        for lens, S in cases:
-            e = check_decode(lens, qlen, H, S, device="cuda", gen=g, oob=2 if qlen == 3 else 0, kernels=hopper)
-            worst = (max(worst[0], e[0]), max(worst[1], e[1]))
+    qlens = [qlen for qlen in (1, 2, 3, 4, 8) if int(stages) <= hopper.MAX_STAGES[hopper.rows_per_cta(qlen * H)]]
+    if not qlens:
+        pytest.skip(f"no {stages}-stage CTA serves {H} heads")
+    monkeypatch.setenv(hopper.STAGES_ENV, stages)
+    worst = check_decode_grid(H, torch.Generator().manual_seed(H), kernels=hopper, qlens=qlens, max_splits=128)
     print(f"cuda H={H} stages={stages}: worst rel L2 {worst[0]:.2e}, worst |lse| {worst[1]:.2e}")
 
 
 @sm90
 def test_variable_lengths():
     import kimi_ops.hopper as hopper
-    g = torch.Generator().manual_seed(7)
-    lens = torch.distributions.LogNormal(math.log(3000), 1.0).sample((24,)).clamp(0, 65536).long().tolist()
-    lens[0] = 0
-    for S in (1, 7, 64):
-        for qlen in (1, 4):
-            check_decode(lens, qlen, 12, S, device="cuda", gen=g, kernels=hopper)
+    check_variable_lengths(torch.Generator().manual_seed(7), kernels=hopper)
 
 
 @sm90

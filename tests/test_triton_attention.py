@@ -364,6 +364,38 @@ def _gpu_gen(seed):
     return torch.Generator().manual_seed(seed)
 
 
+def check_decode_grid(H, gen, *, kernels=None, qlens=(1, 2, 3, 4, 8), max_splits=64):
+    """The issue's GPU correctness grid for one head count: qlen 1..8, lengths 0 to 64k, uniform
+    and mixed, 1 to ``max_splits`` splits (more splits than tokens included), out-of-range
+    indices at qlen 3. Returns (worst rel. L2, worst |lse - ref|)."""
+    worst = (0.0, 0.0)
+    for qlen in qlens:
+        cases = [
+            ([0, 1, 2, 7, 63, 64, 65, 300], 3),      # short and boundary lengths
+            ([1000] * 4, 1),
+            ([4096, 17, 2500, 0], 8),
+            ([5, 1, 0, 2], 9),                       # more splits than tokens, n < qlen
+            ([16384], 64),
+        ]
+        if H <= 16:
+            cases += [([65536], 32), ([65536, 3, 9000], max_splits)]
+        elif qlen in (1, 8):
+            cases += [([65536], 16)]
+        for lens, S in cases:
+            e = check_decode(lens, qlen, H, S, device="cuda", gen=gen, oob=2 if qlen == 3 else 0, kernels=kernels)
+            worst = (max(worst[0], e[0]), max(worst[1], e[1]))
+    return worst
+
+
+def check_variable_lengths(gen, kernels=None):
+    """24 log-normal lengths around 3000 (one empty), 1 / 7 / 64 splits, qlen 1 and 4."""
+    lens = torch.distributions.LogNormal(math.log(3000), 1.0).sample((24,)).clamp(0, 65536).long().tolist()
+    lens[0] = 0
+    for S in (1, 7, 64):
+        for qlen in (1, 4):
+            check_decode(lens, qlen, 12, S, device="cuda", gen=gen, kernels=kernels)
+
+
 @gpu
 @pytest.mark.parametrize("mma", [
     "bf16",
@@ -374,33 +406,13 @@ def _gpu_gen(seed):
 @pytest.mark.parametrize("H", [12, 16, 96, 128])
 def test_gpu_grid(H, mma, monkeypatch):
     monkeypatch.setenv("KIMI_OPS_TRITON_MMA", mma)
-    g = _gpu_gen(H)
-    worst = (0.0, 0.0)
-    for qlen in (1, 2, 3, 4, 8):
-        cases = [
-            ([0, 1, 2, 7, 63, 64, 65, 300], 3),      # short and boundary lengths
-            ([1000] * 4, 1),
-            ([4096, 17, 2500, 0], 8),
-            ([16384], 64),
-        ]
-        if H <= 16:
-            cases += [([65536], 32), ([65536, 3, 9000], 64)]
-        elif qlen in (1, 8):
-            cases += [([65536], 16)]
-        for lens, S in cases:
-            e = check_decode(lens, qlen, H, S, device="cuda", gen=g, oob=2 if qlen == 3 else 0)
-            worst = (max(worst[0], e[0]), max(worst[1], e[1]))
+    worst = check_decode_grid(H, _gpu_gen(H))
     print(f"H={H} mma={mma}: worst rel L2 {worst[0]:.2e}, worst |lse| {worst[1]:.2e}")
 
 
 @gpu
 def test_gpu_variable_lengths():
-    g = _gpu_gen(7)
-    lens = torch.distributions.LogNormal(math.log(3000), 1.0).sample((24,)).clamp(0, 65536).long().tolist()
-    lens[0] = 0
-    for S in (1, 7, 64):
-        for qlen in (1, 4):
-            check_decode(lens, qlen, 12, S, device="cuda", gen=g)
+    check_variable_lengths(_gpu_gen(7))
 
 
 @gpu
