@@ -12,6 +12,7 @@ tiling and the byte layouts.
 
 An ``e4m3fnuz`` cache (gfx942's format) has no kernel here: it runs the Triton kernel.
 """
+import functools
 import os
 
 import torch
@@ -91,7 +92,14 @@ def one_wave_splits(num_requests: int, qlen: int, num_heads: int, num_tokens: in
     a longer request proportionally more."""
     if num_requests <= 0:
         return 1
-    slots, ctas = _slots_and_ctas_per_split(num_requests, qlen, num_heads, num_sms)
+    return _one_wave_splits(num_requests, qlen, num_heads, num_tokens, num_sms,
+                            ring_stages(rows_per_cta(qlen * num_heads)))
+
+
+@functools.lru_cache(maxsize=1024)
+def _one_wave_splits(num_requests, qlen, num_heads, num_tokens, num_sms, stages):
+    # cached: every eager mla_decode call asks (once for num_splits, once for the balance)
+    slots, ctas = _slots_and_ctas_per_split(num_requests, qlen, num_heads, num_sms, stages)
     cap = _split_cap(num_requests, num_tokens)
 
     def fullness(splits):
@@ -106,11 +114,10 @@ def _split_cap(num_requests: int, num_tokens: int) -> int:
     return int(max(1, min((num_tokens // num_requests) // 128, 128)))
 
 
-def _slots_and_ctas_per_split(num_requests: int, qlen: int, num_heads: int, num_sms: int):
+def _slots_and_ctas_per_split(num_requests: int, qlen: int, num_heads: int, num_sms: int, stages: int):
     """(CTAs the device runs at once, CTAs of one split over all requests)."""
     rows = rows_per_cta(qlen * num_heads)
-    return (num_sms * CTAS_PER_SM.get((rows, ring_stages(rows)), 1),
-            num_requests * -(-qlen * num_heads // rows))
+    return (num_sms * CTAS_PER_SM.get((rows, stages), 1), num_requests * -(-qlen * num_heads // rows))
 
 
 def suggest_num_splits(num_requests: int, qlen: int, num_heads: int, num_tokens: int,
@@ -121,7 +128,8 @@ def suggest_num_splits(num_requests: int, qlen: int, num_heads: int, num_tokens:
     2.5% of the KV bytes) and their CTAs (at most two waves of CTAs that exit at once)."""
     if num_requests <= 0:
         return 1
-    slots, ctas_per_split = _slots_and_ctas_per_split(num_requests, qlen, num_heads, num_sms)
+    slots, ctas_per_split = _slots_and_ctas_per_split(num_requests, qlen, num_heads, num_sms,
+                                                      ring_stages(rows_per_cta(qlen * num_heads)))
     by_bytes = int(0.025 * (num_tokens // num_requests) * 576 // (qlen * num_heads * 1024))
     by_ctas = 2 * slots // ctas_per_split
     return int(min(_split_cap(num_requests, num_tokens),
