@@ -40,6 +40,19 @@ def graph_time_us(fn_per_set, nsets, replays=30):
     return time_graph([lambda i=i: fn_per_set(i) for i in range(nsets)], replays)[0] * 1e6
 
 
+def sweep_configs(configs, check, time_us):
+    """{str(config): us, or "error: ..."}: each config checked (check raises when wrong), then timed;
+    a config that does not compile or is wrong is recorded and the sweep goes on."""
+    sweep = {}
+    for cfg in configs:
+        try:
+            check(cfg)
+            sweep[str(cfg)] = time_us(cfg)
+        except Exception as exc:
+            sweep[str(cfg)] = f"error: {type(exc).__name__} {exc}"[:200]
+    return sweep
+
+
 def nsets_for(set_bytes):
     return int(max(4, min(256, -(-(128 << 20) // set_bytes))))
 
@@ -80,16 +93,12 @@ def bench_bmm(kind, t, configs=None, dot_scaled=False):
     res["torch_us"] = graph_time_us(peer, nsets)
     res["config"] = KM.bmm_config(t, n, k)
     if configs:
-        sweep = {}
-        for cfg in configs:
-            try:
-                yc = KM.bmm_a16wfp4(x, p, s, config=cfg, dot_scaled=dot_scaled).double()
-                ec = float((yc - r).norm() / r.norm())
-                assert ec < 4e-3, ec
-                sweep[str(cfg)] = graph_time_us(ours(cfg), nsets)
-            except Exception as exc:  # a config that does not compile or is wrong: record, go on
-                sweep[str(cfg)] = f"error: {type(exc).__name__} {exc}"[:200]
-        res["sweep"] = sweep
+        def check(cfg):
+            yc = KM.bmm_a16wfp4(x, p, s, config=cfg, dot_scaled=dot_scaled).double()
+            ec = float((yc - r).norm() / r.norm())
+            assert ec < 4e-3, ec
+
+        res["sweep"] = sweep_configs(configs, check, lambda cfg: graph_time_us(ours(cfg), nsets))
     del sets
     return res
 
@@ -140,16 +149,12 @@ def bench_query(fmt, t, pad=None, configs=None):
     res["torch_m1a_us"] = graph_time_us(composite, nsets)
     res["config"] = KQ.query_config(t, H, L)
     if configs:
-        sweep = {}
-        for cfg in configs:
-            try:
-                gc = KQ.mla_query(qn, qp, p, s, pad, config=cfg) if mx else KQ.mla_query(qn, qp, wt, None, pad,
-                                                                                         config=cfg)
-                assert torch.equal(gc, got)
-                sweep[str(cfg)] = graph_time_us(ours(cfg), nsets)
-            except Exception as exc:
-                sweep[str(cfg)] = f"error: {type(exc).__name__} {exc}"[:200]
-        res["sweep"] = sweep
+        def check(cfg):
+            gc = KQ.mla_query(qn, qp, p, s, pad, config=cfg) if mx else KQ.mla_query(qn, qp, wt, None, pad,
+                                                                                     config=cfg)
+            assert torch.equal(gc, got)
+
+        res["sweep"] = sweep_configs(configs, check, lambda cfg: graph_time_us(ours(cfg), nsets))
     del sets
     return res
 
