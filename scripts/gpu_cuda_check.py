@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Quick GPU check of the Hopper kernels (kimi_ops._C) with diagnostics, then a short timing.
 
-    python scripts/gpu_cuda_check.py [--time]
+    python scripts/gpu_cuda_check.py [--time [--skip-triton]]
 
 1. Structured cases that say *where* a wrong kernel goes wrong: one token (lse = s exactly,
    o = kv_scale * v: a column permutation shows as such), one query row, one 16-row block.
@@ -92,7 +92,7 @@ def time_one(kern, H, qlen, lens, S, sets=8, reps=10):
     return us, tbps
 
 
-def timing():
+def timing(skip_triton=False):
     shapes = [("H12 q1 b8 8k", 12, 1, [8192] * 8), ("H12 q1 b32 8k", 12, 1, [8192] * 32),
               ("H12 q1 b32 32k", 12, 1, [32768] * 32), ("H12 q1 b128 8k", 12, 1, [8192] * 128),
               ("H12 q2 b32 8k", 12, 2, [8192] * 32), ("H12 q4 b32 8k", 12, 4, [8192] * 32),
@@ -102,7 +102,7 @@ def timing():
     varlen = torch.distributions.LogNormal(math.log(8192), 0.8).sample((64,)).clamp(16, 65536).long().tolist()
     shapes.append(("H12 q1 b64 varlen", 12, 1, varlen))
     for label, H, qlen, lens in shapes:
-        for name, kern in (("cuda", hopper), ("triton", triton_kernels)):
+        for name, kern in (("cuda", hopper), ("triton", triton_kernels))[:1 if skip_triton else 2]:
             S = kern.suggest_num_splits(len(lens), qlen, H, sum(lens))
             us, tb = time_one(kern, H, qlen, lens, S)
             print(f"{name:6s} {label:18s} S={S:3d}: {us:8.1f} us  {tb:5.2f} TB/s  ({100 * tb / 4.31:.0f}% of HBM)")
@@ -111,11 +111,12 @@ def timing():
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--time", action="store_true")
+    ap.add_argument("--skip-triton", action="store_true", help="time the cuda backend only")
     args = ap.parse_args()
     structured()
     random_cases()
     if args.time:
-        timing()
+        timing(args.skip_triton)
 
 
 if __name__ == "__main__":
