@@ -451,11 +451,12 @@ __global__ void __launch_bounds__(128 * MT, 1) splitkv_kernel(const SplitKVParam
 // wgmma's K-major 128-byte-swizzle layout: a region of R rows x 128 bytes (one "atom" of the
 // 576-byte row; 5 atoms, the last half used) puts row r's 16-byte chunk j at
 // r * 128 + ((j ^ (r % 8)) * 16). Per 64-token tile:
-//   S^T = K Q^T    wgmma m64n16k32 e4m3 from shared memory: tokens are M, query rows N; Q is the
-//                  bf16 query scaled per row by 2^k (row max in [2^7, 2^8)) and split into fp8
-//                  hi + lo (exact for elements above ~2^-10 of the row max). Each k-step into a
-//                  fresh accumulator, summed in f32: Hopper's fp8 wgmma keeps ~14 bits of a
-//                  running sum, so chains of k-steps lose the lse contract (2 k-steps: 2.5e-3).
+//   S^T = K Q^T    wgmma m64n16k16 f16: tokens are M, query rows N. A = K from registers
+//                  (ldmatrix of the tile, cvt.e4m3x2 -> f16, exact), B = Q from smem: the bf16
+//                  query scaled per row by 2^k into [2^14, 2^15) as f16 (exact). One f32
+//                  accumulator. (fp8 wgmma with Q split into hi + lo was tried: Hopper's fp8
+//                  tensor cores add products with ~14 bits, and the lse missed the contract,
+//                  1.2e-3..2.2e-3 even with a fresh accumulator per k-step.)
 //   softmax        online, base 2, row max across the 4 warps through smem
 //   O^T += V^T P^T wgmma m64n16k32 e4m3, A = V^T from registers (ldmatrix.trans of the same
 //                  tile + byte permutes, no conversion), B = P^T from smem: P * 2^8 split into fp8
@@ -467,15 +468,15 @@ constexpr int kAtomBytes = 128;                           // K bytes of one swiz
 constexpr int kAtoms = (kRowBytes + kAtomBytes - 1) / kAtomBytes;  // 5
 constexpr int kWgRows = 16;                               // query rows (wgmma N)
 constexpr int kWgTileBytes = kAtoms * kTileN * kAtomBytes;  // 40 KB a stage
-constexpr int kWgQBytes = kAtoms * kWgRows * kAtomBytes;    // 10 KB (hi or lo)
+constexpr int kWgQAtoms = kRowBytes * 2 / kAtomBytes;       // 9: Q as f16, 64 columns an atom
+constexpr int kWgQBytes = kWgQAtoms * kWgRows * kAtomBytes;  // 18 KB
 constexpr int kWgPBytes = kWgRows * kAtomBytes;             // 2 KB: hi | lo
 constexpr float kPScale = 256.f;                            // P in [0, 1] -> [0, 256] before fp8
 
 template <int STAGES>
 struct WgSmem {  // every region a multiple of 1024 bytes from a 1024-aligned base
   uint8_t kv[STAGES][kWgTileBytes];
-  uint8_t q_hi[kWgQBytes];
-  uint8_t q_lo[kWgQBytes];
+  uint8_t q[kWgQBytes];
   uint8_t p[kWgPBytes];
   float red[4][kWgRows];
   float row_fac[kWgRows];
@@ -502,17 +503,8 @@ __device__ __forceinline__ void reg_fence(float (&d)[8]) {
   for (int i = 0; i < 8; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-// d (+)= A B, m64n16k32 e4m3 -> f32; accumulate == 0 overwrites d. The descriptors' byte offsets
-// (multiples of 16) are immediates added in the asm, so the compiler keeps one base register per
-// operand instead of hoisting every k-step's descriptor out of the tile loop.
-template <int A_OFF, int B_OFF>
-__device__ __forceinline__ void wgmma_ss(float (&d)[8], uint64_t a, uint64_t b, int accumulate) {
-  asm volatile(
-      "{\n .reg .pred p;\n .reg .b64 da, db;\n setp.ne.b32 p, %10, 0;\n add.s64 da, %8, %11;\n add.s64 db, %9, %12;\n"
-      " wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7}, da, db, p, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-      : "l"(a), "l"(b), "r"(accumulate), "n"(A_OFF / 16), "n"(B_OFF / 16));
-}
+// d (+)= A B, m64n16k32 e4m3 -> f32, A from registers, B K-major from smem at byte offset B_OFF;
+// accumulate == 0 overwrites d.
 template <int B_OFF>
 __device__ __forceinline__ void wgmma_rs(float (&d)[8], const uint32_t (&a)[4], uint64_t b, int accumulate) {
   asm volatile(
@@ -523,14 +515,16 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[8], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate), "n"(B_OFF / 16));
 }
 
-// One 32-byte k-step of S^T = K Q^T (hi, then lo) into a fresh d: atom KS / 4 at byte
-// 32 * (KS % 4) of its rows (see the header on Hopper's fp8 accumulation).
-template <int KS>
-__device__ __forceinline__ void qk_kstep(float (&d)[8], uint64_t k_desc, uint64_t q_hi, uint64_t q_lo) {
-  constexpr int a_off = (KS / 4) * kTileN * kAtomBytes + (KS % 4) * 32;
-  constexpr int b_off = (KS / 4) * kWgRows * kAtomBytes + (KS % 4) * 32;
-  wgmma_ss<a_off, b_off>(d, k_desc, q_hi, 0);
-  wgmma_ss<a_off, b_off>(d, k_desc, q_lo, 1);
+// d (+)= A B, m64n16k16 f16 -> f32, A from registers (mma.m16n8k16's A fragment per warp),
+// B K-major from smem.
+__device__ __forceinline__ void wgmma_rs_f16(float (&d)[8], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                             uint64_t b, int accumulate) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %13, 0;\n"
+      " wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, "
+      "%12, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(b), "r"(accumulate));
 }
 
 __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
@@ -612,7 +606,9 @@ __global__ void __launch_bounds__(128, 1) splitkv_wgmma_kernel(const SplitKVPara
     cp_async_commit();
   }
 
-  // --- Q: bf16 -> 2^k-scaled fp8 hi + lo, swizzled; warp w takes rows w, w+4, ...
+  // --- Q: bf16 -> 2^k-scaled f16 (exact), swizzled, columns permuted inside each group of 16 like
+  // the mma.sync kernel's (the A fragment pairs fp8 bytes 4c, 4c+1 and 4c+2, 4c+3 of one word);
+  // warp w takes rows w, w+4, ...
   for (int r = warp; r < kWgRows; r += 4) {
     const bool valid = row0 + r < rows_per_req;
     const uint32_t* src = reinterpret_cast<const uint32_t*>(p.q + (flat0 + r) * kRowBytes);
@@ -629,18 +625,16 @@ __global__ void __launch_bounds__(128, 1) splitkv_wgmma_kernel(const SplitKVPara
     int k = 0;
     if (amax > 0.f) {
       int e;
-      frexpf(amax, &e);  // amax = m * 2^e, m in [0.5, 1): scaled row max in [2^7, 2^8)
-      k = max(-120, min(120, 8 - e));
+      frexpf(amax, &e);
+      k = max(-100, min(100, kQExp + 1 - e));
     }
 #pragma unroll
     for (int i = 0; i < 9; ++i) {
-      const int col = 2 * (lane + 32 * i);
-      const int ch = col / 16;
-      const int off = (ch / 8) * (kWgRows * kAtomBytes) + swizzle128(r, ch % 8) + col % 16;
-      uint16_t h, l;
-      split_e4m3x2(ldexpf(v[i].x, k), ldexpf(v[i].y, k), h, l);
-      *reinterpret_cast<uint16_t*>(&sm.q_hi[off]) = h;
-      *reinterpret_cast<uint16_t*>(&sm.q_lo[off]) = l;
+      const int col = 2 * (lane + 32 * i);  // physical column of this pair (even)
+      const int within = col % 16, c4 = within / 4;
+      const int lcol = col - within + ((within % 4) == 0 ? 2 * c4 : 8 + 2 * c4);  // logical (B's k)
+      const int off = (lcol / 64) * (kWgRows * kAtomBytes) + swizzle128(r, (lcol % 64) / 8) + (lcol % 8) * 2;
+      *reinterpret_cast<uint32_t*>(&sm.q[off]) = pack_half2(ldexpf(v[i].x, k), ldexpf(v[i].y, k));
     }
     if (lane == 0) sm.row_fac[r] = ldexpf(p.qk_scale_log2, -k);
   }
@@ -665,7 +659,8 @@ __global__ void __launch_bounds__(128, 1) splitkv_wgmma_kernel(const SplitKVPara
   __syncthreads();
 #pragma unroll
   for (int i = 0; i < 4; ++i) row_fac[i] = sm.row_fac[8 * (i / 2) + 2 * c + (i % 2)];
-  const uint64_t q_hi_desc = wgmma_desc(sm.q_hi), q_lo_desc = wgmma_desc(sm.q_lo), p_desc = wgmma_desc(sm.p);
+  const uint64_t q_desc = wgmma_desc(sm.q), p_desc = wgmma_desc(sm.p);
+  const int k_row = 16 * warp + (lane & 15);  // ldmatrix row address of this lane: a token
 
   for (int t = 0; t < ntiles; ++t) {
     cp_async_wait<STAGES - 2>();
@@ -674,32 +669,51 @@ __global__ void __launch_bounds__(128, 1) splitkv_wgmma_kernel(const SplitKVPara
     if (t + STAGES - 1 < ntiles) load_tile(t + STAGES - 1);
     cp_async_commit();
     const uint8_t* tile = sm.kv[t % STAGES];
-    const uint64_t k_desc = wgmma_desc(tile);
 
-    // S^T = K Q^T: 18 k-steps of 32 bytes (hi, lo), each into its own accumulator, summed in f32;
-    // two rounds of 9 k-steps. s[2j + e][h]: token 16w + g + 8h of the tile, row 8j + 2c + e.
-    float s[4][2] = {};
-    auto qk_round = [&]<int... KS>(std::integer_sequence<int, KS...>, auto first) {
-      float part[sizeof...(KS)][8];
-      wgmma_fence();
-      (qk_kstep<decltype(first)::value + KS>(part[KS], k_desc, q_hi_desc, q_lo_desc), ...);
-      wgmma_commit();
-      wgmma_wait<0>();
+    // S^T = K Q^T: 36 f16 k-steps into one f32 accumulator. Six rounds of 32 bytes x 3: ldmatrix
+    // gives warp w's tokens' fp8 words, cvt makes the A fragments (two buffers: a round's
+    // conversion overlaps the previous round's wgmmas).
+    float sacc[8];
+    uint32_t af[2][3][8];
 #pragma unroll
-      for (int a = 0; a < static_cast<int>(sizeof...(KS)); ++a) {
-        reg_fence(part[a]);
+    for (int round = 0; round < 6; ++round) {
+      const int buf = round % 2;
+      if (round >= 2) wgmma_wait<1>();  // round - 2 has finished reading af[buf]
 #pragma unroll
-        for (int i = 0; i < 8; ++i) s[2 * (i / 4) + (i % 2)][(i / 2) % 2] += part[a][i];
+      for (int i = 0; i < 3; ++i) {
+        const int chunk = 2 * (3 * round + i) + (lane >> 4);  // 16-byte chunk of the row
+        uint32_t r[4];  // (tokens 0-7 | 8-15) x (bytes 0-15 | 16-31) of the 32-byte step
+        ldmatrix_x4(r, tile + (chunk / 8) * (kTileN * kAtomBytes) + swizzle128(k_row, chunk % 8));
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          af[buf][i][4 * half + 0] = e4m3x2_to_f16x2(r[2 * half] & 0xffffu);
+          af[buf][i][4 * half + 1] = e4m3x2_to_f16x2(r[2 * half + 1] & 0xffffu);
+          af[buf][i][4 * half + 2] = e4m3x2_to_f16x2(r[2 * half] >> 16);
+          af[buf][i][4 * half + 3] = e4m3x2_to_f16x2(r[2 * half + 1] >> 16);
+        }
       }
-    };
-    qk_round(std::make_integer_sequence<int, 9>{}, std::integral_constant<int, 0>{});
-    qk_round(std::make_integer_sequence<int, 9>{}, std::integral_constant<int, 9>{});
+      wgmma_fence();
+#pragma unroll
+      for (int i = 0; i < 3; ++i)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int ks = 2 * (3 * round + i) + half;  // 16 f16 of Q: atom ks / 4, byte 32 * (ks % 4)
+          const uint32_t* a = &af[buf][i][4 * half];
+          wgmma_rs_f16(sacc, a[0], a[1], a[2], a[3], q_desc + ((ks / 4) * (kWgRows * kAtomBytes) + (ks % 4) * 32) / 16,
+                       ks > 0);
+        }
+      wgmma_commit();
+    }
+    wgmma_wait<0>();
+    reg_fence(sacc);
+    // s[2j + e][h]: token 16w + g + 8h of the tile, row 8j + 2c + e
+    float s[4][2];
 #pragma unroll
     for (int i = 0; i < 4; ++i)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int tok = lo + t * kTileN + 16 * warp + g + 8 * h;
-        s[i][h] = tok < lim[i] ? s[i][h] * row_fac[i] : -INFINITY;
+        s[i][h] = tok < lim[i] ? sacc[4 * (i / 2) + 2 * h + (i % 2)] * row_fac[i] : -INFINITY;
       }
     // tile row max: the thread's 2 tokens, the 8 lanes of its column (g), then the 4 warps
 #pragma unroll
