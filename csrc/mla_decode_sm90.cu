@@ -36,12 +36,10 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include <cuda_fp8.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
-#include <utility>
 
 namespace kimi_ops::sm90 {
 namespace {
@@ -445,392 +443,6 @@ __global__ void __launch_bounds__(128 * MT, 1) splitkv_kernel(const SplitKVParam
   for (int i = tid; i < valid_rows * (kLatent / 8); i += kThreads) o_out[i] = o_src[i];
 }
 
-// ---- M1c on wgmma (16-row CTAs) ------------------------------------------------------------------
-//
-// One warpgroup per (16-row group, split, request). The K tile and Q live in shared memory in
-// wgmma's K-major 128-byte-swizzle layout: a region of R rows x 128 bytes (one "atom" of the
-// 576-byte row; 5 atoms, the last half used) puts row r's 16-byte chunk j at
-// r * 128 + ((j ^ (r % 8)) * 16). Per 64-token tile:
-//   S^T = K Q^T    wgmma m64n16k16 f16: tokens are M, query rows N. A = K from registers
-//                  (ldmatrix of the tile, cvt.e4m3x2 -> f16, exact), B = Q from smem: the bf16
-//                  query scaled per row by 2^k into [2^14, 2^15) as f16 (exact). One f32
-//                  accumulator. (fp8 wgmma with Q split into hi + lo was tried: Hopper's fp8
-//                  tensor cores add products with ~14 bits, and the lse missed the contract,
-//                  1.2e-3..2.2e-3 even with a fresh accumulator per k-step.)
-//   softmax        online, base 2, row max across the 4 warps through smem
-//   O^T += V^T P^T wgmma m64n16k32 e4m3, A = V^T from registers (ldmatrix.trans of the same
-//                  tile + byte permutes, no conversion), B = P^T from smem: P * 2^8 split into fp8
-//                  hi (bytes 0..63 of a row) + lo (64..127), tokens permuted within each group of
-//                  16 to match the A fragment. A fresh accumulator per tile, folded into the f32
-//                  running O with the rescale.
-
-constexpr int kAtomBytes = 128;                           // K bytes of one swizzle atom row
-constexpr int kAtoms = (kRowBytes + kAtomBytes - 1) / kAtomBytes;  // 5
-constexpr int kWgRows = 16;                               // query rows (wgmma N)
-constexpr int kWgTileBytes = kAtoms * kTileN * kAtomBytes;  // 40 KB a stage
-constexpr int kWgQAtoms = kRowBytes * 2 / kAtomBytes;       // 9: Q as f16, 64 columns an atom
-constexpr int kWgQBytes = kWgQAtoms * kWgRows * kAtomBytes;  // 18 KB
-constexpr int kWgPBytes = kWgRows * kAtomBytes;             // 2 KB: hi | lo
-constexpr float kPScale = 256.f;                            // P in [0, 1] -> [0, 256] before fp8
-
-template <int STAGES>
-struct WgSmem {  // every region a multiple of 1024 bytes from a 1024-aligned base
-  uint8_t kv[STAGES][kWgTileBytes];
-  uint8_t q[kWgQBytes];
-  uint8_t p[kWgPBytes];
-  float red[4][kWgRows];
-  float row_fac[kWgRows];
-};
-
-__device__ __forceinline__ int swizzle128(int row, int chunk) { return row * kAtomBytes + ((chunk ^ (row & 7)) << 4); }
-
-// K-major, 128-byte swizzle: 8-row groups 1024 bytes apart
-__device__ __forceinline__ uint64_t wgmma_desc(const void* p) {
-  return static_cast<uint64_t>((smem_addr(p) & 0x3FFFF) >> 4) | (1ull << 16) | (static_cast<uint64_t>(1024 >> 4) << 32) |
-         (1ull << 62);
-}
-
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-// keeps the compiler from moving accumulator registers across wgmma issue / wait
-__device__ __forceinline__ void reg_fence(float (&d)[8]) {
-#pragma unroll
-  for (int i = 0; i < 8; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-
-// d (+)= A B, m64n16k32 e4m3 -> f32, A from registers, B K-major from smem at byte offset B_OFF;
-// accumulate == 0 overwrites d.
-template <int B_OFF>
-__device__ __forceinline__ void wgmma_rs(float (&d)[8], const uint32_t (&a)[4], uint64_t b, int accumulate) {
-  asm volatile(
-      "{\n .reg .pred p;\n .reg .b64 db;\n setp.ne.b32 p, %13, 0;\n add.s64 db, %12, %14;\n"
-      " wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, "
-      "db, p, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate), "n"(B_OFF / 16));
-}
-
-// d (+)= A B, m64n16k16 f16 -> f32, A from registers (mma.m16n8k16's A fragment per warp),
-// B K-major from smem.
-__device__ __forceinline__ void wgmma_rs_f16(float (&d)[8], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                             uint64_t b, int accumulate) {
-  asm volatile(
-      "{\n .reg .pred p;\n setp.ne.b32 p, %13, 0;\n"
-      " wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, "
-      "%12, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(b), "r"(accumulate));
-}
-
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-
-// x (f32 pair) -> fp8 e4m3 hi + lo (16 bits each, x.x in the low byte), hi + lo ~= x to 8 bits
-__device__ __forceinline__ void split_e4m3x2(float x, float y, uint16_t& hi, uint16_t& lo) {
-  const __nv_fp8x2_storage_t h = __nv_cvt_float2_to_fp8x2(make_float2(x, y), __NV_SATFINITE, __NV_E4M3);
-  const float2 back = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(h, __NV_E4M3)));
-  hi = h;
-  lo = __nv_cvt_float2_to_fp8x2(make_float2(x - back.x, y - back.y), __NV_SATFINITE, __NV_E4M3);
-}
-
-template <int STAGES>
-__global__ void __launch_bounds__(128, 1) splitkv_wgmma_kernel(const SplitKVParams p) {
-  extern __shared__ uint8_t smem_raw[];
-  auto& sm = *reinterpret_cast<WgSmem<STAGES>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  constexpr int kThreads = 128;
-
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int g = lane / 4, c = lane % 4;
-  const int split = blockIdx.y, req = blockIdx.z;
-  const int rows_per_req = p.qlen * p.heads;
-  const int row0 = blockIdx.x * kWgRows;
-  const int64_t flat0 = static_cast<int64_t>(req) * rows_per_req + row0;
-
-  const int start = p.indptr[req];
-  const int n = max(p.indptr[req + 1] - start, 0);
-  const int n_global = p.seq_lens != nullptr ? p.seq_lens[req] : n;
-  const int last_row = min(row0 + kWgRows, rows_per_req) - 1;
-  const int hi_rows = visible_tokens(n, n_global, p.qlen, last_row / p.heads, p.dcp_rank, p.dcp_world);
-  int per_split = n > 0 ? (n + p.num_splits - 1) / p.num_splits : 0;
-  if (p.balance_ctas > 0 && n > 0) {
-    const int total = p.indptr[p.num_requests] - p.indptr[0];
-    per_split = max(per_split, (total + p.balance_ctas - 1) / p.balance_ctas);
-  }
-  const int chunk = (per_split + kTileN - 1) / kTileN * kTileN;
-  const int lo = split * chunk;
-  const int hi = min(lo + chunk, hi_rows);
-  const int ntiles = hi > lo ? (hi - lo + kTileN - 1) / kTileN : 0;
-  const int valid_rows = min(kWgRows, rows_per_req - row0);
-  if (ntiles == 0) {
-    uint4* o_out = reinterpret_cast<uint4*>(p.o_part + (static_cast<int64_t>(split) * p.rows_total + flat0) * kLatent);
-    for (int i = tid; i < valid_rows * (kLatent / 8); i += kThreads) o_out[i] = make_uint4(0, 0, 0, 0);
-    if (tid < valid_rows) p.lse_part[static_cast<int64_t>(split) * p.rows_total + flat0 + tid] = -INFINITY;
-    return;
-  }
-
-  // --- loader: warp w gathers tile tokens [16w, 16w+16), 36 chunks of 16 bytes each; load i
-  // of lane l is linear chunk 32i + l of the warp's 16 x 36 (global reads coalesced per row).
-  constexpr int kChunks = kRowBytes / 16;  // 36
-  const int* idx_base = p.indices + start;
-  auto fetch_index = [&](int t) -> int {
-    const int j = lo + t * kTileN + warp * 16 + lane;
-    return (lane < 16 && t < ntiles && j < hi) ? idx_base[j] : -1;
-  };
-  int next_index = fetch_index(0);
-  auto load_tile = [&](int t) {
-    const int idx_mine = next_index;
-    next_index = fetch_index(t + 1);
-    uint8_t* dst = sm.kv[t % STAGES];
-#pragma unroll
-    for (int i = 0; i < 16 * kChunks / 32; ++i) {
-      const int e = 32 * i + lane;
-      const int r = e / kChunks, ch = e % kChunks;
-      const int idx = __shfl_sync(0xffffffffu, idx_mine, r);
-      const bool ok = idx >= 0 && idx < p.num_kv_rows;
-      const uint8_t* src = p.kv + (ok ? static_cast<int64_t>(idx) * kRowBytes + ch * 16 : 0);
-      const int tok = warp * 16 + r;
-      cp_async_16(dst + (ch / 8) * (kTileN * kAtomBytes) + swizzle128(tok, ch % 8), src, ok ? 16 : 0);
-    }
-  };
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < ntiles) load_tile(s);
-    cp_async_commit();
-  }
-
-  // --- Q: bf16 -> 2^k-scaled f16 (exact), swizzled, columns permuted inside each group of 16 like
-  // the mma.sync kernel's (the A fragment pairs fp8 bytes 4c, 4c+1 and 4c+2, 4c+3 of one word);
-  // warp w takes rows w, w+4, ...
-  for (int r = warp; r < kWgRows; r += 4) {
-    const bool valid = row0 + r < rows_per_req;
-    const uint32_t* src = reinterpret_cast<const uint32_t*>(p.q + (flat0 + r) * kRowBytes);
-    float2 v[9];
-    float amax = 0.f;
-#pragma unroll
-    for (int i = 0; i < 9; ++i) {
-      uint32_t w = valid ? src[lane + 32 * i] : 0u;
-      v[i] = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&w));
-      amax = fmaxf(amax, fmaxf(fabsf(v[i].x), fabsf(v[i].y)));
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    int k = 0;
-    if (amax > 0.f) {
-      int e;
-      frexpf(amax, &e);
-      k = max(-100, min(100, kQExp + 1 - e));
-    }
-#pragma unroll
-    for (int i = 0; i < 9; ++i) {
-      const int col = 2 * (lane + 32 * i);  // physical column of this pair (even)
-      const int within = col % 16, c4 = within / 4;
-      const int lcol = col - within + ((within % 4) == 0 ? 2 * c4 : 8 + 2 * c4);  // logical (B's k)
-      const int off = (lcol / 64) * (kWgRows * kAtomBytes) + swizzle128(r, (lcol % 64) / 8) + (lcol % 8) * 2;
-      *reinterpret_cast<uint32_t*>(&sm.q[off]) = pack_half2(ldexpf(v[i].x, k), ldexpf(v[i].y, k));
-    }
-    if (lane == 0) sm.row_fac[r] = ldexpf(p.qk_scale_log2, -k);
-  }
-
-  // --- per-thread query rows: 8j + 2c + e (j, e in {0, 1}), index 2j + e
-  int lim[4];
-  float m_run[4], l_part[4], row_fac[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int r = row0 + 8 * (i / 2) + 2 * c + (i % 2);
-    lim[i] = r < rows_per_req ? min(visible_tokens(n, n_global, p.qlen, r / p.heads, p.dcp_rank, p.dcp_world), hi) : 0;
-    m_run[i] = -INFINITY;
-    l_part[i] = 0.f;
-  }
-  float o_acc[8][8];  // m-tile mt: (latent 64mt + 16w + 2g + h, row 8j + 2c + e) at [4j + 2h + e]
-#pragma unroll
-  for (int mt = 0; mt < 8; ++mt)
-#pragma unroll
-    for (int i = 0; i < 8; ++i) o_acc[mt][i] = 0.f;
-
-  fence_async_smem();  // Q's generic-proxy stores, before wgmma reads them
-  __syncthreads();
-#pragma unroll
-  for (int i = 0; i < 4; ++i) row_fac[i] = sm.row_fac[8 * (i / 2) + 2 * c + (i % 2)];
-  const uint64_t q_desc = wgmma_desc(sm.q), p_desc = wgmma_desc(sm.p);
-  const int k_row = 16 * warp + (lane & 15);  // ldmatrix row address of this lane: a token
-
-  for (int t = 0; t < ntiles; ++t) {
-    cp_async_wait<STAGES - 2>();
-    fence_async_smem();
-    __syncthreads();  // tile t landed; every warp is past tile t-1 (its stage and P are free)
-    if (t + STAGES - 1 < ntiles) load_tile(t + STAGES - 1);
-    cp_async_commit();
-    const uint8_t* tile = sm.kv[t % STAGES];
-
-    // S^T = K Q^T: 36 f16 k-steps into one f32 accumulator. Six rounds of 32 bytes x 3: ldmatrix
-    // gives warp w's tokens' fp8 words, cvt makes the A fragments (two buffers: a round's
-    // conversion overlaps the previous round's wgmmas).
-    float sacc[8];
-    uint32_t af[2][3][8];
-#pragma unroll
-    for (int round = 0; round < 6; ++round) {
-      const int buf = round % 2;
-      if (round >= 2) wgmma_wait<1>();  // round - 2 has finished reading af[buf]
-#pragma unroll
-      for (int i = 0; i < 3; ++i) {
-        const int chunk = 2 * (3 * round + i) + (lane >> 4);  // 16-byte chunk of the row
-        uint32_t r[4];  // (tokens 0-7 | 8-15) x (bytes 0-15 | 16-31) of the 32-byte step
-        ldmatrix_x4(r, tile + (chunk / 8) * (kTileN * kAtomBytes) + swizzle128(k_row, chunk % 8));
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          af[buf][i][4 * half + 0] = e4m3x2_to_f16x2(r[2 * half] & 0xffffu);
-          af[buf][i][4 * half + 1] = e4m3x2_to_f16x2(r[2 * half + 1] & 0xffffu);
-          af[buf][i][4 * half + 2] = e4m3x2_to_f16x2(r[2 * half] >> 16);
-          af[buf][i][4 * half + 3] = e4m3x2_to_f16x2(r[2 * half + 1] >> 16);
-        }
-      }
-      wgmma_fence();
-#pragma unroll
-      for (int i = 0; i < 3; ++i)
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int ks = 2 * (3 * round + i) + half;  // 16 f16 of Q: atom ks / 4, byte 32 * (ks % 4)
-          const uint32_t* a = &af[buf][i][4 * half];
-          wgmma_rs_f16(sacc, a[0], a[1], a[2], a[3], q_desc + ((ks / 4) * (kWgRows * kAtomBytes) + (ks % 4) * 32) / 16,
-                       ks > 0);
-        }
-      wgmma_commit();
-    }
-    wgmma_wait<0>();
-    reg_fence(sacc);
-    // s[2j + e][h]: token 16w + g + 8h of the tile, row 8j + 2c + e
-    float s[4][2];
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int tok = lo + t * kTileN + 16 * warp + g + 8 * h;
-        s[i][h] = tok < lim[i] ? sacc[4 * (i / 2) + 2 * h + (i % 2)] * row_fac[i] : -INFINITY;
-      }
-    // tile row max: the thread's 2 tokens, the 8 lanes of its column (g), then the 4 warps
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      float mx = fmaxf(s[i][0], s[i][1]);
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
-      if (g == 0) sm.red[warp][8 * (i / 2) + 2 * c + (i % 2)] = mx;
-    }
-    __syncthreads();
-    float alpha[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int r = 8 * (i / 2) + 2 * c + (i % 2);
-      const float mx = fmaxf(m_run[i], fmaxf(fmaxf(sm.red[0][r], sm.red[1][r]), fmaxf(sm.red[2][r], sm.red[3][r])));
-      const float m_safe = mx == -INFINITY ? 0.f : mx;
-      alpha[i] = fast_exp2(m_run[i] - m_safe);
-      m_run[i] = mx;
-      const float p0 = fast_exp2(s[i][0] - m_safe), p1 = fast_exp2(s[i][1] - m_safe);
-      l_part[i] = l_part[i] * alpha[i] + (p0 + p1);
-      // P^T's B operand: row r, token 16w + g + 8h at column 16w + 4(g / 2) + 2h + (g % 2)
-      uint16_t ph, pl;
-      split_e4m3x2(p0 * kPScale, p1 * kPScale, ph, pl);
-      const int col = 16 * warp + 4 * (g / 2) + (g % 2);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        sm.p[swizzle128(r, col / 16) + col % 16 + 2 * h] = static_cast<uint8_t>(ph >> (8 * h));
-        sm.p[swizzle128(r, (64 + col) / 16) + col % 16 + 2 * h] = static_cast<uint8_t>(pl >> (8 * h));
-      }
-    }
-    fence_async_smem();
-    __syncthreads();  // P complete (and every warp has read the row maxima)
-
-    // O^T += V^T P^T: per m-tile (64 latents) two k-steps (tokens 0..31, 32..63), hi and lo.
-    // Warp w's A rows are latents 64mt + 16w + {2g, 2g+1}: chunk 4mt + w of the tile rows.
-    // Two halves of 4 m-tiles keep the A fragments and the tile's accumulators within registers.
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      uint32_t va[4][2][4];
-#pragma unroll
-      for (int m = 0; m < 4; ++m) {
-        const int ch = 4 * (4 * half + m) + warp;
-#pragma unroll
-        for (int kk = 0; kk < 2; ++kk) {
-          uint32_t r[4];
-          ldmatrix_x4_trans(r, smem_addr(tile + (ch / 8) * (kTileN * kAtomBytes) + swizzle128(32 * kk + lane, ch % 8)));
-          va[m][kk][0] = prmt(r[0], r[1], 0x6420);
-          va[m][kk][1] = prmt(r[0], r[1], 0x7531);
-          va[m][kk][2] = prmt(r[2], r[3], 0x6420);
-          va[m][kk][3] = prmt(r[2], r[3], 0x7531);
-        }
-      }
-      float pv[4][8];
-      wgmma_fence();
-#pragma unroll
-      for (int m = 0; m < 4; ++m)
-#pragma unroll
-        for (int kk = 0; kk < 2; ++kk) {
-          if (kk == 0) {
-            wgmma_rs<0>(pv[m], va[m][0], p_desc, 0);
-            wgmma_rs<64>(pv[m], va[m][0], p_desc, 1);
-          } else {
-            wgmma_rs<32>(pv[m], va[m][1], p_desc, 1);
-            wgmma_rs<96>(pv[m], va[m][1], p_desc, 1);
-          }
-        }
-      wgmma_commit();
-      wgmma_wait<0>();
-#pragma unroll
-      for (int m = 0; m < 4; ++m) {
-        reg_fence(pv[m]);
-#pragma unroll
-        for (int i = 0; i < 8; ++i)
-          o_acc[4 * half + m][i] = o_acc[4 * half + m][i] * alpha[2 * (i / 4) + (i % 2)] + pv[m][i];
-      }
-    }
-  }
-  cp_async_wait<0>();
-
-  // --- epilogue: row sums over the column's lanes and the warps; O staged as bf16 in smem
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    l_part[i] += __shfl_xor_sync(0xffffffffu, l_part[i], 4);
-    l_part[i] += __shfl_xor_sync(0xffffffffu, l_part[i], 8);
-    l_part[i] += __shfl_xor_sync(0xffffffffu, l_part[i], 16);
-  }
-  __syncthreads();  // every warp is done with the tiles and the row maxima
-  if (g == 0) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) sm.red[warp][8 * (i / 2) + 2 * c + (i % 2)] = l_part[i];
-  }
-  __syncthreads();
-  __nv_bfloat16* o_stage = reinterpret_cast<__nv_bfloat16*>(sm.kv[0]);  // [16][512]
-  static_assert(kWgRows * kLatent * 2 <= kWgTileBytes, "O staging must fit a stage");
-  float* lse_out = p.lse_part + static_cast<int64_t>(split) * p.rows_total + flat0;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int r = 8 * (i / 2) + 2 * c + (i % 2);
-    const float l = sm.red[0][r] + sm.red[1][r] + sm.red[2][r] + sm.red[3][r];
-    const float inv = l > 0.f ? p.kv_scale / (l * kPScale) : 0.f;
-#pragma unroll
-    for (int mt = 0; mt < 8; ++mt) {
-      const int lat = 64 * mt + 16 * warp + 2 * g;
-      const int j = i / 2, e = i % 2;
-      *reinterpret_cast<__nv_bfloat162*>(&o_stage[r * kLatent + lat]) =
-          __floats2bfloat162_rn(o_acc[mt][4 * j + e] * inv, o_acc[mt][4 * j + 2 + e] * inv);
-    }
-    if (warp == 0 && g == 0 && row0 + r < rows_per_req)
-      lse_out[r] = l > 0.f ? (m_run[i] + log2f(l)) * kLn2 : -INFINITY;
-  }
-  __syncthreads();
-  uint4* o_out = reinterpret_cast<uint4*>(p.o_part + (static_cast<int64_t>(split) * p.rows_total + flat0) * kLatent);
-  const uint4* o_src = reinterpret_cast<const uint4*>(o_stage);
-  for (int i = tid; i < valid_rows * (kLatent / 8); i += kThreads) o_out[i] = o_src[i];
-}
-
 // ---- M1b ---------------------------------------------------------------------------------------
 
 __global__ void __launch_bounds__(128) merge_kernel(const __nv_bfloat16* __restrict__ o_part,
@@ -936,21 +548,6 @@ void launch_splitkv(const SplitKVParams& params, dim3 grid, cudaStream_t stream)
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <int STAGES>
-void launch_splitkv_wgmma(const SplitKVParams& params, dim3 grid, cudaStream_t stream) {
-  constexpr size_t smem = sizeof(WgSmem<STAGES>) + 1024;  // + alignment slack for the 1024-byte atoms
-  auto* kernel = splitkv_wgmma_kernel<STAGES>;
-  static bool configured[64] = {};
-  int device = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  if (device >= 64 || !configured[device]) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    if (device < 64) configured[device] = true;
-  }
-  kernel<<<grid, 128, smem, stream>>>(params);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
 }  // namespace
 
 // The rows of one CTA (16, 32 or 64) and the depth of its K ring: chosen on the host from qlen * H.
@@ -960,7 +557,7 @@ std::tuple<at::Tensor, at::Tensor> mla_decode_splitkv_sm90(const at::Tensor& q, 
                                                            double qk_scale_log2, double kv_scale, int64_t num_splits,
                                                            int64_t dcp_rank, int64_t dcp_world_size,
                                                            int64_t rows_per_cta, int64_t stages,
-                                                           int64_t balance_ctas, bool wgmma) {
+                                                           int64_t balance_ctas) {
   check_cuda_tensor(q, "q", at::kBFloat16);
   check_cuda_tensor(kv, "kv_cache", at::ScalarType::Float8_e4m3fn);
   check_cuda_tensor(indptr, "kv_indptr", at::kInt);
@@ -1006,11 +603,6 @@ std::tuple<at::Tensor, at::Tensor> mla_decode_splitkv_sm90(const at::Tensor& q, 
   TORCH_CHECK(groups <= INT32_MAX, "kimi_ops._C: too many query rows per request");
   const dim3 grid(static_cast<unsigned>(groups), static_cast<unsigned>(num_splits), static_cast<unsigned>(R));
   auto stream = c10::cuda::getCurrentCUDAStream();
-  TORCH_CHECK(!wgmma || (rows_per_cta == 16 && stages == 2), "kimi_ops._C: the wgmma kernel takes 16 rows, 2 stages");
-  if (wgmma) {
-    launch_splitkv_wgmma<2>(params, grid, stream);
-    return {o_part, lse_part};
-  }
   switch (rows_per_cta * 10 + stages) {
     case 162: launch_splitkv<1, 2>(params, grid, stream); break;
     case 163: launch_splitkv<1, 3>(params, grid, stream); break;
@@ -1050,7 +642,7 @@ TORCH_LIBRARY_FRAGMENT(kimi_ops, m) {
   m.def(
       "_mla_decode_splitkv_sm90(Tensor q, Tensor kv_cache, Tensor kv_indptr, Tensor kv_indices, "
       "Tensor? seq_lens, int qlen, float qk_scale_log2, float kv_scale, int num_splits, int dcp_rank, "
-      "int dcp_world_size, int rows_per_cta, int stages, int balance_ctas, bool wgmma) -> (Tensor, Tensor)");
+      "int dcp_world_size, int rows_per_cta, int stages, int balance_ctas) -> (Tensor, Tensor)");
   m.def("_mla_merge_sm90(Tensor o_part, Tensor lse_part) -> (Tensor, Tensor)");
 }
 

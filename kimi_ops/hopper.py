@@ -19,7 +19,6 @@ import torch
 
 LOG2E = 1.4426950408889634
 STAGES_ENV = "KIMI_OPS_SM90_STAGES"  # K-ring depth override (2..4; 32-row CTAs: 2..3), for tuning
-KERNEL_ENV = "KIMI_OPS_SM90_KERNEL"  # "mma" forces the mma.sync kernel where the wgmma one would serve
 
 
 def _ops():
@@ -54,11 +53,6 @@ def ring_stages(rows: int) -> int:
     return DEFAULT_STAGES[rows]
 
 
-def uses_wgmma(rows: int, stages: int) -> bool:
-    """Whether the wgmma kernel (fp8 tensor cores, 16-row CTAs, 2-stage ring) serves these CTAs."""
-    return rows == 16 and stages == 2 and os.environ.get(KERNEL_ENV, "") != "mma"
-
-
 def mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: float, kv_scale: float,
                        num_splits: int, seq_lens=None, dcp_rank: int = 0, dcp_world_size: int = 1):
     """M1c. q [T, H, 576] bf16, kv_rows [N, 576] fp8 -> (o_part [S, T, H, 512] bf16, lse_part [S, T, H] f32).
@@ -75,10 +69,9 @@ def mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: floa
     num_requests = kv_indptr.shape[0] - 1
     balance = num_requests * one_wave_splits(num_requests, qlen, q.shape[1], kv_indices.shape[0],
                                              _multiprocessor_count(q.device))
-    stages = ring_stages(rows)
     return _ops()._mla_decode_splitkv_sm90(
         q, kv_rows, kv_indptr, kv_indices, seq_lens, qlen, float(scale) * float(kv_scale) * LOG2E,
-        float(kv_scale), num_splits, dcp_rank, dcp_world_size, rows, stages, balance, uses_wgmma(rows, stages))
+        float(kv_scale), num_splits, dcp_rank, dcp_world_size, rows, ring_stages(rows), balance)
 
 
 def _multiprocessor_count(device) -> int:

@@ -30,7 +30,7 @@ def test_private_op_schemas():
     merge = ops._mla_merge_sm90.default._schema
     assert [a.name for a in split.arguments] == [
         "q", "kv_cache", "kv_indptr", "kv_indices", "seq_lens", "qlen", "qk_scale_log2", "kv_scale",
-        "num_splits", "dcp_rank", "dcp_world_size", "rows_per_cta", "stages", "balance_ctas", "wgmma"]
+        "num_splits", "dcp_rank", "dcp_world_size", "rows_per_cta", "stages", "balance_ctas"]
     assert [a.name for a in merge.arguments] == ["o_part", "lse_part"]
 
 
