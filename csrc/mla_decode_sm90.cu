@@ -27,8 +27,8 @@
 // Split lengths are computed here from kv_indptr (see per_split below): a long request of a
 // mixed batch takes more, equally long splits; a split with no token exits at once.
 //
-// merge_kernel: one CTA of 4 warps per query row; warp w takes splits w, w+4, ...; lane l
-// holds output columns [16l, 16l+16).
+// merge_kernel: one CTA of 4 warps per (query row, block of 64..512 output columns); thread t
+// reads 8 bytes of split rows t / (columns / 4), ... with 8 split rows a thread in flight.
 
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
@@ -445,84 +445,83 @@ __global__ void __launch_bounds__(128 * MT, 1) splitkv_kernel(const SplitKVParam
 
 // ---- M1b ---------------------------------------------------------------------------------------
 
-__global__ void __launch_bounds__(128) merge_kernel(const __nv_bfloat16* __restrict__ o_part,
-                                                    const float* __restrict__ lse_part,
-                                                    __nv_bfloat16* __restrict__ o, float* __restrict__ lse,
-                                                    int rows, int splits) {
-  __shared__ float red_max[4];
-  __shared__ float red_sum[4];
-  __shared__ float red_acc[4][kLatent];
-  const int row = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  // pass 1: the row's max LSE
+constexpr int kMergeThreads = 128;
+constexpr int kMergeUnroll = 8;
+
+// One CTA per (row, block of `cols` output columns: 64..512). Thread t reads 4 columns (8 bytes)
+// of split rows t / (cols / 4), + slots, ...: with 64 columns a CTA has 8 x 8 split rows in
+// flight, so a few rows with many splits (one request, long context) take ~1 round of latency.
+
+__global__ void __launch_bounds__(kMergeThreads) merge_kernel(const __nv_bfloat16* __restrict__ o_part,
+                                                               const float* __restrict__ lse_part,
+                                                               __nv_bfloat16* __restrict__ o, float* __restrict__ lse,
+                                                               int rows, int splits, int cols) {
+  __shared__ float red[kMergeThreads / 32];
+  __shared__ float red_acc[kLatent];         // [slots][cols]
+  __shared__ float red_sum[kMergeThreads / 4];  // [slots]
+  const int row = blockIdx.x, col0 = blockIdx.y * cols;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int quads = cols / 4;                 // threads a split row: 4 columns (8 bytes) each
+  const int slots = kMergeThreads / quads;    // split rows a load round
+  const int slot = tid / quads, quad = tid % quads;
+
+  // the row's max LSE over all splits
   float mx = -INFINITY;
-  for (int s = threadIdx.x; s < splits; s += 128) mx = fmaxf(mx, lse_part[static_cast<int64_t>(s) * rows + row]);
+  for (int s = tid; s < splits; s += kMergeThreads) mx = fmaxf(mx, lse_part[static_cast<int64_t>(s) * rows + row]);
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-  if (lane == 0) red_max[warp] = mx;
+  if (lane == 0) red[warp] = mx;
   __syncthreads();
-  mx = fmaxf(fmaxf(red_max[0], red_max[1]), fmaxf(red_max[2], red_max[3]));
+#pragma unroll
+  for (int w = 0; w < kMergeThreads / 32; ++w) mx = fmaxf(mx, red[w]);
+  __nv_bfloat16* o_row = o + static_cast<int64_t>(row) * kLatent + col0;
   if (mx == -INFINITY) {  // every split empty
-    if (warp == 0) {
-      reinterpret_cast<uint4*>(o + static_cast<int64_t>(row) * kLatent)[lane * 2] = make_uint4(0, 0, 0, 0);
-      reinterpret_cast<uint4*>(o + static_cast<int64_t>(row) * kLatent)[lane * 2 + 1] = make_uint4(0, 0, 0, 0);
-      if (lane == 0) lse[row] = -INFINITY;
-    }
+    for (int c = tid * 8; c < cols; c += kMergeThreads * 8) *reinterpret_cast<uint4*>(o_row + c) = make_uint4(0, 0, 0, 0);
+    if (blockIdx.y == 0 && tid == 0) lse[row] = -INFINITY;
     return;
   }
-  // pass 2: warp w sums splits w, w+4, ... (four loads in flight per lane); empty splits are skipped
-  float acc[16];
-#pragma unroll
-  for (int i = 0; i < 16; ++i) acc[i] = 0.f;
+  // slot k sums splits k, k + slots, ...; kMergeUnroll of them in flight; empty splits are not read
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
   float wsum = 0.f;
-  constexpr int kUnroll = 4;
-  for (int s0 = warp; s0 < splits; s0 += 4 * kUnroll) {
-    float wt[kUnroll];
-    uint4 v[kUnroll][2];
+  for (int s0 = slot; s0 < splits; s0 += slots * kMergeUnroll) {
+    float wt[kMergeUnroll];
+    uint2 v[kMergeUnroll];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int s = s0 + 4 * u;
+    for (int u = 0; u < kMergeUnroll; ++u) {
+      const int s = s0 + u * slots;
       const float l = s < splits ? lse_part[static_cast<int64_t>(s) * rows + row] : -INFINITY;
       wt[u] = l == -INFINITY ? 0.f : __expf(l - mx);
-      const uint4* src = reinterpret_cast<const uint4*>(o_part + (static_cast<int64_t>(s) * rows + row) * kLatent);
-      v[u][0] = wt[u] > 0.f ? src[lane * 2] : make_uint4(0, 0, 0, 0);
-      v[u][1] = wt[u] > 0.f ? src[lane * 2 + 1] : make_uint4(0, 0, 0, 0);
+      const uint2* src = reinterpret_cast<const uint2*>(o_part + (static_cast<int64_t>(s) * rows + row) * kLatent + col0);
+      v[u] = wt[u] > 0.f ? src[quad] : make_uint2(0, 0);
     }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < kMergeUnroll; ++u) {
       wsum += wt[u];
+      const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&v[u]);
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&v[u][h]);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const float2 f = __bfloat1622float2(b[i]);
-          acc[h * 8 + 2 * i] += wt[u] * f.x;
-          acc[h * 8 + 2 * i + 1] += wt[u] * f.y;
-        }
+      for (int i = 0; i < 2; ++i) {
+        const float2 f = __bfloat1622float2(b[i]);
+        acc[2 * i] += wt[u] * f.x;
+        acc[2 * i + 1] += wt[u] * f.y;
       }
     }
   }
-  if (lane == 0) red_sum[warp] = wsum;
 #pragma unroll
-  for (int i = 0; i < 16; ++i) red_acc[warp][lane * 16 + i] = acc[i];
+  for (int i = 0; i < 4; ++i) red_acc[slot * cols + 4 * quad + i] = acc[i];
+  if (quad == 0) red_sum[slot] = wsum;
   __syncthreads();
-  const float total = red_sum[0] + red_sum[1] + red_sum[2] + red_sum[3];
+  float total = 0.f;
+  for (int k = 0; k < slots; ++k) total += red_sum[k];
   const float inv = 1.f / total;
-  // thread t writes columns [4t, 4t+4)
-  __nv_bfloat162 out[2];
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    float a[2];
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int col = threadIdx.x * 4 + 2 * i + e;
-      a[e] = (red_acc[0][col] + red_acc[1][col] + red_acc[2][col] + red_acc[3][col]) * inv;
+  for (int c = 2 * tid; c < cols; c += 2 * kMergeThreads) {
+    float a0 = 0.f, a1 = 0.f;
+    for (int k = 0; k < slots; ++k) {
+      a0 += red_acc[k * cols + c];
+      a1 += red_acc[k * cols + c + 1];
     }
-    out[i] = __floats2bfloat162_rn(a[0], a[1]);
+    *reinterpret_cast<__nv_bfloat162*>(o_row + c) = __floats2bfloat162_rn(a0 * inv, a1 * inv);
   }
-  *reinterpret_cast<uint2*>(o + static_cast<int64_t>(row) * kLatent + threadIdx.x * 4) =
-      *reinterpret_cast<uint2*>(out);
-  if (threadIdx.x == 0) lse[row] = mx + logf(total);
+  if (blockIdx.y == 0 && tid == 0) lse[row] = mx + logf(total);
 }
 
 // ---- host --------------------------------------------------------------------------------------
@@ -628,10 +627,14 @@ std::tuple<at::Tensor, at::Tensor> mla_merge_sm90(const at::Tensor& o_part, cons
   TORCH_CHECK(rows <= INT32_MAX && S <= INT32_MAX, "kimi_ops._C: merge too large");
   if (rows == 0) return {o, lse};
   TORCH_CHECK(S >= 1, "kimi_ops._C: o_part must hold at least one split");
-  merge_kernel<<<static_cast<unsigned>(rows), 128, 0, c10::cuda::getCurrentCUDAStream()>>>(
+  // Column blocks: up to 8 (64 columns each) while the grid is under ~16 CTAs a SM.
+  int col_blocks = 1;
+  while (col_blocks < 8 && rows * col_blocks * 2 <= 16 * 132) col_blocks *= 2;
+  const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>(col_blocks));
+  merge_kernel<<<grid, kMergeThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
       reinterpret_cast<const __nv_bfloat16*>(o_part.data_ptr()), lse_part.data_ptr<float>(),
       reinterpret_cast<__nv_bfloat16*>(o.data_ptr()), lse.data_ptr<float>(), static_cast<int>(rows),
-      static_cast<int>(S));
+      static_cast<int>(S), kLatent / col_blocks);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {o, lse};
 }
