@@ -10,12 +10,15 @@ replayed 20 times, median per call. Rank 0 prints a markdown table.
 import argparse
 import os
 import statistics
+import sys
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from kimi_ops.runtime import dcp
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from kimi_ops.runtime import dcp  # noqa: E402
 
 HEADS = 12
 
