@@ -458,7 +458,7 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const __nv_bfloat1
                                                                int rows, int splits, int cols) {
   __shared__ float red[kMergeThreads / 32];
   __shared__ float red_acc[kLatent];         // [slots][cols]
-  __shared__ float red_sum[kMergeThreads / 4];  // [slots]
+  __shared__ float red_sum[kLatent / 64];    // [slots], at most 8
   const int row = blockIdx.x, col0 = blockIdx.y * cols;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int quads = cols / 4;                 // threads a split row: 4 columns (8 bytes) each
@@ -627,9 +627,12 @@ std::tuple<at::Tensor, at::Tensor> mla_merge_sm90(const at::Tensor& o_part, cons
   TORCH_CHECK(rows <= INT32_MAX && S <= INT32_MAX, "kimi_ops._C: merge too large");
   if (rows == 0) return {o, lse};
   TORCH_CHECK(S >= 1, "kimi_ops._C: o_part must hold at least one split");
-  // Column blocks: up to 8 (64 columns each) while the grid is under ~16 CTAs a SM.
+  // Column blocks: up to 8 (64 columns each) while the grid stays within 16 CTAs a SM.
+  int device = 0, sms = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   int col_blocks = 1;
-  while (col_blocks < 8 && rows * col_blocks * 2 <= 16 * 132) col_blocks *= 2;
+  while (col_blocks < 8 && rows * col_blocks * 2 <= 16 * static_cast<int64_t>(sms)) col_blocks *= 2;
   const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>(col_blocks));
   merge_kernel<<<grid, kMergeThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
       reinterpret_cast<const __nv_bfloat16*>(o_part.data_ptr()), lse_part.data_ptr<float>(),
