@@ -9,7 +9,6 @@ replayed 20 times, median per call. Rank 0 prints a markdown table.
 
 import argparse
 import os
-import statistics
 import sys
 
 import torch
@@ -17,6 +16,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from graph_timing import time_graph  # noqa: E402
 
 from kimi_ops.runtime import dcp  # noqa: E402
 
@@ -24,25 +26,10 @@ HEADS = 12
 
 
 def time_method(method, o, lse, group, calls=20, replays=20):
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            dcp.combine(o, lse, group, method)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        for _ in range(calls):
-            dcp.combine(o, lse, group, method)
-    samples = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        dist.barrier()
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(samples)
+    """Microseconds a combine: ``calls`` combines in one CUDA graph, median of ``replays``
+    replays, every rank entering each replay together."""
+    fns = [lambda: dcp.combine(o, lse, group, method)] * calls
+    return time_graph(fns, replays, before_replay=dist.barrier)[0] * 1e6
 
 
 def worker(rank, world, rows_list):

@@ -4,10 +4,11 @@ import statistics
 import torch
 
 
-def time_graph(fns, reps):
+def time_graph(fns, reps, before_replay=None):
     """fns: one closure per rotating input set. Runs each once outside the capture (compiles,
     warms caches), captures all of them in one CUDA graph, replays it ``reps`` times; returns
-    (median seconds a call, the per-replay samples)."""
+    (median seconds a call, the per-replay samples). ``before_replay`` (e.g. ``dist.barrier``
+    for collectives) runs before each timed replay, outside the timed span."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -24,6 +25,8 @@ def time_graph(fns, reps):
     samples = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if before_replay is not None:
+            before_replay()
         start.record()
         graph.replay()
         end.record()
