@@ -528,6 +528,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) splitkv_ws_kernel(const SplitKV
       mbar_init(&sm.full[s], 32);   // the producer's 32 lanes, each once its copies landed
       mbar_init(&sm.empty[s], 128);  // the consuming warpgroup's threads
     }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
 
