@@ -443,6 +443,358 @@ __global__ void __launch_bounds__(128 * MT, 1) splitkv_kernel(const SplitKVParam
   for (int i = tid; i < valid_rows * (kLatent / 8); i += kThreads) o_out[i] = o_src[i];
 }
 
+// ---- M1c, warp-specialized (16-row CTAs) --------------------------------------------------------
+//
+// One CTA per (16-row group, split, request), 9 warps: warp 8 is the producer, gathering the
+// split's 64-token tiles with cp.async into a kWsStages-deep ring and signalling each stage's
+// "full" mbarrier (cp.async.mbarrier.arrive); warps 0-3 (consumer 0) and 4-7 (consumer 1) take
+// the even and odd tiles, each with its own online-softmax state and the same per-tile math as
+// splitkv_kernel (their syncs are named barriers of 128 threads, never the whole CTA), and give
+// the stage back on its "empty" mbarrier. With 4 stages, stage s only ever serves consumer s % 2.
+// At the end consumer 1 hands (max, sum, O) to consumer 0 through smem, which merges and stores.
+
+constexpr int kWsStages = 4;
+constexpr int kWsConsumers = 2;
+constexpr int kWsThreads = 32 * (4 * kWsConsumers + 1);
+
+struct WsSmem {
+  uint8_t kv[kWsStages][kTileN * kSmemRow];
+  __half q[16 * kQStride];
+  __half p[kWsConsumers][2][16 * kPStride];  // double-buffered: a warp's next P never meets a slower warp's PV
+  float red[kWsConsumers][kWarpsPerM][16];
+  float row_fac[16];
+  float m_other[16];
+  uint64_t full[kWsStages];
+  uint64_t empty[kWsStages];
+};
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count));
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+// arrives once this thread's earlier cp.async copies have landed
+__device__ __forceinline__ void mbar_arrive_cp_async(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, int parity) {
+  asm volatile(
+      "{\n .reg .pred done;\n wait_%=:\n"
+      " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      " @!done bra wait_%=;\n}\n" ::"r"(smem_addr(bar)),
+      "r"(parity)
+      : "memory");
+}
+__device__ __forceinline__ void named_barrier(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+__global__ void __launch_bounds__(kWsThreads, 1) splitkv_ws_kernel(const SplitKVParams p) {
+  extern __shared__ __align__(128) uint8_t smem_raw[];
+  auto& sm = *reinterpret_cast<WsSmem*>(smem_raw);
+  constexpr int kRows = 16;
+  constexpr int kConsumerThreads = 128 * kWsConsumers;
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int split = blockIdx.y, req = blockIdx.z;
+  const int rows_per_req = p.qlen * p.heads;
+  const int row0 = blockIdx.x * kRows;
+  const int64_t flat0 = static_cast<int64_t>(req) * rows_per_req + row0;
+
+  const int start = p.indptr[req];
+  const int n = max(p.indptr[req + 1] - start, 0);
+  const int n_global = p.seq_lens != nullptr ? p.seq_lens[req] : n;
+  const int last_row = min(row0 + kRows, rows_per_req) - 1;
+  const int hi_rows = visible_tokens(n, n_global, p.qlen, last_row / p.heads, p.dcp_rank, p.dcp_world);
+  int per_split = n > 0 ? (n + p.num_splits - 1) / p.num_splits : 0;
+  if (p.balance_ctas > 0 && n > 0) {
+    const int total = p.indptr[p.num_requests] - p.indptr[0];
+    per_split = max(per_split, (total + p.balance_ctas - 1) / p.balance_ctas);
+  }
+  const int chunk = (per_split + kTileN - 1) / kTileN * kTileN;
+  const int lo = split * chunk;
+  const int hi = min(lo + chunk, hi_rows);
+  const int ntiles = hi > lo ? (hi - lo + kTileN - 1) / kTileN : 0;
+  const int valid_rows = min(kRows, rows_per_req - row0);
+  if (ntiles == 0) {
+    uint4* o_out = reinterpret_cast<uint4*>(p.o_part + (static_cast<int64_t>(split) * p.rows_total + flat0) * kLatent);
+    for (int i = tid; i < valid_rows * (kLatent / 8); i += kWsThreads) o_out[i] = make_uint4(0, 0, 0, 0);
+    if (tid < valid_rows) p.lse_part[static_cast<int64_t>(split) * p.rows_total + flat0 + tid] = -INFINITY;
+    return;
+  }
+  if (tid == 0) {
+    for (int s = 0; s < kWsStages; ++s) {
+      mbar_init(&sm.full[s], 32);   // the producer's 32 lanes, each once its copies landed
+      mbar_init(&sm.empty[s], 128);  // the consuming warpgroup's threads
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warp == 4 * kWsConsumers) {
+    // --- producer: lane l holds the indices of tokens l and l + 32 of a tile, one tile ahead
+    const int* idx_base = p.indices + start;
+    auto fetch = [&](int t, int k) -> int {
+      const int j = lo + t * kTileN + k * 32 + lane;
+      return (t < ntiles && j < hi) ? idx_base[j] : -1;
+    };
+    int idx0 = fetch(0, 0), idx1 = fetch(0, 1);
+    for (int t = 0; t < ntiles; ++t) {
+      const int s = t % kWsStages;
+      const int cur0 = idx0, cur1 = idx1;
+      idx0 = fetch(t + 1, 0);
+      idx1 = fetch(t + 1, 1);
+      if (t >= kWsStages) mbar_wait(&sm.empty[s], (t / kWsStages - 1) & 1);
+      uint8_t* dst = sm.kv[s];
+#pragma unroll 8
+      for (int r = 0; r < kTileN; ++r) {  // the first 512 bytes of each row: one chunk a lane
+        const int idx = __shfl_sync(0xffffffffu, r < 32 ? cur0 : cur1, r % 32);
+        const bool ok = idx >= 0 && idx < p.num_kv_rows;
+        const uint8_t* src = p.kv + (ok ? static_cast<int64_t>(idx) * kRowBytes + lane * 16 : 0);
+        cp_async_16(dst + r * kSmemRow + lane * 16, src, ok ? 16 : 0);
+      }
+#pragma unroll
+      for (int i = 0; i < kTileN * 4 / 32; ++i) {  // the last 64 bytes: 4 chunks a row
+        const int e = i * 32 + lane;
+        const int r = e / 4, ch = 32 + e % 4;
+        const int i0 = __shfl_sync(0xffffffffu, cur0, r % 32), i1 = __shfl_sync(0xffffffffu, cur1, r % 32);
+        const int idx = r < 32 ? i0 : i1;
+        const bool ok = idx >= 0 && idx < p.num_kv_rows;
+        const uint8_t* src = p.kv + (ok ? static_cast<int64_t>(idx) * kRowBytes + ch * 16 : 0);
+        cp_async_16(dst + r * kSmemRow + ch * 16, src, ok ? 16 : 0);
+      }
+      mbar_arrive_cp_async(&sm.full[s]);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();  // no copy outlives its thread
+    return;
+  }
+
+  // --- consumers
+  const int cg = warp / 4, wq = warp % 4;  // consumer warpgroup; token / column quarter within it
+  const int g = lane / 4, c = lane % 4;
+  for (int r = warp; r < kRows; r += 4 * kWsConsumers) {  // Q as in splitkv_kernel
+    const bool valid = row0 + r < rows_per_req;
+    const uint32_t* src = reinterpret_cast<const uint32_t*>(p.q + (flat0 + r) * kRowBytes);
+    float2 v[9];
+    float amax = 0.f;
+#pragma unroll
+    for (int i = 0; i < 9; ++i) {
+      uint32_t w = valid ? src[lane + 32 * i] : 0u;
+      v[i] = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&w));
+      amax = fmaxf(amax, fmaxf(fabsf(v[i].x), fabsf(v[i].y)));
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    int k = 0;
+    if (amax > 0.f) {
+      int e;
+      frexpf(amax, &e);
+      k = max(-100, min(100, kQExp + 1 - e));
+    }
+#pragma unroll
+    for (int i = 0; i < 9; ++i) {
+      const int col = 2 * (lane + 32 * i);
+      const int within = col % 16, c4 = within / 4;
+      const int scol = col - within + ((within % 4) == 0 ? 2 * c4 : 8 + 2 * c4);
+      *reinterpret_cast<uint32_t*>(&sm.q[r * kQStride + scol]) = pack_half2(ldexpf(v[i].x, k), ldexpf(v[i].y, k));
+    }
+    if (lane == 0) sm.row_fac[r] = ldexpf(p.qk_scale_log2, -k);
+  }
+  int lim[2];
+  float m_run[2], l_run[2];
+  float acc[16][4];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = row0 + g + 8 * h;
+    lim[h] = r < rows_per_req ? min(visible_tokens(n, n_global, p.qlen, r / p.heads, p.dcp_rank, p.dcp_world), hi)
+                              : 0;
+    m_run[h] = -INFINITY;
+    l_run[h] = 0.f;
+  }
+#pragma unroll
+  for (int j = 0; j < 16; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+  named_barrier(1, kConsumerThreads);  // Q and row_fac in smem
+  const float row_fac[2] = {sm.row_fac[g], sm.row_fac[g + 8]};
+  const __half* q_lane = &sm.q[(lane & 15) * kQStride + (lane >> 4) * 8];
+  const int wg_bar = 2 + cg;
+
+  for (int t = cg, it = 0; t < ntiles; t += kWsConsumers, ++it) {
+    const int s = t % kWsStages;
+    mbar_wait(&sm.full[s], (t / kWsStages) & 1);
+    const uint8_t* tile = sm.kv[s];
+    __half* p_buf = sm.p[cg][it % 2];
+    const int tok_base = lo + t * kTileN + wq * 16;
+
+    float s_acc[2][4];
+    {
+      float s4[4][2][4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) s4[i][nt][0] = s4[i][nt][1] = s4[i][nt][2] = s4[i][nt][3] = 0.f;
+      const uint8_t* k_lane = tile + (wq * 16 + (lane & 15)) * kSmemRow + (lane >> 4) * 16;
+#pragma unroll
+      for (int kc = 0; kc < kRowBytes / 32; ++kc) {
+        uint32_t kw[4];
+        ldmatrix_x4(kw, k_lane + kc * 32);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int ks = 2 * kc + half;
+          uint32_t a[4];
+          ldmatrix_x4(a, q_lane + ks * 16);
+#pragma unroll
+          for (int nt = 0; nt < 2; ++nt) {
+            const uint32_t w = kw[2 * half + nt];
+            mma_f16(s4[ks % 4][nt], a, e4m3x2_to_f16x2(w & 0xffffu), e4m3x2_to_f16x2(w >> 16));
+          }
+        }
+      }
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          s_acc[nt][i] = (s4[0][nt][i] + s4[1][nt][i]) + (s4[2][nt][i] + s4[3][nt][i]);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int tok = tok_base + nt * 8 + 2 * c + e;
+          float v = s_acc[nt][2 * h + e] * row_fac[h];
+          v = tok < lim[h] ? v : -INFINITY;
+          s_acc[nt][2 * h + e] = v;
+          mx = fmaxf(mx, v);
+        }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      if (c == 0) sm.red[cg][wq][g + 8 * h] = mx;
+    }
+    named_barrier(wg_bar, 128);
+    float alpha[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mx = m_run[h];
+#pragma unroll
+      for (int w = 0; w < kWarpsPerM; ++w) mx = fmaxf(mx, sm.red[cg][w][g + 8 * h]);
+      const float m_safe = mx == -INFINITY ? 0.f : mx;
+      alpha[h] = fast_exp2(m_run[h] - m_safe);
+      m_run[h] = mx;
+      float sum = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float pv = fast_exp2(s_acc[nt][2 * h + e] - m_safe);
+          s_acc[nt][2 * h + e] = pv;
+          sum += pv;
+        }
+      l_run[h] = l_run[h] * alpha[h] + sum;
+    }
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        *reinterpret_cast<uint32_t*>(&p_buf[(g + 8 * h) * kPStride + wq * 16 + nt * 8 + 2 * c]) =
+            pack_half2(s_acc[nt][2 * h], s_acc[nt][2 * h + 1]);
+    named_barrier(wg_bar, 128);  // P complete; every warp of the group has read the row maxima
+
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      acc[j][0] *= alpha[0];
+      acc[j][1] *= alpha[0];
+      acc[j][2] *= alpha[1];
+      acc[j][3] *= alpha[1];
+    }
+    const __half* p_lane = &p_buf[(lane & 15) * kPStride + (lane >> 4) * 8];
+#pragma unroll
+    for (int kk = 0; kk < kTileN / 16; ++kk) {
+      uint32_t pa[4];
+      ldmatrix_x4(pa, p_lane + kk * 16);
+      const uint8_t* v0 = tile + (kk * 16 + 2 * c) * kSmemRow + wq * 128 + 4 * g;
+#pragma unroll
+      for (int grp = 0; grp < 4; ++grp) {
+        const uint32_t x0 = lds32(v0 + grp * 32);
+        const uint32_t x1 = lds32(v0 + kSmemRow + grp * 32);
+        const uint32_t x2 = lds32(v0 + 8 * kSmemRow + grp * 32);
+        const uint32_t x3 = lds32(v0 + 9 * kSmemRow + grp * 32);
+        const uint32_t lo01 = prmt(x0, x1, 0x5140), hi01 = prmt(x0, x1, 0x7362);
+        const uint32_t lo23 = prmt(x2, x3, 0x5140), hi23 = prmt(x2, x3, 0x7362);
+        const uint32_t b01[4] = {e4m3x2_to_f16x2(lo01 & 0xffffu), e4m3x2_to_f16x2(lo01 >> 16),
+                                 e4m3x2_to_f16x2(hi01 & 0xffffu), e4m3x2_to_f16x2(hi01 >> 16)};
+        const uint32_t b23[4] = {e4m3x2_to_f16x2(lo23 & 0xffffu), e4m3x2_to_f16x2(lo23 >> 16),
+                                 e4m3x2_to_f16x2(hi23 & 0xffffu), e4m3x2_to_f16x2(hi23 >> 16)};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) mma_f16(acc[grp * 4 + j], pa, b01[j], b23[j]);
+      }
+    }
+    mbar_arrive(&sm.empty[s]);  // this thread is done with the stage
+  }
+
+  // --- epilogue: consumer 1's (max, row sums, O) through smem to consumer 0, which merges
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 1);
+    l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 2);
+  }
+  named_barrier(1, kConsumerThreads);  // both groups are done with every tile and the row maxima
+  float* o_other = reinterpret_cast<float*>(sm.kv[0]);  // [16][512] f32: 32 KB of the ring
+  static_assert(16 * kLatent * 4 <= kTileN * kSmemRow, "consumer 1's O must fit one stage");
+  if (c == 0) {
+    sm.red[cg][wq][g] = l_run[0];
+    sm.red[cg][wq][g + 8] = l_run[1];
+  }
+  if (cg == 1) {
+    if (wq == 0 && c == 0) {
+      sm.m_other[g] = m_run[0];
+      sm.m_other[g + 8] = m_run[1];
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int j = 0; j < 16; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+          o_other[(g + 8 * h) * kLatent + wq * 128 + (j / 4) * 32 + 4 * (2 * c + e) + (j % 4)] = acc[j][2 * h + e];
+  }
+  named_barrier(1, kConsumerThreads);
+  if (cg == 1) return;
+  __nv_bfloat16* o_stage = reinterpret_cast<__nv_bfloat16*>(sm.kv[2]);  // [16][512] bf16
+  float* lse_out = p.lse_part + static_cast<int64_t>(split) * p.rows_total + flat0;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = g + 8 * h;
+    float l0 = 0.f, l1 = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarpsPerM; ++w) {
+      l0 += sm.red[0][w][r];
+      l1 += sm.red[1][w][r];
+    }
+    const float m0 = m_run[h], m1 = sm.m_other[r];
+    const float mx = fmaxf(m0, m1);
+    const float m_safe = mx == -INFINITY ? 0.f : mx;
+    const float f0 = fast_exp2(m0 - m_safe), f1 = fast_exp2(m1 - m_safe);
+    const float l = l0 * f0 + l1 * f1;
+    const float inv = l > 0.f ? p.kv_scale / l : 0.f;
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int col = wq * 128 + (j / 4) * 32 + 4 * (2 * c + e) + (j % 4);
+        o_stage[r * kLatent + col] = __float2bfloat16_rn((acc[j][2 * h + e] * f0 + o_other[r * kLatent + col] * f1) * inv);
+      }
+    if (wq == 0 && c == 0 && row0 + r < rows_per_req) lse_out[r] = l > 0.f ? (mx + log2f(l)) * kLn2 : -INFINITY;
+  }
+  named_barrier(2, 128);
+  uint4* o_out = reinterpret_cast<uint4*>(p.o_part + (static_cast<int64_t>(split) * p.rows_total + flat0) * kLatent);
+  const uint4* o_src = reinterpret_cast<const uint4*>(o_stage);
+  for (int i = tid; i < valid_rows * (kLatent / 8); i += 128) o_out[i] = o_src[i];
+}
+
 // ---- M1b ---------------------------------------------------------------------------------------
 
 constexpr int kMergeThreads = 128;
@@ -532,6 +884,19 @@ void check_cuda_tensor(const at::Tensor& t, const char* name, at::ScalarType dty
   TORCH_CHECK(t.is_contiguous(), "kimi_ops._C: ", name, " must be contiguous");
 }
 
+void launch_splitkv_ws(const SplitKVParams& params, dim3 grid, cudaStream_t stream) {
+  constexpr size_t smem = sizeof(WsSmem);
+  static bool configured[64] = {};
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  if (device >= 64 || !configured[device]) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(splitkv_ws_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    if (device < 64) configured[device] = true;
+  }
+  splitkv_ws_kernel<<<grid, kWsThreads, smem, stream>>>(params);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 template <int MT, int STAGES>
 void launch_splitkv(const SplitKVParams& params, dim3 grid, cudaStream_t stream) {
   constexpr size_t smem = sizeof(SplitKVSmem<MT, STAGES>);
@@ -556,7 +921,7 @@ std::tuple<at::Tensor, at::Tensor> mla_decode_splitkv_sm90(const at::Tensor& q, 
                                                            double qk_scale_log2, double kv_scale, int64_t num_splits,
                                                            int64_t dcp_rank, int64_t dcp_world_size,
                                                            int64_t rows_per_cta, int64_t stages,
-                                                           int64_t balance_ctas) {
+                                                           int64_t balance_ctas, bool warp_specialized) {
   check_cuda_tensor(q, "q", at::kBFloat16);
   check_cuda_tensor(kv, "kv_cache", at::ScalarType::Float8_e4m3fn);
   check_cuda_tensor(indptr, "kv_indptr", at::kInt);
@@ -602,6 +967,11 @@ std::tuple<at::Tensor, at::Tensor> mla_decode_splitkv_sm90(const at::Tensor& q, 
   TORCH_CHECK(groups <= INT32_MAX, "kimi_ops._C: too many query rows per request");
   const dim3 grid(static_cast<unsigned>(groups), static_cast<unsigned>(num_splits), static_cast<unsigned>(R));
   auto stream = c10::cuda::getCurrentCUDAStream();
+  if (warp_specialized) {
+    TORCH_CHECK(rows_per_cta == 16, "kimi_ops._C: the warp-specialized kernel takes 16-row CTAs");
+    launch_splitkv_ws(params, grid, stream);
+    return {o_part, lse_part};
+  }
   switch (rows_per_cta * 10 + stages) {
     case 162: launch_splitkv<1, 2>(params, grid, stream); break;
     case 163: launch_splitkv<1, 3>(params, grid, stream); break;
@@ -648,7 +1018,7 @@ TORCH_LIBRARY_FRAGMENT(kimi_ops, m) {
   m.def(
       "_mla_decode_splitkv_sm90(Tensor q, Tensor kv_cache, Tensor kv_indptr, Tensor kv_indices, "
       "Tensor? seq_lens, int qlen, float qk_scale_log2, float kv_scale, int num_splits, int dcp_rank, "
-      "int dcp_world_size, int rows_per_cta, int stages, int balance_ctas) -> (Tensor, Tensor)");
+      "int dcp_world_size, int rows_per_cta, int stages, int balance_ctas, bool warp_specialized) -> (Tensor, Tensor)");
   m.def("_mla_merge_sm90(Tensor o_part, Tensor lse_part) -> (Tensor, Tensor)");
 }
 

@@ -19,6 +19,8 @@ import torch
 
 LOG2E = 1.4426950408889634
 STAGES_ENV = "KIMI_OPS_SM90_STAGES"  # K-ring depth override (2..4; 32-row CTAs: 2..3), for tuning
+WS_ENV = "KIMI_OPS_SM90_WS"  # "0": 16-row CTAs on splitkv_kernel instead of the warp-specialized one
+WS_STAGES = 4  # the warp-specialized kernel's ring (kWsStages)
 
 
 def _ops():
@@ -53,6 +55,16 @@ def ring_stages(rows: int) -> int:
     return DEFAULT_STAGES[rows]
 
 
+def warp_specialized(rows: int) -> bool:
+    """16-row CTAs run splitkv_ws_kernel (a producer warp, two consumer warpgroups, a 4-stage
+    ring, one CTA a SM) unless KIMI_OPS_SM90_WS=0 or a ring depth is forced."""
+    return rows == 16 and os.environ.get(WS_ENV, "1") != "0" and not os.environ.get(STAGES_ENV)
+
+
+def cta_stages(rows: int) -> int:
+    return WS_STAGES if warp_specialized(rows) else ring_stages(rows)
+
+
 def mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: float, kv_scale: float,
                        num_splits: int, seq_lens=None, dcp_rank: int = 0, dcp_world_size: int = 1):
     """M1c. q [T, H, 576] bf16, kv_rows [N, 576] fp8 -> (o_part [S, T, H, 512] bf16, lse_part [S, T, H] f32).
@@ -71,7 +83,8 @@ def mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: floa
                                              _multiprocessor_count(q.device))
     return _ops()._mla_decode_splitkv_sm90(
         q, kv_rows, kv_indptr, kv_indices, seq_lens, qlen, float(scale) * float(kv_scale) * LOG2E,
-        float(kv_scale), num_splits, dcp_rank, dcp_world_size, rows, ring_stages(rows), balance)
+        float(kv_scale), num_splits, dcp_rank, dcp_world_size, rows, cta_stages(rows), balance,
+        warp_specialized(rows))
 
 
 def _multiprocessor_count(device) -> int:
@@ -93,7 +106,7 @@ def one_wave_splits(num_requests: int, qlen: int, num_heads: int, num_tokens: in
     if num_requests <= 0:
         return 1
     return _one_wave_splits(num_requests, qlen, num_heads, num_tokens, num_sms,
-                            ring_stages(rows_per_cta(qlen * num_heads)))
+                            cta_stages(rows_per_cta(qlen * num_heads)))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -129,7 +142,7 @@ def suggest_num_splits(num_requests: int, qlen: int, num_heads: int, num_tokens:
     if num_requests <= 0:
         return 1
     slots, ctas_per_split = _slots_and_ctas_per_split(num_requests, qlen, num_heads, num_sms,
-                                                      ring_stages(rows_per_cta(qlen * num_heads)))
+                                                      cta_stages(rows_per_cta(qlen * num_heads)))
     by_bytes = int(0.025 * (num_tokens // num_requests) * 576 // (qlen * num_heads * 1024))
     by_ctas = 2 * slots // ctas_per_split
     return int(min(_split_cap(num_requests, num_tokens),

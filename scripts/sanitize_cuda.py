@@ -25,7 +25,8 @@ def main():
     g = torch.Generator().manual_seed(0)
     worst = 0.0
     for lens, qlen, H, S, oob in [([0, 1, 70, 130], 2, 12, 3, 3), ([200, 5], 1, 16, 9, 0),
-                                  ([150], 2, 16, 2, 0), ([90, 3], 3, 16, 4, 2), ([300], 1, 128, 2, 0)]:
+                                  ([150], 2, 16, 2, 0), ([90, 3], 3, 16, 4, 2), ([300], 1, 128, 2, 0),
+                                  ([1000, 300], 1, 12, 1, 0)]:  # 16 tiles: the 4-stage ring wraps
         q, kv, indptr, idx = make_inputs(lens, qlen, H, device="cuda", gen=g, oob=oob)
         o, lse = hopper.mla_merge(*hopper.mla_decode_splitkv(q, kv, indptr, idx, qlen, SCALE, 0.5, S))
         ro, _ = oracle(q, kv, indptr, idx, qlen, SCALE, 0.5)

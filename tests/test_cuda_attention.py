@@ -30,12 +30,17 @@ def test_private_op_schemas():
     merge = ops._mla_merge_sm90.default._schema
     assert [a.name for a in split.arguments] == [
         "q", "kv_cache", "kv_indptr", "kv_indices", "seq_lens", "qlen", "qk_scale_log2", "kv_scale",
-        "num_splits", "dcp_rank", "dcp_world_size", "rows_per_cta", "stages", "balance_ctas"]
+        "num_splits", "dcp_rank", "dcp_world_size", "rows_per_cta", "stages", "balance_ctas",
+        "warp_specialized"]
     assert [a.name for a in merge.arguments] == ["o_part", "lse_part"]
 
 
-def test_split_heuristic_fills_one_wave():
-    from kimi_ops.hopper import one_wave_splits, suggest_num_splits
+def test_split_heuristic_fills_one_wave(monkeypatch):
+    from kimi_ops.hopper import WS_ENV, one_wave_splits, suggest_num_splits
+    monkeypatch.setenv(WS_ENV, "1")  # 16-row CTAs warp-specialized: one CTA (two consumers) a SM
+    assert one_wave_splits(1, 1, 12, 65536) == 119             # 119 of 132 slots: >= 90% full
+    assert one_wave_splits(32, 1, 12, 32 * 8192) == 4          # 128 CTAs in 132 slots
+    monkeypatch.setenv(WS_ENV, "0")  # splitkv_kernel's 2-stage 16-row CTAs: two a SM
     assert one_wave_splits(1, 1, 12, 65536) == 128             # one long request: as many as allowed
     assert one_wave_splits(32, 1, 12, 32 * 8192) == 8          # 256 CTAs in 264 slots
     assert one_wave_splits(128, 8, 12, 128 * 8192) == 1        # already several waves
@@ -70,14 +75,23 @@ def test_auto_backend_is_cuda():
 
 
 @sm90
-@pytest.mark.parametrize("stages", ["2", "3", "4"])
+@pytest.mark.parametrize("stages", ["2", "3", "4", "ws"])
 @pytest.mark.parametrize("H", [12, 16, 96, 128])
 def test_grid(H, stages, monkeypatch):
+    """Every kernel variant over the grid: splitkv_kernel at each forced ring depth, and (ws) the
+    warp-specialized kernel on the shapes with 16-row CTAs."""
     import kimi_ops.hopper as hopper
-    qlens = [qlen for qlen in (1, 2, 3, 4, 8) if int(stages) <= hopper.MAX_STAGES[hopper.rows_per_cta(qlen * H)]]
+    if stages == "ws":
+        qlens = [qlen for qlen in (1, 2, 3, 4, 8) if hopper.rows_per_cta(qlen * H) == 16]
+    else:
+        qlens = [qlen for qlen in (1, 2, 3, 4, 8) if int(stages) <= hopper.MAX_STAGES[hopper.rows_per_cta(qlen * H)]]
     if not qlens:
-        pytest.skip(f"no {stages}-stage CTA serves {H} heads")
-    monkeypatch.setenv(hopper.STAGES_ENV, stages)
+        pytest.skip(f"no {stages} CTA serves {H} heads")
+    if stages == "ws":
+        monkeypatch.setenv(hopper.WS_ENV, "1")
+        monkeypatch.delenv(hopper.STAGES_ENV, raising=False)
+    else:
+        monkeypatch.setenv(hopper.STAGES_ENV, stages)
     worst = check_decode_grid(H, torch.Generator().manual_seed(H), kernels=hopper, qlens=qlens, max_splits=128)
     print(f"cuda H={H} stages={stages}: worst rel L2 {worst[0]:.2e}, worst |lse| {worst[1]:.2e}")
 
