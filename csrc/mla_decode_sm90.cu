@@ -28,7 +28,9 @@
 // mixed batch takes more, equally long splits; a split with no token exits at once.
 //
 // merge_kernel: one CTA of 4 warps per (query row, block of 64..512 output columns); thread t
-// reads 8 bytes of split rows t / (columns / 4), ... with 8 split rows a thread in flight.
+// reads 8 bytes of split rows t / (columns / 4), ... with 8 split rows a thread in flight. With
+// pdl it is launched as a programmatic dependent of the split kernel (griddepcontrol), so its
+// launch overlaps the split kernel's last wave.
 
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
@@ -75,6 +77,8 @@ struct SplitKVParams {
   int rows_total;  // T*H
   int num_requests, heads, qlen, num_splits, dcp_rank, dcp_world;
   int balance_ctas;  // > 0: a split holds at least (all requests' tokens) / balance_ctas tokens
+  bool zero_empty;   // false: an empty split writes only lse = -inf (its o is never read: the
+                     // partials are private to mla_decode, whose merge skips -inf splits)
   float qk_scale_log2;  // scale * kv_scale * log2(e)
   float kv_scale;
 };
@@ -148,6 +152,61 @@ __device__ __forceinline__ int visible_tokens(int n, int n_global, int qlen, int
   return min(last >= 0 ? last / world + 1 : 0, n);
 }
 
+// Programmatic dependent launch (sm_90): the split kernels let a dependent grid (the merge, when
+// launched with programmatic stream serialization) start once all their CTAs are resident; the
+// merge waits for the split grid's completion and memory before it reads. Both instructions are
+// no-ops for launches without the attribute.
+__device__ __forceinline__ void griddep_launch_dependents() {
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+}
+__device__ __forceinline__ void griddep_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+
+// The tokens [lo, hi) of the listed n that CTA (row group, split, request) attends, and what its
+// rows need. A split's tokens: ceil(n / S), or more when the whole batch is long enough that
+// balance_ctas CTAs of (all tokens / balance_ctas) fill the device: then a long request's chunk is
+// as long as a short one's and takes more of its S splits (its later splits stay empty for a short
+// request). Device data only: the same grid serves every length mix.
+struct CtaWork {
+  int start, n, n_global;  // the request's first index, listed tokens, global length
+  int lo, hi, ntiles;      // the split's tokens and its 64-token tiles (0: an empty split)
+  int valid_rows;          // the CTA's rows that exist (the last row group may be short)
+  int64_t flat0;           // the CTA's first flat query row
+};
+
+__device__ __forceinline__ CtaWork cta_work(const SplitKVParams& p, int rows_per_cta) {
+  CtaWork w;
+  const int split = blockIdx.y, req = blockIdx.z;
+  const int rows_per_req = p.qlen * p.heads;
+  const int row0 = blockIdx.x * rows_per_cta;
+  w.flat0 = static_cast<int64_t>(req) * rows_per_req + row0;
+  w.start = p.indptr[req];
+  w.n = max(p.indptr[req + 1] - w.start, 0);
+  w.n_global = p.seq_lens != nullptr ? p.seq_lens[req] : w.n;
+  const int last_row = min(row0 + rows_per_cta, rows_per_req) - 1;
+  const int hi_rows = visible_tokens(w.n, w.n_global, p.qlen, last_row / p.heads, p.dcp_rank, p.dcp_world);
+  int per_split = w.n > 0 ? (w.n + p.num_splits - 1) / p.num_splits : 0;
+  if (p.balance_ctas > 0 && w.n > 0) {
+    const int total = p.indptr[p.num_requests] - p.indptr[0];
+    per_split = max(per_split, (total + p.balance_ctas - 1) / p.balance_ctas);
+  }
+  const int chunk = (per_split + kTileN - 1) / kTileN * kTileN;
+  w.lo = split * chunk;
+  w.hi = min(w.lo + chunk, hi_rows);
+  w.ntiles = w.hi > w.lo ? (w.hi - w.lo + kTileN - 1) / kTileN : 0;
+  w.valid_rows = min(rows_per_cta, rows_per_req - row0);
+  return w;
+}
+
+// An empty split's partials: lse = -inf, and o = 0 unless p.zero_empty is false.
+__device__ __forceinline__ void write_empty_split(const SplitKVParams& p, const CtaWork& w, int tid, int threads) {
+  const int64_t first = static_cast<int64_t>(blockIdx.y) * p.rows_total + w.flat0;
+  if (p.zero_empty) {
+    uint4* o_out = reinterpret_cast<uint4*>(p.o_part + first * kLatent);
+    for (int i = tid; i < w.valid_rows * (kLatent / 8); i += threads) o_out[i] = make_uint4(0, 0, 0, 0);
+  }
+  if (tid < w.valid_rows) p.lse_part[first + tid] = -INFINITY;
+}
+
 // ---- M1c ---------------------------------------------------------------------------------------
 
 template <int MT, int STAGES>
@@ -162,34 +221,16 @@ __global__ void __launch_bounds__(128 * MT, 1) splitkv_kernel(const SplitKVParam
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int mg = warp / kWarpsPerM, wq = warp % kWarpsPerM;  // m-tile; token / column quarter
   const int g = lane / 4, c = lane % 4;
-  const int split = blockIdx.y, req = blockIdx.z;
+  const int split = blockIdx.y;
   const int rows_per_req = p.qlen * p.heads;
   const int row0 = blockIdx.x * kRows;  // first row of this CTA within its request
-  const int64_t flat0 = static_cast<int64_t>(req) * rows_per_req + row0;
-
-  const int start = p.indptr[req];
-  const int n = max(p.indptr[req + 1] - start, 0);
-  const int n_global = p.seq_lens != nullptr ? p.seq_lens[req] : n;
-  const int last_row = min(row0 + kRows, rows_per_req) - 1;
-  const int hi_rows = visible_tokens(n, n_global, p.qlen, last_row / p.heads, p.dcp_rank, p.dcp_world);
-  // A split's tokens: ceil(n / S), or more when the whole batch is long enough that
-  // balance_ctas CTAs of (all tokens / balance_ctas) fill the device: then a long request's
-  // chunk is as long as a short one's and takes more of its S splits (its later splits stay
-  // empty for a short request). Device data only: the same grid serves every length mix.
-  int per_split = n > 0 ? (n + p.num_splits - 1) / p.num_splits : 0;
-  if (p.balance_ctas > 0 && n > 0) {
-    const int total = p.indptr[p.num_requests] - p.indptr[0];
-    per_split = max(per_split, (total + p.balance_ctas - 1) / p.balance_ctas);
-  }
-  const int chunk = (per_split + kTileN - 1) / kTileN * kTileN;
-  const int lo = split * chunk;
-  const int hi = min(lo + chunk, hi_rows);
-  const int ntiles = hi > lo ? (hi - lo + kTileN - 1) / kTileN : 0;
-  const int valid_rows = min(kRows, rows_per_req - row0);
-  if (ntiles == 0) {  // an empty split: o = 0, lse = -inf, and the slot goes to the next CTA
-    uint4* o_out = reinterpret_cast<uint4*>(p.o_part + (static_cast<int64_t>(split) * p.rows_total + flat0) * kLatent);
-    for (int i = tid; i < valid_rows * (kLatent / 8); i += kThreads) o_out[i] = make_uint4(0, 0, 0, 0);
-    if (tid < valid_rows) p.lse_part[static_cast<int64_t>(split) * p.rows_total + flat0 + tid] = -INFINITY;
+  griddep_launch_dependents();
+  const CtaWork work = cta_work(p, kRows);
+  const int start = work.start, n = work.n, n_global = work.n_global;
+  const int lo = work.lo, hi = work.hi, ntiles = work.ntiles, valid_rows = work.valid_rows;
+  const int64_t flat0 = work.flat0;
+  if (ntiles == 0) {  // an empty split: the slot goes to the next CTA at once
+    write_empty_split(p, work, tid, kThreads);
     return;
   }
 
@@ -497,30 +538,16 @@ __global__ void __launch_bounds__(kWsThreads, 1) splitkv_ws_kernel(const SplitKV
   constexpr int kConsumerThreads = 128 * kWsConsumers;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int split = blockIdx.y, req = blockIdx.z;
+  const int split = blockIdx.y;
   const int rows_per_req = p.qlen * p.heads;
   const int row0 = blockIdx.x * kRows;
-  const int64_t flat0 = static_cast<int64_t>(req) * rows_per_req + row0;
-
-  const int start = p.indptr[req];
-  const int n = max(p.indptr[req + 1] - start, 0);
-  const int n_global = p.seq_lens != nullptr ? p.seq_lens[req] : n;
-  const int last_row = min(row0 + kRows, rows_per_req) - 1;
-  const int hi_rows = visible_tokens(n, n_global, p.qlen, last_row / p.heads, p.dcp_rank, p.dcp_world);
-  int per_split = n > 0 ? (n + p.num_splits - 1) / p.num_splits : 0;
-  if (p.balance_ctas > 0 && n > 0) {
-    const int total = p.indptr[p.num_requests] - p.indptr[0];
-    per_split = max(per_split, (total + p.balance_ctas - 1) / p.balance_ctas);
-  }
-  const int chunk = (per_split + kTileN - 1) / kTileN * kTileN;
-  const int lo = split * chunk;
-  const int hi = min(lo + chunk, hi_rows);
-  const int ntiles = hi > lo ? (hi - lo + kTileN - 1) / kTileN : 0;
-  const int valid_rows = min(kRows, rows_per_req - row0);
+  griddep_launch_dependents();
+  const CtaWork work = cta_work(p, kRows);
+  const int start = work.start, n = work.n, n_global = work.n_global;
+  const int lo = work.lo, hi = work.hi, ntiles = work.ntiles, valid_rows = work.valid_rows;
+  const int64_t flat0 = work.flat0;
   if (ntiles == 0) {
-    uint4* o_out = reinterpret_cast<uint4*>(p.o_part + (static_cast<int64_t>(split) * p.rows_total + flat0) * kLatent);
-    for (int i = tid; i < valid_rows * (kLatent / 8); i += kWsThreads) o_out[i] = make_uint4(0, 0, 0, 0);
-    if (tid < valid_rows) p.lse_part[static_cast<int64_t>(split) * p.rows_total + flat0 + tid] = -INFINITY;
+    write_empty_split(p, work, tid, kWsThreads);
     return;
   }
   if (tid == 0) {
@@ -811,6 +838,7 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const __nv_bfloat1
   __shared__ float red[kMergeThreads / 32];
   __shared__ float red_acc[kLatent];         // [slots][cols]
   __shared__ float red_sum[kLatent / 64];    // [slots], at most 8
+  griddep_wait();  // the split grid's partials (a no-op unless launched programmatically)
   const int row = blockIdx.x, col0 = blockIdx.y * cols;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int quads = cols / 4;                 // threads a split row: 4 columns (8 bytes) each
@@ -921,7 +949,8 @@ std::tuple<at::Tensor, at::Tensor> mla_decode_splitkv_sm90(const at::Tensor& q, 
                                                            double qk_scale_log2, double kv_scale, int64_t num_splits,
                                                            int64_t dcp_rank, int64_t dcp_world_size,
                                                            int64_t rows_per_cta, int64_t stages,
-                                                           int64_t balance_ctas, bool warp_specialized) {
+                                                           int64_t balance_ctas, bool warp_specialized,
+                                                           bool zero_empty) {
   check_cuda_tensor(q, "q", at::kBFloat16);
   check_cuda_tensor(kv, "kv_cache", at::ScalarType::Float8_e4m3fn);
   check_cuda_tensor(indptr, "kv_indptr", at::kInt);
@@ -955,6 +984,7 @@ std::tuple<at::Tensor, at::Tensor> mla_decode_splitkv_sm90(const at::Tensor& q, 
   params.rows_total = static_cast<int>(T * H);
   params.num_requests = static_cast<int>(R);
   params.balance_ctas = static_cast<int>(std::min<int64_t>(std::max<int64_t>(balance_ctas, 0), INT32_MAX));
+  params.zero_empty = zero_empty || num_splits == 1;  // with one split, o_part[0] is the output
   params.heads = static_cast<int>(H);
   params.qlen = static_cast<int>(qlen);
   params.num_splits = static_cast<int>(num_splits);
@@ -984,7 +1014,9 @@ std::tuple<at::Tensor, at::Tensor> mla_decode_splitkv_sm90(const at::Tensor& q, 
   return {o_part, lse_part};
 }
 
-std::tuple<at::Tensor, at::Tensor> mla_merge_sm90(const at::Tensor& o_part, const at::Tensor& lse_part) {
+// pdl: launch with programmatic stream serialization, so the merge's launch and scheduling overlap
+// the split kernel's last wave (it still reads nothing before that grid has completed).
+std::tuple<at::Tensor, at::Tensor> mla_merge_sm90(const at::Tensor& o_part, const at::Tensor& lse_part, bool pdl) {
   check_cuda_tensor(o_part, "o_part", at::kBFloat16);
   check_cuda_tensor(lse_part, "lse_part", at::kFloat);
   TORCH_CHECK(o_part.dim() == 4 && o_part.size(3) == kLatent, "kimi_ops._C: o_part must be [S, T, H, 512]");
@@ -1004,11 +1036,20 @@ std::tuple<at::Tensor, at::Tensor> mla_merge_sm90(const at::Tensor& o_part, cons
   int col_blocks = 1;
   while (col_blocks < 8 && rows * col_blocks * 2 <= 16 * static_cast<int64_t>(sms)) col_blocks *= 2;
   const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>(col_blocks));
-  merge_kernel<<<grid, kMergeThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-      reinterpret_cast<const __nv_bfloat16*>(o_part.data_ptr()), lse_part.data_ptr<float>(),
-      reinterpret_cast<__nv_bfloat16*>(o.data_ptr()), lse.data_ptr<float>(), static_cast<int>(rows),
-      static_cast<int>(S), kLatent / col_blocks);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = dim3(kMergeThreads);
+  config.dynamicSmemBytes = 0;
+  config.stream = c10::cuda::getCurrentCUDAStream();
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = &attribute;
+  config.numAttrs = pdl ? 1 : 0;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, merge_kernel, reinterpret_cast<const __nv_bfloat16*>(o_part.data_ptr()),
+                                    static_cast<const float*>(lse_part.data_ptr<float>()),
+                                    reinterpret_cast<__nv_bfloat16*>(o.data_ptr()), lse.data_ptr<float>(),
+                                    static_cast<int>(rows), static_cast<int>(S), kLatent / col_blocks));
   return {o, lse};
 }
 
@@ -1018,8 +1059,8 @@ TORCH_LIBRARY_FRAGMENT(kimi_ops, m) {
   m.def(
       "_mla_decode_splitkv_sm90(Tensor q, Tensor kv_cache, Tensor kv_indptr, Tensor kv_indices, "
       "Tensor? seq_lens, int qlen, float qk_scale_log2, float kv_scale, int num_splits, int dcp_rank, "
-      "int dcp_world_size, int rows_per_cta, int stages, int balance_ctas, bool warp_specialized) -> (Tensor, Tensor)");
-  m.def("_mla_merge_sm90(Tensor o_part, Tensor lse_part) -> (Tensor, Tensor)");
+      "int dcp_world_size, int rows_per_cta, int stages, int balance_ctas, bool warp_specialized, bool zero_empty) -> (Tensor, Tensor)");
+  m.def("_mla_merge_sm90(Tensor o_part, Tensor lse_part, bool pdl) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(kimi_ops, CUDA, m) {

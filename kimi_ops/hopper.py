@@ -19,8 +19,10 @@ import torch
 
 LOG2E = 1.4426950408889634
 STAGES_ENV = "KIMI_OPS_SM90_STAGES"  # K-ring depth override (2..4; 32-row CTAs: 2..3), for tuning
-WS_ENV = "KIMI_OPS_SM90_WS"  # "0": 16-row CTAs on splitkv_kernel instead of the warp-specialized one
+WS_ENV = "KIMI_OPS_SM90_WS"  # "1": 16-row CTAs on the warp-specialized kernel (experimental, off by default)
 WS_STAGES = 4  # the warp-specialized kernel's ring (kWsStages)
+BALANCE_WAVES_ENV = "KIMI_OPS_SM90_BALANCE_WAVES"  # waves of CTAs the balanced chunk length aims at (1..8)
+PDL_ENV = "KIMI_OPS_SM90_PDL"  # "1": the merge launches as a programmatic dependent (experimental)
 
 
 def _ops():
@@ -56,35 +58,52 @@ def ring_stages(rows: int) -> int:
 
 
 def warp_specialized(rows: int) -> bool:
-    """16-row CTAs run splitkv_ws_kernel (a producer warp, two consumer warpgroups, a 4-stage
-    ring, one CTA a SM) unless KIMI_OPS_SM90_WS=0 or a ring depth is forced."""
-    return rows == 16 and os.environ.get(WS_ENV, "1") != "0" and not os.environ.get(STAGES_ENV)
+    """With KIMI_OPS_SM90_WS=1 (and no forced ring depth), 16-row CTAs run splitkv_ws_kernel: a
+    producer warp, two consumer warpgroups, a 4-stage ring, one CTA a SM. Off by default until
+    it has been measured on the GPU (docs/PERF.md)."""
+    return rows == 16 and os.environ.get(WS_ENV, "0") == "1" and not os.environ.get(STAGES_ENV)
 
 
 def cta_stages(rows: int) -> int:
     return WS_STAGES if warp_specialized(rows) else ring_stages(rows)
 
 
+def balance_waves() -> int:
+    """How many waves of CTA slots the balanced chunk length aims at (KIMI_OPS_SM90_BALANCE_WAVES,
+    default 1). More waves cut a variable-length batch's long requests into more, shorter chunks
+    (closer to even per slot) but need more splits (``suggest_num_splits`` scales with it)."""
+    env = os.environ.get(BALANCE_WAVES_ENV)
+    if not env:
+        return 1
+    waves = int(env)
+    if not 1 <= waves <= 8:
+        raise ValueError(f"{BALANCE_WAVES_ENV} must be 1..8, got {waves}")
+    return waves
+
+
 def mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: float, kv_scale: float,
-                       num_splits: int, seq_lens=None, dcp_rank: int = 0, dcp_world_size: int = 1):
+                       num_splits: int, seq_lens=None, dcp_rank: int = 0, dcp_world_size: int = 1,
+                       zero_empty: bool = True):
     """M1c. q [T, H, 576] bf16, kv_rows [N, 576] fp8 -> (o_part [S, T, H, 512] bf16, lse_part [S, T, H] f32).
 
-    A request of n tokens is cut into chunks of max(ceil(n / S), all tokens / the CTAs that
-    fill the device) rounded up to 64, at most S of them (later splits may be empty: o = 0,
-    lse = -inf). The chunk length is computed on the device from kv_indptr, so a CUDA graph
-    replayed on a new mix of lengths stays balanced."""
+    A request of n tokens is cut into chunks of max(ceil(n / S), all tokens / the CTAs of
+    :func:`balance_waves` waves) rounded up to 64, at most S of them (later splits may be empty:
+    o = 0, lse = -inf). The chunk length is computed on the device from kv_indptr, so a CUDA
+    graph replayed on a new mix of lengths stays balanced. ``zero_empty=False`` lets an empty
+    split leave its o unwritten (for a caller whose merge never reads a -inf split's o, as
+    ``mla_decode``'s does); with one split o is always written."""
     if kv_rows.dtype != torch.float8_e4m3fn:
         from .kernels.attention import mla_decode_splitkv as triton_splitkv
         return triton_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits,
                               seq_lens, dcp_rank, dcp_world_size)
     rows = rows_per_cta(qlen * q.shape[1])
     num_requests = kv_indptr.shape[0] - 1
-    balance = num_requests * one_wave_splits(num_requests, qlen, q.shape[1], kv_indices.shape[0],
-                                             _multiprocessor_count(q.device))
+    balance = balance_waves() * num_requests * one_wave_splits(
+        num_requests, qlen, q.shape[1], kv_indices.shape[0], _multiprocessor_count(q.device))
     return _ops()._mla_decode_splitkv_sm90(
         q, kv_rows, kv_indptr, kv_indices, seq_lens, qlen, float(scale) * float(kv_scale) * LOG2E,
         float(kv_scale), num_splits, dcp_rank, dcp_world_size, rows, cta_stages(rows), balance,
-        warp_specialized(rows))
+        warp_specialized(rows), zero_empty)
 
 
 def _multiprocessor_count(device) -> int:
@@ -93,8 +112,12 @@ def _multiprocessor_count(device) -> int:
 
 
 def mla_merge(o_part, lse_part):
-    """M1b. o_part [S, T, H, 512] bf16, lse_part [S, T, H] f32 -> (o [T, H, 512] bf16, lse [T, H] f32)."""
-    return _ops()._mla_merge_sm90(o_part, lse_part)
+    """M1b. o_part [S, T, H, 512] bf16, lse_part [S, T, H] f32 -> (o [T, H, 512] bf16, lse [T, H] f32).
+
+    With KIMI_OPS_SM90_PDL=1 the merge is launched as a programmatic dependent of the kernel
+    before it on the stream (it waits for that grid's completion before reading; its launch
+    overlaps the split kernel's last wave). Off by default until measured."""
+    return _ops()._mla_merge_sm90(o_part, lse_part, os.environ.get(PDL_ENV, "0") == "1")
 
 
 def one_wave_splits(num_requests: int, qlen: int, num_heads: int, num_tokens: int, num_sms: int = 132) -> int:
@@ -138,12 +161,15 @@ def suggest_num_splits(num_requests: int, qlen: int, num_heads: int, num_tokens:
     """A split count from shapes only (never device data): :func:`one_wave_splits` plus
     headroom for requests longer than the average (the kernel gives them more splits of the
     balanced length). Headroom costs the empty splits of average requests: their zeros (at most
-    2.5% of the KV bytes) and their CTAs (at most two waves of CTAs that exit at once)."""
+    2.5% of the KV bytes) and their CTAs (at most two waves of CTAs that exit at once). Both
+    terms scale with :func:`balance_waves`."""
     if num_requests <= 0:
         return 1
     slots, ctas_per_split = _slots_and_ctas_per_split(num_requests, qlen, num_heads, num_sms,
                                                       cta_stages(rows_per_cta(qlen * num_heads)))
     by_bytes = int(0.025 * (num_tokens // num_requests) * 576 // (qlen * num_heads * 1024))
     by_ctas = 2 * slots // ctas_per_split
+    waves = balance_waves()
     return int(min(_split_cap(num_requests, num_tokens),
-                   one_wave_splits(num_requests, qlen, num_heads, num_tokens, num_sms) + min(by_bytes, by_ctas)))
+                   waves * one_wave_splits(num_requests, qlen, num_heads, num_tokens, num_sms)
+                   + waves * min(by_bytes, by_ctas)))

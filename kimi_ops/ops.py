@@ -68,10 +68,10 @@ def _splitkv_fake(q, kv_cache, kv_indptr, kv_indices, *, qlen, scale, kv_scale, 
 
 
 def _splitkv(q, kv_cache, kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits,
-             seq_lens, dcp_rank, dcp_world_size):
+             seq_lens, dcp_rank, dcp_world_size, zero_empty=True):
     impl = dispatch.implementation("mla_decode_splitkv", q.device)
     return impl(q.contiguous(), _flat_rows(kv_cache), kv_indptr, kv_indices, qlen, scale, kv_scale,
-                num_splits, seq_lens, dcp_rank, dcp_world_size)
+                num_splits, seq_lens, dcp_rank, dcp_world_size, zero_empty=zero_empty)
 
 
 def _splitkv_real(q, kv_cache, kv_indptr, kv_indices, *, qlen, scale, kv_scale, num_splits,
@@ -118,8 +118,10 @@ def _decode_real(q, kv_cache, kv_indptr, kv_indices, *, qlen, scale, kv_scale, n
     if num_splits is None:
         num_splits = dispatch.default_num_splits(
             kv_indptr.shape[0] - 1, q.shape[0], q.shape[1], kv_indices.shape[0], q.device)
+    # the partials are private: the merge never reads an empty (-inf) split's o, so the kernel
+    # may leave it unwritten
     o_part, lse_part = _splitkv(q, kv_cache, kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits,
-                                seq_lens, dcp_rank, dcp_world_size)
+                                seq_lens, dcp_rank, dcp_world_size, zero_empty=False)
     if num_splits == 1:
         return o_part[0], lse_part[0]
     return dispatch.implementation("mla_merge", q.device)(o_part, lse_part)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Quick GPU check of the Hopper kernels (kimi_ops._C) with diagnostics, then a short timing.
 
-    python scripts/gpu_cuda_check.py [--time [--skip-triton] [--l2]]
+    python scripts/gpu_cuda_check.py [--no-check] [--time [--skip-triton] [--l2]] [--balance]
 
 1. Structured cases that say *where* a wrong kernel goes wrong: one token (lse = s exactly,
    o = kv_scale * v: a column permutation shows as such), one query row, one 16-row block.
@@ -9,6 +9,9 @@
 3. --time: CUDA-graph replays over rotating input sets for a few shapes, cuda vs triton backend.
    With --l2 the cache pool is 40k rows (23 MB), so every KV read hits L2: the time left is the
    kernel's own (compute and latency), the gap to the normal run is what HBM adds.
+4. --balance: the variable-length batch and a uniform one of 32 x 32k on the cuda backend over
+   KIMI_OPS_SM90_BALANCE_WAVES x num_splits, empty splits' o unwritten (as mla_decode runs);
+   scripts/split_model.py predicts these ratios on the CPU.
 """
 import argparse
 import math
@@ -69,7 +72,7 @@ def random_cases():
                   f"-inf ok {e[2]} nan {e[3]}")
 
 
-def time_one(kern, H, qlen, lens, S, sets=8, reps=10, pool_rows=None):
+def time_one(kern, H, qlen, lens, S, sets=8, reps=10, pool_rows=None, zero_empty=True):
     g = torch.Generator().manual_seed(2)
     R = len(lens)
     total = sum(lens)
@@ -90,7 +93,7 @@ def time_one(kern, H, qlen, lens, S, sets=8, reps=10, pool_rows=None):
         inputs.append((q, idx))
 
     def run(q, idx):
-        op, lp = kern.mla_decode_splitkv(q, pool, indptr, idx, qlen, SCALE, 0.05, S)
+        op, lp = kern.mla_decode_splitkv(q, pool, indptr, idx, qlen, SCALE, 0.05, S, zero_empty=zero_empty)
         return kern.mla_merge(op, lp) if S > 1 else (op[0], lp[0])
 
     seconds, _ = time_graph([lambda q=q, idx=idx: run(q, idx) for q, idx in inputs], reps)
@@ -99,15 +102,30 @@ def time_one(kern, H, qlen, lens, S, sets=8, reps=10, pool_rows=None):
     return us, tbps
 
 
+def varlen_batch():
+    torch.manual_seed(0)  # bench_attention.py's variable-length batch
+    return torch.distributions.LogNormal(math.log(8192), 0.8).sample((64,)).clamp(16, 65536).long().tolist()
+
+
+def balance_sweep():
+    for label, lens in (("H12 q1 b64 varlen", varlen_batch()), ("H12 q1 b32 32k", [32768] * 32)):
+        for waves in (1, 2, 3):
+            os.environ[hopper.BALANCE_WAVES_ENV] = str(waves)
+            suggested = hopper.suggest_num_splits(len(lens), 1, 12, sum(lens))
+            for S in sorted({suggested, 24, 32, 48, 64, 96}):
+                us, tb = time_one(hopper, 12, 1, lens, S, zero_empty=False)
+                print(f"balance {label:18s} waves {waves} S={S:3d}{'*' if S == suggested else ' '}: "
+                      f"{us:8.1f} us  {tb:5.2f} TB/s  ({100 * tb / 4.31:.0f}% of HBM)")
+    os.environ.pop(hopper.BALANCE_WAVES_ENV)
+
+
 def timing(skip_triton=False, pool_rows=None):
     shapes = [("H12 q1 b8 8k", 12, 1, [8192] * 8), ("H12 q1 b32 8k", 12, 1, [8192] * 32),
               ("H12 q1 b32 32k", 12, 1, [32768] * 32), ("H12 q1 b128 8k", 12, 1, [8192] * 128),
               ("H12 q2 b32 8k", 12, 2, [8192] * 32), ("H12 q4 b32 8k", 12, 4, [8192] * 32),
               ("H12 q8 b32 8k", 12, 8, [8192] * 32), ("H12 q8 b128 8k", 12, 8, [8192] * 128),
               ("H96 q1 b64 4k", 96, 1, [4096] * 64), ("H12 q1 b1 32k", 12, 1, [32768])]
-    torch.manual_seed(0)  # bench_attention.py's variable-length batch
-    varlen = torch.distributions.LogNormal(math.log(8192), 0.8).sample((64,)).clamp(16, 65536).long().tolist()
-    shapes.append(("H12 q1 b64 varlen", 12, 1, varlen))
+    shapes.append(("H12 q1 b64 varlen", 12, 1, varlen_batch()))
     for label, H, qlen, lens in shapes:
         for name, kern in (("cuda", hopper), ("triton", triton_kernels))[:1 if skip_triton else 2]:
             S = kern.suggest_num_splits(len(lens), qlen, H, sum(lens))
@@ -120,11 +138,16 @@ def main():
     ap.add_argument("--time", action="store_true")
     ap.add_argument("--skip-triton", action="store_true", help="time the cuda backend only")
     ap.add_argument("--l2", action="store_true", help="a 40k-row cache pool that stays in L2")
+    ap.add_argument("--balance", action="store_true", help="sweep balance waves x splits (cuda)")
+    ap.add_argument("--no-check", action="store_true", help="skip the structured and random cases")
     args = ap.parse_args()
-    structured()
-    random_cases()
+    if not args.no_check:
+        structured()
+        random_cases()
     if args.time:
         timing(args.skip_triton, 40_000 if args.l2 else None)
+    if args.balance:
+        balance_sweep()
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@
     compute-sanitizer --tool racecheck python3 scripts/sanitize_cuda.py
 
 Every CTA shape (16, 32, 64 rows), empty splits, out-of-range indices, requests shorter than
-qlen, a causal tail inside the last tile, the balanced split sizing, DCP bounds, and the merge.
+qlen, a causal tail inside the last tile, the balanced split sizing, DCP bounds, empty splits that
+leave o unwritten (zero_empty=False), and the merge.
 Prints the worst error against the float64 oracle (the sanitizer's report is the point).
 """
 import os
@@ -31,6 +32,10 @@ def main():
         o, lse = hopper.mla_merge(*hopper.mla_decode_splitkv(q, kv, indptr, idx, qlen, SCALE, 0.5, S))
         ro, _ = oracle(q, kv, indptr, idx, qlen, SCALE, 0.5)
         worst = max(worst, ((o.double() - ro).norm() / ro.norm().clamp_min(1e-30)).item())
+    q, kv, indptr, idx = make_inputs([0, 1, 70, 130], 1, 12, device="cuda", gen=g)  # mla_decode's private partials
+    o, lse = hopper.mla_merge(*hopper.mla_decode_splitkv(q, kv, indptr, idx, 1, SCALE, 0.5, 6, zero_empty=False))
+    ro, _ = oracle(q, kv, indptr, idx, 1, SCALE, 0.5)
+    worst = max(worst, ((o.double() - ro).norm() / ro.norm().clamp_min(1e-30)).item())
     q, kv, indptr, idx = make_inputs([40, 0, 77], 2, 12, device="cuda", gen=g)
     seq_lens = torch.tensor([80, 3, 150], dtype=torch.int32, device="cuda")
     hopper.mla_decode_splitkv(q, kv, indptr, idx, 2, SCALE, 0.5, 2, seq_lens, 1, 2)

@@ -31,8 +31,8 @@ def test_private_op_schemas():
     assert [a.name for a in split.arguments] == [
         "q", "kv_cache", "kv_indptr", "kv_indices", "seq_lens", "qlen", "qk_scale_log2", "kv_scale",
         "num_splits", "dcp_rank", "dcp_world_size", "rows_per_cta", "stages", "balance_ctas",
-        "warp_specialized"]
-    assert [a.name for a in merge.arguments] == ["o_part", "lse_part"]
+        "warp_specialized", "zero_empty"]
+    assert [a.name for a in merge.arguments] == ["o_part", "lse_part", "pdl"]
 
 
 def test_split_heuristic_fills_one_wave(monkeypatch):
@@ -72,6 +72,21 @@ def test_auto_backend_is_cuda():
     dev = torch.device("cuda")
     assert dispatch.backend_for("mla_decode_splitkv", dev) == "cuda"
     assert dispatch.backend_for("mla_merge", dev) == "cuda"
+
+
+def test_balance_waves(monkeypatch):
+    """KIMI_OPS_SM90_BALANCE_WAVES scales the split suggestion (one-wave splits and headroom)."""
+    from kimi_ops.hopper import BALANCE_WAVES_ENV, WS_ENV, suggest_num_splits
+    monkeypatch.setenv(WS_ENV, "0")
+    tokens = 64 * 12128  # bench_attention.py's variable-length batch, 64 requests
+    monkeypatch.setenv(BALANCE_WAVES_ENV, "1")
+    assert suggest_num_splits(64, 1, 12, tokens) == 4 + 8        # one wave + two waves of empty CTAs
+    monkeypatch.setenv(BALANCE_WAVES_ENV, "2")
+    assert suggest_num_splits(64, 1, 12, tokens) == 2 * (4 + 8)
+    assert suggest_num_splits(1, 1, 12, 4096) == 32              # capped at one split per 128 tokens
+    monkeypatch.setenv(BALANCE_WAVES_ENV, "9")
+    with pytest.raises(ValueError, match="1..8"):
+        suggest_num_splits(64, 1, 12, tokens)
 
 
 @sm90
@@ -125,9 +140,42 @@ def test_kv_scale_and_extreme_queries():
 
 
 @sm90
-def test_merge(monkeypatch):
+@pytest.mark.parametrize("ws", ["0", "1"])
+@pytest.mark.parametrize("waves", ["1", "2"])
+def test_private_partials(waves, ws, monkeypatch):
+    """zero_empty=False (mla_decode's private partials): empty splits leave o unwritten (here:
+    NaN from a poisoned allocator block) and say lse = -inf; both merges must skip them. Also the
+    balance over 1 and 2 waves, on both 16-row kernels."""
     import kimi_ops.hopper as hopper
     import kimi_ops.kernels.attention as triton_kernels
+    monkeypatch.setenv(hopper.BALANCE_WAVES_ENV, waves)
+    monkeypatch.setenv(hopper.WS_ENV, ws)
+    monkeypatch.delenv(hopper.STAGES_ENV, raising=False)
+    g = torch.Generator().manual_seed(29)
+    for lens, qlen, S in [([0, 5, 3000, 70, 0], 1, 16), ([9000, 64, 1], 2, 40), ([0], 1, 3)]:
+        q, kv, indptr, idx = make_inputs(lens, qlen, 12, device="cuda", gen=g)
+        T, H = q.shape[:2]
+        poison = torch.full((S, T, H, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+        del poison  # o_part below reuses the block: whatever the kernel does not write stays NaN
+        op, lp = hopper.mla_decode_splitkv(q, kv, indptr, idx, qlen, SCALE, 0.5, S, zero_empty=False)
+        ro, rl = oracle(q, kv, indptr, idx, qlen, SCALE, 0.5)
+        fin = ~torch.isneginf(rl)
+        for merge in (hopper.mla_merge, triton_kernels.mla_merge):
+            o, lse = merge(op, lp)
+            assert not torch.isnan(o).any() and torch.equal(torch.isneginf(lse), ~fin)
+            assert (o[~fin] == 0).all()
+            assert ((o.double() - ro).norm() / ro.norm().clamp_min(1e-30)).item() <= 4e-3
+            assert (lse.double()[fin] - rl[fin]).abs().max().item() <= 1e-3
+        o, lse = kimi_ops.mla_decode(q, kv, indptr, idx, qlen=qlen, scale=SCALE, kv_scale=0.5, num_splits=S)
+        assert not torch.isnan(o).any() and ((o.double() - ro).norm() / ro.norm().clamp_min(1e-30)).item() <= 4e-3
+
+
+@sm90
+@pytest.mark.parametrize("pdl", ["0", "1"])
+def test_merge(pdl, monkeypatch):
+    import kimi_ops.hopper as hopper
+    import kimi_ops.kernels.attention as triton_kernels
+    monkeypatch.setenv(hopper.PDL_ENV, pdl)
     monkeypatch.setattr(triton_kernels, "mla_merge", hopper.mla_merge)  # check_merge calls it from there
     g = torch.Generator().manual_seed(5)
     # rows 12..1536: the kernel's column blocks of 64 (few rows) to 512 (> 1056 rows)
@@ -137,9 +185,13 @@ def test_merge(monkeypatch):
 
 
 @sm90
-def test_public_ops_and_cuda_graph():
+@pytest.mark.parametrize("pdl", ["0", "1"])
+def test_public_ops_and_cuda_graph(pdl, monkeypatch):
     """mla_decode through the dispatcher (auto -> cuda), captured in a CUDA graph, replayed after
-    the lengths, indices and q changed in place: equal to eager and to the oracle."""
+    the lengths, indices and q changed in place: equal to eager and to the oracle; also with the
+    merge launched as a programmatic dependent of the split kernel (captured as such)."""
+    import kimi_ops.hopper as hopper
+    monkeypatch.setenv(hopper.PDL_ENV, pdl)
     assert dispatch.backend_for("mla_decode_splitkv", torch.device("cuda")) == "cuda"
     check_graph_replay(lambda q, kv, indptr, idx, qlen, S: kimi_ops.mla_decode(
         q, kv, indptr, idx, qlen=qlen, scale=SCALE, kv_scale=0.5, num_splits=S))

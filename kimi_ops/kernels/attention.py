@@ -346,11 +346,14 @@ def _kv_mode(kv_rows: torch.Tensor):
 
 
 def mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: float, kv_scale: float,
-                       num_splits: int, seq_lens=None, dcp_rank: int = 0, dcp_world_size: int = 1):
+                       num_splits: int, seq_lens=None, dcp_rank: int = 0, dcp_world_size: int = 1,
+                       zero_empty: bool = True):
     """M1c. q [T, H, 576] bf16, kv_rows [N, 576] fp8 -> (o_part [S, T, H, 512] bf16, lse_part [S, T, H] f32).
 
     ``seq_lens`` [R] int32 (global lengths), ``dcp_rank`` / ``dcp_world_size``: decode context
-    parallel, as :func:`kimi_ops.mla_decode_splitkv` documents."""
+    parallel, as :func:`kimi_ops.mla_decode_splitkv` documents. ``zero_empty=False`` permits
+    leaving an empty split's o unwritten (see :func:`kimi_ops.hopper.mla_decode_splitkv`); this
+    kernel writes it anyway."""
     assert q.dim() == 3 and q.shape[2] == KV_ROW and q.dtype == torch.bfloat16 and q.is_contiguous()
     assert kv_rows.dim() == 2 and kv_rows.shape[1] == KV_ROW and kv_rows.is_contiguous()
     assert kv_indptr.dtype == torch.int32 and kv_indices.dtype == torch.int32

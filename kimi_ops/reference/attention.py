@@ -51,8 +51,9 @@ def masked_attention(s: torch.Tensor, v: torch.Tensor, mask: torch.Tensor):
 
 
 def mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits,
-                       seq_lens=None, dcp_rank=0, dcp_world_size=1):
-    """q [T, H, 576] bf16, kv_rows [N, 576] fp8 -> o_part [S, T, H, 512] bf16, lse_part [S, T, H] f32."""
+                       seq_lens=None, dcp_rank=0, dcp_world_size=1, zero_empty=True):
+    """q [T, H, 576] bf16, kv_rows [N, 576] fp8 -> o_part [S, T, H, 512] bf16, lse_part [S, T, H] f32.
+    ``zero_empty`` is accepted for the dispatcher's common signature; empty splits' o is always 0."""
     o_part, lse_part = splitkv_float64(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits,
                                        seq_lens, dcp_rank, dcp_world_size)
     return o_part.to(torch.bfloat16), lse_part.to(torch.float32)

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One device call that says whether the experimental paths of the cuda backend are right,
+# race-free and faster, before any becomes a default (all are off on main):
+#   * KIMI_OPS_SM90_WS=1: splitkv_ws_kernel, the warp-specialized 16-row M1c
+#   * KIMI_OPS_SM90_BALANCE_WAVES=2|3 with more splits, empty splits' o unwritten (mla_decode)
+#   * KIMI_OPS_SM90_PDL=1: the merge launched as a programmatic dependent of the split kernel
+#   run(command="bash scripts/device_sm90_experiments.sh", carry=[".whl"])   (~8 min)
+set -uo pipefail
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+( time python3 -m pip install -q --no-build-isolation --no-deps -e . ) > "$OUT/build.log" 2>&1
+echo "build rc=$?"
+# structured cases first, on the warp-specialized kernel: they say where a wrong kernel goes wrong
+KIMI_OPS_SM90_WS=1 timeout 120 python3 scripts/gpu_cuda_check.py 2>&1 | grep -v triton | tee "$OUT/check.log"
+timeout 240 python3 -m pytest -q -n 8 tests/test_cuda_attention.py 2>&1 | tail -8 | tee "$OUT/pytest_cuda.log"
+for mode in "1 0" "0 0" "0 1"; do
+    set -- $mode
+    KIMI_OPS_SM90_WS=$1 KIMI_OPS_SM90_PDL=$2 timeout 100 python3 scripts/gpu_cuda_check.py --no-check --time --skip-triton 2>&1 \
+        | grep -E "^cuda +H" | sed "s/^/ws=$1 pdl=$2 /" | tee -a "$OUT/time.log"
+done
+timeout 150 python3 scripts/gpu_cuda_check.py --no-check --balance 2>&1 | grep -E "^balance" | tee "$OUT/balance.log"
+for tool in racecheck synccheck memcheck; do  # both kernels' new paths: WS ring, PDL merge
+    KIMI_OPS_SM90_WS=1 KIMI_OPS_SM90_PDL=1 timeout 60 compute-sanitizer --tool $tool python3 scripts/sanitize_cuda.py 2>&1 | tail -3 \
+        | sed "s/^/ws+pdl $tool: /" | tee -a "$OUT/sanitizer.log"
+done
