@@ -28,3 +28,13 @@ for tool in racecheck synccheck memcheck; do  # both kernels' new paths: WS ring
     KIMI_OPS_SM90_WS=1 KIMI_OPS_SM90_PDL=1 timeout 60 compute-sanitizer --tool $tool python3 scripts/sanitize_cuda.py 2>&1 | tail -3 \
         | sed "s/^/ws+pdl $tool: /" | tee -a "$OUT/sanitizer.log"
 done
+# Which pipe bounds splitkv_kernel (16-row CTAs, b32 x 8k)? Per-pipe utilisation and the executed
+# SASS opcode mix (F2FP = the fp8 -> f16 conversions, HMMA, PRMT, LOP3, LDS/LDSM, BAR).
+if command -v ncu >/dev/null; then
+    timeout 150 ncu --kernel-name "regex:splitkv_kernel" --launch-skip 2 --launch-count 1 \
+        --section ComputeWorkloadAnalysis --section InstructionStats --section WarpStateStats \
+        --section SpeedOfLight --clock-control none --import-source no -f -o /tmp/pipes \
+        python3 scripts/profile_attention.py > "$OUT/ncu_pipes_run.log" 2>&1
+    ncu --import /tmp/pipes.ncu-rep --page details --print-details all > "$OUT/ncu_pipes.txt" 2>&1
+    grep -iE "pipe|F2FP|HMMA|PRMT|LOP3|LDSM|LDS|BAR|Issue Slots|Executed Ipc|Duration|Stall" "$OUT/ncu_pipes.txt" | head -60
+fi
