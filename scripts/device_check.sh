@@ -26,7 +26,9 @@ if [ "$GPUS" -ge 2 ]; then
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
     timeout 180 python3 -m kimi_ops demo --dcp "$GPUS" > "$OUT/demo_dcp.log" 2>&1; echo "demo --dcp rc=$?" >> "$OUT/demo_dcp.log"
     timeout 120 python3 scripts/bench_dcp.py --world "$GPUS" > "$OUT/bench_dcp.log" 2>&1; echo "bench_dcp rc=$?" >> "$OUT/bench_dcp.log"
-    grep -vE "Warning|warn|return func" "$OUT/demo_dcp.log" "$OUT/bench_dcp.log" | tail -n 20
+    timeout 300 python3 scripts/bench_dcp_step.py --world "$GPUS" > "$OUT/bench_dcp_step.log" 2>&1
+    echo "bench_dcp_step rc=$?" >> "$OUT/bench_dcp_step.log"
+    grep -vE "Warning|warn|return func" "$OUT/demo_dcp.log" "$OUT/bench_dcp.log" "$OUT/bench_dcp_step.log" | tail -n 30
 fi
 if [ -n "${PROFILE:-}" ] && command -v ncu >/dev/null; then
     timeout 240 ncu --kernel-name "regex:splitkv_kernel|_split_kv_kernel" --launch-skip 2 --launch-count 1 --set full \

@@ -153,3 +153,17 @@ def layer_rank(rank, world, init_file, qlen, steps, combine):
 def test_dcp_layer_matches_one_process(tmp_path, monkeypatch, world, qlen, combine):
     monkeypatch.setenv("KIMI_OPS_BACKEND", "reference")
     mp.spawn(layer_rank, args=(world, str(tmp_path / "init"), qlen, 3, combine), nprocs=world, join=True)
+
+
+def test_bench_dcp_step_smoke_on_gloo():
+    """scripts/bench_dcp_step.py (issue 8's step latency, DCP W vs DCP1) runs end to end on the
+    CPU: 2 gloo ranks, eager steps, one row for each batch."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_dcp_step.py"
+    result = subprocess.run([sys.executable, str(script), "--world", "2", "--cpu", "--batches", "1,2",
+                             "--context", "32", "--reps", "1"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| 1 |") or line.startswith("| 2 |")]
+    assert len(rows) == 2 and all(line.count("|") == 6 for line in rows), result.stdout
