@@ -43,6 +43,8 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "fp8_bits.h"
+
 namespace kimi_ops::sm90 {
 namespace {
 
@@ -209,10 +211,14 @@ __device__ __forceinline__ void write_empty_split(const SplitKVParams& p, const 
 
 // ---- M1c ---------------------------------------------------------------------------------------
 
-template <int MT, int STAGES>
+// CVT: how the fp8 bytes become f16 operands. 0: cvt.rn.f16x2.e4m3x2 (the conversion pipe);
+// bit 1 (K for S) / bit 0 (V for PV): integer ops instead (fp8_bits.h: 2^-8 x the value, the
+// 2^8 undone in the row scale / the epilogue), moving that work to the ALU pipe.
+template <int MT, int STAGES, int CVT = 0>
 __global__ void __launch_bounds__(128 * MT, 1) splitkv_kernel(const SplitKVParams p) {
   extern __shared__ __align__(128) uint8_t smem_raw[];
   auto& sm = *reinterpret_cast<SplitKVSmem<MT, STAGES>*>(smem_raw);
+  constexpr bool kIntK = (CVT & 2) != 0, kIntV = (CVT & 1) != 0;
   constexpr int kRows = MT * 16;
   constexpr int kThreads = 128 * MT;
   constexpr int kWarps = 4 * MT;
@@ -301,7 +307,7 @@ __global__ void __launch_bounds__(128 * MT, 1) splitkv_kernel(const SplitKVParam
       *reinterpret_cast<uint32_t*>(&sm.q[r * kQStride + scol]) =
           pack_half2(ldexpf(v[i].x, k), ldexpf(v[i].y, k));
     }
-    if (lane == 0) sm.row_fac[r] = ldexpf(p.qk_scale_log2, -k);
+    if (lane == 0) sm.row_fac[r] = ldexpf(p.qk_scale_log2, (kIntK ? 8 : 0) - k);
   }
 
   // --- per-thread row state: rows g and g+8 of the warp's m-tile
@@ -355,7 +361,11 @@ __global__ void __launch_bounds__(128 * MT, 1) splitkv_kernel(const SplitKVParam
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
           const uint32_t w = kw[2 * half + nt];
-          mma_f16(s4[ks % 4][nt], a, e4m3x2_to_f16x2(w & 0xffffu), e4m3x2_to_f16x2(w >> 16));
+          if constexpr (kIntK)
+            mma_f16(s4[ks % 4][nt], a, e4m3x2_to_f16x2_scaled(w, w, kSelBytes01),
+                    e4m3x2_to_f16x2_scaled(w, w, kSelBytes23));
+          else
+            mma_f16(s4[ks % 4][nt], a, e4m3x2_to_f16x2(w & 0xffffu), e4m3x2_to_f16x2(w >> 16));
         }
       }
     }
@@ -433,12 +443,21 @@ __global__ void __launch_bounds__(128 * MT, 1) splitkv_kernel(const SplitKVParam
         const uint32_t x1 = lds32(v0 + kSmemRow + grp * 32);      // token 2c+1
         const uint32_t x2 = lds32(v0 + 8 * kSmemRow + grp * 32);  // token 2c+8
         const uint32_t x3 = lds32(v0 + 9 * kSmemRow + grp * 32);  // token 2c+9
-        const uint32_t lo01 = prmt(x0, x1, 0x5140), hi01 = prmt(x0, x1, 0x7362);
-        const uint32_t lo23 = prmt(x2, x3, 0x5140), hi23 = prmt(x2, x3, 0x7362);
-        const uint32_t b01[4] = {e4m3x2_to_f16x2(lo01 & 0xffffu), e4m3x2_to_f16x2(lo01 >> 16),
-                                 e4m3x2_to_f16x2(hi01 & 0xffffu), e4m3x2_to_f16x2(hi01 >> 16)};
-        const uint32_t b23[4] = {e4m3x2_to_f16x2(lo23 & 0xffffu), e4m3x2_to_f16x2(lo23 >> 16),
-                                 e4m3x2_to_f16x2(hi23 & 0xffffu), e4m3x2_to_f16x2(hi23 >> 16)};
+        uint32_t b01[4], b23[4];
+        if constexpr (kIntV) {
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            b01[j] = e4m3x2_to_f16x2_scaled(x0, x1, sel_byte_of_each(j));
+            b23[j] = e4m3x2_to_f16x2_scaled(x2, x3, sel_byte_of_each(j));
+          }
+        } else {
+          const uint32_t lo01 = prmt(x0, x1, 0x5140), hi01 = prmt(x0, x1, 0x7362);
+          const uint32_t lo23 = prmt(x2, x3, 0x5140), hi23 = prmt(x2, x3, 0x7362);
+          b01[0] = e4m3x2_to_f16x2(lo01 & 0xffffu), b01[1] = e4m3x2_to_f16x2(lo01 >> 16);
+          b01[2] = e4m3x2_to_f16x2(hi01 & 0xffffu), b01[3] = e4m3x2_to_f16x2(hi01 >> 16);
+          b23[0] = e4m3x2_to_f16x2(lo23 & 0xffffu), b23[1] = e4m3x2_to_f16x2(lo23 >> 16);
+          b23[2] = e4m3x2_to_f16x2(hi23 & 0xffffu), b23[3] = e4m3x2_to_f16x2(hi23 >> 16);
+        }
 #pragma unroll
         for (int j = 0; j < 4; ++j) mma_f16(acc[grp * 4 + j], pa, b01[j], b23[j]);
       }
@@ -467,7 +486,7 @@ __global__ void __launch_bounds__(128 * MT, 1) splitkv_kernel(const SplitKVParam
     float l = 0.f;
 #pragma unroll
     for (int w = 0; w < kWarpsPerM; ++w) l += sm.red[w][r];
-    const float inv = l > 0.f ? p.kv_scale / l : 0.f;
+    const float inv = l > 0.f ? (kIntV ? p.kv_scale * kIntConvertScale : p.kv_scale) / l : 0.f;
 #pragma unroll
     for (int j = 0; j < 16; ++j)
 #pragma unroll
@@ -925,10 +944,10 @@ void launch_splitkv_ws(const SplitKVParams& params, dim3 grid, cudaStream_t stre
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <int MT, int STAGES>
+template <int MT, int STAGES, int CVT = 0>
 void launch_splitkv(const SplitKVParams& params, dim3 grid, cudaStream_t stream) {
   constexpr size_t smem = sizeof(SplitKVSmem<MT, STAGES>);
-  auto* kernel = splitkv_kernel<MT, STAGES>;
+  auto* kernel = splitkv_kernel<MT, STAGES, CVT>;
   static bool configured[64] = {};  // per device: the dynamic smem limit is a per-context attribute
   int device = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
@@ -950,7 +969,7 @@ std::tuple<at::Tensor, at::Tensor> mla_decode_splitkv_sm90(const at::Tensor& q, 
                                                            int64_t dcp_rank, int64_t dcp_world_size,
                                                            int64_t rows_per_cta, int64_t stages,
                                                            int64_t balance_ctas, bool warp_specialized,
-                                                           bool zero_empty) {
+                                                           bool zero_empty, int64_t convert_mode) {
   check_cuda_tensor(q, "q", at::kBFloat16);
   check_cuda_tensor(kv, "kv_cache", at::ScalarType::Float8_e4m3fn);
   check_cuda_tensor(indptr, "kv_indptr", at::kInt);
@@ -997,13 +1016,23 @@ std::tuple<at::Tensor, at::Tensor> mla_decode_splitkv_sm90(const at::Tensor& q, 
   TORCH_CHECK(groups <= INT32_MAX, "kimi_ops._C: too many query rows per request");
   const dim3 grid(static_cast<unsigned>(groups), static_cast<unsigned>(num_splits), static_cast<unsigned>(R));
   auto stream = c10::cuda::getCurrentCUDAStream();
+  TORCH_CHECK(convert_mode >= 0 && convert_mode <= 3, "kimi_ops._C: convert_mode must be 0..3");
+  TORCH_CHECK(convert_mode == 0 || (rows_per_cta == 16 && stages == 2 && !warp_specialized),
+              "kimi_ops._C: convert_mode 1..3 is built for splitkv_kernel's 16-row, 2-stage CTAs only");
   if (warp_specialized) {
     TORCH_CHECK(rows_per_cta == 16, "kimi_ops._C: the warp-specialized kernel takes 16-row CTAs");
     launch_splitkv_ws(params, grid, stream);
     return {o_part, lse_part};
   }
   switch (rows_per_cta * 10 + stages) {
-    case 162: launch_splitkv<1, 2>(params, grid, stream); break;
+    case 162:
+      switch (convert_mode) {
+        case 1: launch_splitkv<1, 2, 1>(params, grid, stream); break;
+        case 2: launch_splitkv<1, 2, 2>(params, grid, stream); break;
+        case 3: launch_splitkv<1, 2, 3>(params, grid, stream); break;
+        default: launch_splitkv<1, 2>(params, grid, stream); break;
+      }
+      break;
     case 163: launch_splitkv<1, 3>(params, grid, stream); break;
     case 164: launch_splitkv<1, 4>(params, grid, stream); break;
     case 322: launch_splitkv<2, 2>(params, grid, stream); break;
@@ -1059,7 +1088,7 @@ TORCH_LIBRARY_FRAGMENT(kimi_ops, m) {
   m.def(
       "_mla_decode_splitkv_sm90(Tensor q, Tensor kv_cache, Tensor kv_indptr, Tensor kv_indices, "
       "Tensor? seq_lens, int qlen, float qk_scale_log2, float kv_scale, int num_splits, int dcp_rank, "
-      "int dcp_world_size, int rows_per_cta, int stages, int balance_ctas, bool warp_specialized, bool zero_empty) -> (Tensor, Tensor)");
+      "int dcp_world_size, int rows_per_cta, int stages, int balance_ctas, bool warp_specialized, bool zero_empty, int convert_mode) -> (Tensor, Tensor)");
   m.def("_mla_merge_sm90(Tensor o_part, Tensor lse_part, bool pdl) -> (Tensor, Tensor)");
 }
 

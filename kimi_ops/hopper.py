@@ -23,6 +23,7 @@ WS_ENV = "KIMI_OPS_SM90_WS"  # "1": 16-row CTAs on the warp-specialized kernel (
 WS_STAGES = 4  # the warp-specialized kernel's ring (kWsStages)
 BALANCE_WAVES_ENV = "KIMI_OPS_SM90_BALANCE_WAVES"  # waves of CTAs the balanced chunk length aims at (1..8)
 PDL_ENV = "KIMI_OPS_SM90_PDL"  # "1": the merge launches as a programmatic dependent (experimental)
+CONVERT_ENV = "KIMI_OPS_SM90_CONVERT"  # 0..3: fp8 -> f16 by integer ops for V (1), K (2), both (3)
 
 
 def _ops():
@@ -68,6 +69,21 @@ def cta_stages(rows: int) -> int:
     return WS_STAGES if warp_specialized(rows) else ring_stages(rows)
 
 
+def convert_mode(rows: int, stages: int, ws: bool) -> int:
+    """How splitkv_kernel turns the fp8 bytes into f16 operands (KIMI_OPS_SM90_CONVERT): 0 (the
+    default) the conversion instruction; 1 V, 2 K, 3 both by integer ops (csrc/fp8_bits.h),
+    which moves that work from the conversion pipe to the ALU (experimental; built for the
+    16-row, 2-stage CTAs only, every other CTA uses 0). The integer path reads the cache's NaN
+    bytes as +-480 instead of NaN."""
+    env = os.environ.get(CONVERT_ENV)
+    if not env or rows != 16 or stages != 2 or ws:
+        return 0
+    mode = int(env)
+    if not 0 <= mode <= 3:
+        raise ValueError(f"{CONVERT_ENV} must be 0..3, got {mode}")
+    return mode
+
+
 def balance_waves() -> int:
     """How many waves of CTA slots the balanced chunk length aims at (KIMI_OPS_SM90_BALANCE_WAVES,
     default 1). More waves cut a variable-length batch's long requests into more, shorter chunks
@@ -100,10 +116,11 @@ def mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: floa
     num_requests = kv_indptr.shape[0] - 1
     balance = balance_waves() * num_requests * one_wave_splits(
         num_requests, qlen, q.shape[1], kv_indices.shape[0], _multiprocessor_count(q.device))
+    stages, ws = cta_stages(rows), warp_specialized(rows)
     return _ops()._mla_decode_splitkv_sm90(
         q, kv_rows, kv_indptr, kv_indices, seq_lens, qlen, float(scale) * float(kv_scale) * LOG2E,
-        float(kv_scale), num_splits, dcp_rank, dcp_world_size, rows, cta_stages(rows), balance,
-        warp_specialized(rows), zero_empty)
+        float(kv_scale), num_splits, dcp_rank, dcp_world_size, rows, stages, balance, ws, zero_empty,
+        convert_mode(rows, stages, ws))
 
 
 def _multiprocessor_count(device) -> int:

@@ -4,8 +4,12 @@
 #   * KIMI_OPS_SM90_WS=1: splitkv_ws_kernel, the warp-specialized 16-row M1c
 #   * KIMI_OPS_SM90_BALANCE_WAVES=2|3 with more splits, empty splits' o unwritten (mla_decode)
 #   * KIMI_OPS_SM90_PDL=1: the merge launched as a programmatic dependent of the split kernel
-#   run(command="bash scripts/device_sm90_experiments.sh", carry=[".whl"])   (~8 min)
+#   * KIMI_OPS_SM90_CONVERT=1|2|3: fp8 -> f16 by integer ops for V / K / both (16-row, 2-stage CTAs)
+# Two calls of under 10 minutes each (the build is kept between calls on a warm machine):
+#   run(command="bash scripts/device_sm90_experiments.sh 1", carry=[".whl"])  build, checks, tests, timing
+#   run(command="bash scripts/device_sm90_experiments.sh 2", carry=[".whl"])  balance sweep, sanitizers, ncu
 set -uo pipefail
+PART=${1:-1}
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -15,16 +19,23 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 ( time python3 -m pip install -q --no-build-isolation --no-deps -e . ) > "$OUT/build.log" 2>&1
 echo "build rc=$?"
+if [ "$PART" = 1 ]; then
 # structured cases first, on the warp-specialized kernel: they say where a wrong kernel goes wrong
 KIMI_OPS_SM90_WS=1 timeout 120 python3 scripts/gpu_cuda_check.py 2>&1 | grep -v triton | tee "$OUT/check.log"
 timeout 240 python3 -m pytest -q -n 8 tests/test_cuda_attention.py 2>&1 | tail -8 | tee "$OUT/pytest_cuda.log"
-for mode in "1 0" "0 0" "0 1"; do
-    set -- $mode
-    KIMI_OPS_SM90_WS=$1 KIMI_OPS_SM90_PDL=$2 timeout 100 python3 scripts/gpu_cuda_check.py --no-check --time --skip-triton 2>&1 \
-        | grep -E "^cuda +H" | sed "s/^/ws=$1 pdl=$2 /" | tee -a "$OUT/time.log"
+# every shape with the defaults, then each switch alone on the 16-row shapes it touches
+timeout 100 python3 scripts/gpu_cuda_check.py --no-check --time --skip-triton 2>&1 | grep -E "^cuda +H" \
+    | sed "s/^/default /" | tee -a "$OUT/time.log"
+SHAPES="q1 b8 8k,q1 b32 32k,q1 b1 32k,q2 b32 8k,varlen"
+for switch in KIMI_OPS_SM90_WS=1 KIMI_OPS_SM90_PDL=1 KIMI_OPS_SM90_CONVERT=1 KIMI_OPS_SM90_CONVERT=2 \
+              KIMI_OPS_SM90_CONVERT=3; do
+    env $switch timeout 60 python3 scripts/gpu_cuda_check.py --no-check --time --skip-triton --shapes "$SHAPES" \
+        2>&1 | grep -E "^cuda +H" | sed "s/^/$switch /" | tee -a "$OUT/time.log"
 done
+fi
+if [ "$PART" = 2 ]; then
 timeout 150 python3 scripts/gpu_cuda_check.py --no-check --balance 2>&1 | grep -E "^balance" | tee "$OUT/balance.log"
-for tool in racecheck synccheck memcheck; do  # both kernels' new paths: WS ring, PDL merge
+for tool in racecheck synccheck memcheck; do  # the new paths: WS ring, PDL merge (CONVERT: same memory ops)
     KIMI_OPS_SM90_WS=1 KIMI_OPS_SM90_PDL=1 timeout 60 compute-sanitizer --tool $tool python3 scripts/sanitize_cuda.py 2>&1 | tail -3 \
         | sed "s/^/ws+pdl $tool: /" | tee -a "$OUT/sanitizer.log"
 done
@@ -37,4 +48,5 @@ if command -v ncu >/dev/null; then
         python3 scripts/profile_attention.py > "$OUT/ncu_pipes_run.log" 2>&1
     ncu --import /tmp/pipes.ncu-rep --page details --print-details all > "$OUT/ncu_pipes.txt" 2>&1
     grep -iE "pipe|F2FP|HMMA|PRMT|LOP3|LDSM|LDS|BAR|Issue Slots|Executed Ipc|Duration|Stall" "$OUT/ncu_pipes.txt" | head -60
+fi
 fi

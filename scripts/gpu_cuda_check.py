@@ -119,13 +119,15 @@ def balance_sweep():
     os.environ.pop(hopper.BALANCE_WAVES_ENV)
 
 
-def timing(skip_triton=False, pool_rows=None):
+def timing(skip_triton=False, pool_rows=None, only=None):
     shapes = [("H12 q1 b8 8k", 12, 1, [8192] * 8), ("H12 q1 b32 8k", 12, 1, [8192] * 32),
               ("H12 q1 b32 32k", 12, 1, [32768] * 32), ("H12 q1 b128 8k", 12, 1, [8192] * 128),
               ("H12 q2 b32 8k", 12, 2, [8192] * 32), ("H12 q4 b32 8k", 12, 4, [8192] * 32),
               ("H12 q8 b32 8k", 12, 8, [8192] * 32), ("H12 q8 b128 8k", 12, 8, [8192] * 128),
               ("H96 q1 b64 4k", 96, 1, [4096] * 64), ("H12 q1 b1 32k", 12, 1, [32768])]
     shapes.append(("H12 q1 b64 varlen", 12, 1, varlen_batch()))
+    if only:
+        shapes = [sh for sh in shapes if any(key in sh[0] for key in only)]
     for label, H, qlen, lens in shapes:
         for name, kern in (("cuda", hopper), ("triton", triton_kernels))[:1 if skip_triton else 2]:
             S = kern.suggest_num_splits(len(lens), qlen, H, sum(lens))
@@ -140,12 +142,14 @@ def main():
     ap.add_argument("--l2", action="store_true", help="a 40k-row cache pool that stays in L2")
     ap.add_argument("--balance", action="store_true", help="sweep balance waves x splits (cuda)")
     ap.add_argument("--no-check", action="store_true", help="skip the structured and random cases")
+    ap.add_argument("--shapes", default="", help="--time only the shapes whose label contains one of "
+                    "these comma-separated strings (e.g. 'b32 32k,varlen')")
     args = ap.parse_args()
     if not args.no_check:
         structured()
         random_cases()
     if args.time:
-        timing(args.skip_triton, 40_000 if args.l2 else None)
+        timing(args.skip_triton, 40_000 if args.l2 else None, [k for k in args.shapes.split(",") if k])
     if args.balance:
         balance_sweep()
 

@@ -31,7 +31,7 @@ def test_private_op_schemas():
     assert [a.name for a in split.arguments] == [
         "q", "kv_cache", "kv_indptr", "kv_indices", "seq_lens", "qlen", "qk_scale_log2", "kv_scale",
         "num_splits", "dcp_rank", "dcp_world_size", "rows_per_cta", "stages", "balance_ctas",
-        "warp_specialized", "zero_empty"]
+        "warp_specialized", "zero_empty", "convert_mode"]
     assert [a.name for a in merge.arguments] == ["o_part", "lse_part", "pdl"]
 
 
@@ -87,6 +87,31 @@ def test_balance_waves(monkeypatch):
     monkeypatch.setenv(BALANCE_WAVES_ENV, "9")
     with pytest.raises(ValueError, match="1..8"):
         suggest_num_splits(64, 1, 12, tokens)
+
+
+def test_convert_mode_applies_to_16_row_2_stage_ctas_only(monkeypatch):
+    from kimi_ops.hopper import CONVERT_ENV, convert_mode
+    monkeypatch.setenv(CONVERT_ENV, "3")
+    assert convert_mode(16, 2, False) == 3
+    assert convert_mode(16, 3, False) == 0 and convert_mode(32, 2, False) == 0 and convert_mode(16, 4, True) == 0
+    monkeypatch.setenv(CONVERT_ENV, "4")
+    with pytest.raises(ValueError, match="0..3"):
+        convert_mode(16, 2, False)
+
+
+@sm90
+@pytest.mark.parametrize("convert", ["1", "2", "3"])
+@pytest.mark.parametrize("H", [12, 16])
+def test_grid_integer_convert(H, convert, monkeypatch):
+    """The integer fp8 -> f16 variants of the 16-row, 2-stage CTAs over the grid's shapes that
+    use them (csrc/fp8_bits.h; its bit math is checked on the host by test_fp8_bits.py)."""
+    import kimi_ops.hopper as hopper
+    monkeypatch.setenv(hopper.CONVERT_ENV, convert)
+    monkeypatch.setenv(hopper.STAGES_ENV, "2")
+    monkeypatch.delenv(hopper.WS_ENV, raising=False)
+    qlens = [qlen for qlen in (1, 2, 3, 4, 8) if hopper.rows_per_cta(qlen * H) == 16]
+    worst = check_decode_grid(H, torch.Generator().manual_seed(H + 1), kernels=hopper, qlens=qlens, max_splits=64)
+    print(f"cuda H={H} convert={convert}: worst rel L2 {worst[0]:.2e}, worst |lse| {worst[1]:.2e}")
 
 
 @sm90
