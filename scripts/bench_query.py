@@ -9,7 +9,9 @@ Peer: torch.bmm on the dequantized bf16 weights (stored [H, K, N], as vLLM keeps
 same activations. Timing: a CUDA graph of R back-to-back calls over R rotating input sets
 (R such that the sets span >= 128 MB, several times the L2), replayed; time per call =
 median replay / R. Floor = (weight bytes + activation bytes in + out) / 4.31 TB/s
-(DESIGN.md's measured HBM read ceiling).
+(DESIGN.md's measured HBM read ceiling). With --sweep, the MXFP4 decode path is also timed in
+its nibble-split form (``nibble_split=True``: no join / reshape in the decode) for the default
+config and each swept one: sweep entries "split default (...)" and "split (...)".
 """
 from __future__ import annotations
 
@@ -40,17 +42,22 @@ def graph_time_us(fn_per_set, nsets, replays=30):
     return time_graph([lambda i=i: fn_per_set(i) for i in range(nsets)], replays)[0] * 1e6
 
 
-def sweep_configs(configs, check, time_us):
-    """{str(config): us, or "error: ..."}: each config checked (check raises when wrong), then timed;
+def sweep_configs(configs, check, time_us, label=str):
+    """{label(config): us, or "error: ..."}: each config checked (check raises when wrong), then timed;
     a config that does not compile or is wrong is recorded and the sweep goes on."""
     sweep = {}
     for cfg in configs:
         try:
             check(cfg)
-            sweep[str(cfg)] = time_us(cfg)
+            sweep[label(cfg)] = time_us(cfg)
         except Exception as exc:
-            sweep[str(cfg)] = f"error: {type(exc).__name__} {exc}"[:200]
+            sweep[label(cfg)] = f"error: {type(exc).__name__} {exc}"[:200]
     return sweep
+
+
+def split_label(default):
+    """Sweep keys of the nibble-split runs: "split default (...)" for None, "split (...)" else."""
+    return lambda cfg: f"split default {default}" if cfg is None else f"split {cfg}"
 
 
 def nsets_for(set_bytes):
@@ -74,10 +81,10 @@ def bench_bmm(kind, t, configs=None, dot_scaled=False):
            "torch_floor_us": (H * n * k * 2 + act_bytes) / HBM * 1e6, "nsets": nsets}
     outs = [None] * nsets
 
-    def ours(cfg):
+    def ours(cfg, nibble_split=None):
         def f(i):
             x, p, s, _ = sets[i]
-            outs[i] = KM.bmm_a16wfp4(x, p, s, config=cfg, dot_scaled=dot_scaled)
+            outs[i] = KM.bmm_a16wfp4(x, p, s, config=cfg, dot_scaled=dot_scaled, nibble_split=nibble_split)
         return f
 
     def peer(i):
@@ -93,12 +100,16 @@ def bench_bmm(kind, t, configs=None, dot_scaled=False):
     res["torch_us"] = graph_time_us(peer, nsets)
     res["config"] = KM.bmm_config(t, n, k)
     if configs:
-        def check(cfg):
-            yc = KM.bmm_a16wfp4(x, p, s, config=cfg, dot_scaled=dot_scaled).double()
+        def check(cfg, nibble_split=None):
+            yc = KM.bmm_a16wfp4(x, p, s, config=cfg, dot_scaled=dot_scaled, nibble_split=nibble_split).double()
             ec = float((yc - r).norm() / r.norm())
             assert ec < 4e-3, ec
 
         res["sweep"] = sweep_configs(configs, check, lambda cfg: graph_time_us(ours(cfg), nsets))
+        if not dot_scaled:   # the decode path's nibble split: the default config, then each swept one
+            res["sweep"].update(sweep_configs(
+                [None, *configs], lambda cfg: check(cfg, True),
+                lambda cfg: graph_time_us(ours(cfg, True), nsets), split_label(res["config"])))
     del sets
     return res
 
@@ -121,11 +132,11 @@ def bench_query(fmt, t, pad=None, configs=None):
            "torch_floor_us": (H * D * L * 2 + H * t * D * 2 + H * t * L * 2) / HBM * 1e6, "nsets": nsets}
     outs = [None] * nsets
 
-    def ours(cfg):
+    def ours(cfg, nibble_split=None):
         def f(i):
             qn, qp, p, s, wt = sets[i]
-            outs[i] = KQ.mla_query(qn, qp, p, s, pad, config=cfg) if mx else KQ.mla_query(qn, qp, wt, None, pad,
-                                                                                          config=cfg)
+            outs[i] = (KQ.mla_query(qn, qp, p, s, pad, config=cfg, nibble_split=nibble_split) if mx
+                       else KQ.mla_query(qn, qp, wt, None, pad, config=cfg))
         return f
 
     def peer(i):     # the bmm alone (what a torch M1a spends most of its time in)
@@ -155,6 +166,15 @@ def bench_query(fmt, t, pad=None, configs=None):
             assert torch.equal(gc, got)
 
         res["sweep"] = sweep_configs(configs, check, lambda cfg: graph_time_us(ours(cfg), nsets))
+        if mx:   # the decode's nibble split (another summation order: checked against the reference)
+            def check_split(cfg):
+                gc = KQ.mla_query(qn, qp, p, s, pad, config=cfg, nibble_split=True).double()
+                ec = float((gc - r).norm() / r.norm())
+                assert ec < 4e-3, ec
+
+            res["sweep"].update(sweep_configs(
+                [None, *configs], check_split, lambda cfg: graph_time_us(ours(cfg, True), nsets),
+                split_label(res["config"])))
     del sets
     return res
 

@@ -35,11 +35,11 @@ def run(cmd, log, timeout):
 
 subprocess.run(["nvidia-smi", "--query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw",
                 "--format=csv"], check=False)
-rc, lines = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                 "tests/test_mxfp4.py", "tests/test_query.py"], "pytest_query.log", 300)
+rc, lines = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "8",
+                 "tests/test_mxfp4.py", "tests/test_query.py"], "pytest_query.log", 150)
 print("\n".join(lines[-15:]))
 rc2, lines = run([sys.executable, "scripts/bench_query.py", "--sweep", "--out", os.path.join(OUT, "bench_query.md"),
-                  "--json", os.path.join(OUT, "bench_query.json")], "bench_query.log", 280)
+                  "--json", os.path.join(OUT, "bench_query.json")], "bench_query.log", 420)
 print("\n".join(l for l in lines if l.startswith("|") or l.startswith("Device") or "Error" in l
                 or "error" in l.lower()[:80])[-8000:])
 sys.exit(0 if rc == 0 and rc2 == 0 else 1)

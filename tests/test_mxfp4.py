@@ -17,10 +17,13 @@ import sys
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from kimi_ops.kernels.mxfp4 import _mxfp4_decode, _mxfp4_decode_split
 from kimi_ops.reference import mxfp4 as ref  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
@@ -273,11 +276,18 @@ def test_reference_bmm_matches_float64():
 # ----------------------------------------------------------------------------------------------
 # the Triton kernel: shared checks (run in the interpreter subprocess and on the GPU)
 
-def check_bmm(b, m, n, k, *, device="cpu", dot_scaled=None, strided=False, nan_block=False, seed=0):
+def check_bmm(b, m, n, k, *, device="cpu", dot_scaled=None, nibble_split=None, config=None, strided=False,
+              nan_block=False, seed=0):
     from kimi_ops.kernels import mxfp4 as K
 
     g = torch.Generator().manual_seed(seed)
-    if strided:   # x = q_nope.transpose(0, 1) of a [M, B, K] tensor, read in place
+    if strided == "k":   # x = a [B, K, M] tensor transposed: stride_xk = M, stride_xm = 1
+        x = torch.randn(b, k, m, generator=g).to(torch.bfloat16).to(device).transpose(1, 2)
+    elif strided == "nan_tail":   # x = the first K columns of [B, M, K + 64] whose other columns are NaN
+        x = torch.full((b, m, k + 64), float("nan"), dtype=torch.bfloat16, device=device)
+        x[..., :k] = torch.randn(b, m, k, generator=g).to(torch.bfloat16)
+        x = x[..., :k]
+    elif strided:   # x = q_nope.transpose(0, 1) of a [M, B, K] tensor, read in place
         x = torch.randn(m, b, k, generator=g).to(torch.bfloat16).to(device).transpose(0, 1)
     else:
         x = torch.randn(b, m, k, generator=g).to(torch.bfloat16).to(device)
@@ -285,7 +295,8 @@ def check_bmm(b, m, n, k, *, device="cpu", dot_scaled=None, strided=False, nan_b
     if nan_block:
         s[0, n - 1, 0] = 255
     want = oracle_bmm(x, p, s)
-    y = K.bmm_a16wfp4(x, p.to(device), s.to(device), dot_scaled=dot_scaled)
+    y = K.bmm_a16wfp4(x, p.to(device), s.to(device), dot_scaled=dot_scaled, nibble_split=nibble_split,
+                      config=config)
     assert y.shape == (b, m, n) and y.dtype == torch.bfloat16 and y.is_contiguous()
     if nan_block:
         assert torch.isnan(y[0, :, n - 1]).all().item()
@@ -293,13 +304,53 @@ def check_bmm(b, m, n, k, *, device="cpu", dot_scaled=None, strided=False, nan_b
         y[0, :, n - 1] = 0
         want[0, :, n - 1] = 0
     err = rel_err(y, want)
-    assert err < 4e-3, (b, m, n, k, dot_scaled, strided, err)
+    assert err < 4e-3, (b, m, n, k, dot_scaled, nibble_split, config, strided, err)
     # same function as the reference (float32 math on the same weights, one bf16 rounding)
     r = ref.bmm_a16wfp4(x.cpu(), p, s)
     if nan_block:
         r[0, :, n - 1] = 0
     assert rel_err(r, want) < 4e-3
     return err
+
+
+@triton.jit
+def _decode_both_kernel(p_ptr, s_ptr, joined_ptr, even_ptr, odd_ptr, BN: tl.constexpr, BK: tl.constexpr):
+    """One tile [BN, BK] (contiguous packed [BN, BK/2], scales [BN, BK/32]) through both decodes."""
+    rows = tl.arange(0, BN)[:, None]
+    cp = tl.arange(0, BK // 2)[None, :]
+    wp = tl.load(p_ptr + rows * (BK // 2) + cp)
+    ws = tl.load(s_ptr + rows * (BK // 32) + tl.arange(0, BK // 32)[None, :])
+    tl.store(joined_ptr + rows * BK + tl.arange(0, BK)[None, :], _mxfp4_decode(wp, ws, BN, BK))
+    we, wo = _mxfp4_decode_split(wp, tl.load(s_ptr + rows * (BK // 32) + cp // 16))
+    tl.store(even_ptr + rows * (BK // 2) + cp, we)
+    tl.store(odd_ptr + rows * (BK // 2) + cp, wo)
+
+
+def check_decode_split(device="cpu"):
+    """The nibble-split decode against the spec table, exactly, for every E8M0 byte (0, 1: float32
+    subnormals; 253, 254 with large codes: inf in float32; 255: NaN) with each of the 16 E2M1 codes
+    in both nibbles, and against the joined decode (equal values; -0.0 where it gives +0.0)."""
+    bn, bk = 32, 512                                   # scales [32, 16]: each byte value twice
+    j = torch.arange(bk // 32)
+    lo = torch.arange(16)
+    # block (r, j) holds bytes lo | ((lo + r + j) % 16) << 4: all 16 codes in even and odd places
+    hi = (lo[None, None, :] + torch.arange(bn)[:, None, None] + j[None, :, None]) % 16
+    packed = (lo[None, None, :] | (hi << 4)).reshape(bn, bk // 2).to(torch.uint8)
+    scale = (torch.arange(bn * bk // 32) % 256).reshape(bn, bk // 32).to(torch.uint8)
+    joined = torch.empty(bn, bk, device=device)
+    even = torch.empty(bn, bk // 2, device=device)
+    odd = torch.empty(bn, bk // 2, device=device)
+    _decode_both_kernel[(1,)](packed.to(device), scale.to(device), joined, even, odd, BN=bn, BK=bk)
+    got = torch.stack((even, odd), dim=-1).reshape(bn, bk).cpu()
+    want = oracle_dequantize(packed, scale).float()    # rounds only where float32 overflows (inf)
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(got, joined.cpu(), rtol=0, atol=0, equal_nan=True)
+    fin = ~torch.isnan(want)
+    assert torch.equal(torch.signbit(got[fin]), torch.signbit(want[fin])), "signs (code 8 is -0.0)"
+    assert torch.isnan(got[scale.repeat_interleave(32, dim=1) == 255]).all()
+    assert torch.isinf(got).any()                                # float32 overflow (s = 253, 254)
+    s_tiny = scale.repeat_interleave(32, dim=1) <= 1
+    assert (got[s_tiny] != 0).any() and (got[s_tiny].abs() < torch.finfo(torch.float32).tiny).any()
 
 
 _INTERP = r"""
@@ -341,6 +392,62 @@ if hasattr(torch, "float8_e8m0fnu"):
 """)
 
 
+def test_interp_bmm_a16wfp4_nibble_split():
+    run_interpreted("test_mxfp4", """
+t.check_decode_split()                                               # every scale byte and code, exact
+t.check_bmm(2, 1, 64, 128, nibble_split=True)                       # M = 1, K = 128
+t.check_bmm(2, 19, 48, 512, nibble_split=True, strided=True)        # K = 512 loop, odd M, N tail, x^T(0, 1)
+t.check_bmm(2, 7, 40, 160, nibble_split=True, strided="k", config=(16, 16, 32, 4, 1))   # 5 K tiles of 32,
+                                                                    # stride_xk != 1, N tail
+t.check_bmm(1, 3, 32, 96, nibble_split=True, nan_block=True, config=(16, 32, 64, 4, 1))  # K tail in tile 2;
+                                                                    # NaN scale -> NaN column
+t.check_bmm(2, 5, 32, 96, nibble_split=True, strided="nan_tail")   # K tail: x's NaN columns >= K unread
+# the environment variable (KIMI_OPS_MXFP4_NIBBLE_SPLIT=1), through the op layer
+import os, kimi_ops
+os.environ["KIMI_OPS_BACKEND"] = "triton"
+os.environ["KIMI_OPS_MXFP4_NIBBLE_SPLIT"] = "1"
+x = torch.randn(5, 2, 128).to(torch.bfloat16).transpose(0, 1)
+p, s = t.ref.mxfp4_quantize(torch.randn(2, 64, 128))
+assert t.rel_err(kimi_ops.bmm_a16wfp4(x, p, s), t.oracle_bmm(x, p, s)) < 4e-3
+""")
+
+
+class _RecordLaunch:
+    """Stands in for a jitted kernel: records the launch's keyword arguments, runs nothing."""
+
+    def __init__(self):
+        self.kwargs = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.kwargs.append(kwargs)
+
+
+@pytest.mark.parametrize("env,arg,dot_scaled,want", [
+    (None, None, False, False), ("0", None, False, False), ("true", None, False, False),
+    ("1", None, False, True), (" 1 ", None, False, True), ("1", False, False, False),
+    ("0", True, False, True), (None, True, False, True), ("1", None, True, False), (None, True, True, False),
+])
+def test_nibble_split_host_choice(monkeypatch, env, arg, dot_scaled, want):
+    from kimi_ops.kernels import mxfp4 as K
+    from kimi_ops.kernels import query as Q
+
+    if env is None:
+        monkeypatch.delenv("KIMI_OPS_MXFP4_NIBBLE_SPLIT", raising=False)
+    else:
+        monkeypatch.setenv("KIMI_OPS_MXFP4_NIBBLE_SPLIT", env)
+    rec_b, rec_q = _RecordLaunch(), _RecordLaunch()
+    monkeypatch.setattr(K, "_bmm_a16wfp4_kernel", rec_b)
+    monkeypatch.setattr(Q, "_mla_query_kernel", rec_q)
+    p, s = ref.mxfp4_quantize(torch.randn(2, 64, 128))
+    K.bmm_a16wfp4(torch.randn(2, 3, 128).to(torch.bfloat16), p, s, dot_scaled=dot_scaled, nibble_split=arg)
+    assert rec_b.kwargs[-1]["NIBBLE_SPLIT"] is want and rec_b.kwargs[-1]["DOT_SCALED"] is dot_scaled
+    qn, qp = torch.randn(3, 2, 128).to(torch.bfloat16), torch.randn(3, 2, 64).to(torch.bfloat16)
+    Q.mla_query(qn, qp, p, s, dot_scaled=dot_scaled, nibble_split=arg)
+    assert rec_q.kwargs[-1]["NIBBLE_SPLIT"] is want and rec_q.kwargs[-1]["DOT_SCALED"] is dot_scaled
+    Q.mla_query(qn, qp, torch.randn(2, 128, 64).to(torch.bfloat16), None, nibble_split=arg)   # bf16 W_UK
+    assert rec_q.kwargs[-1]["NIBBLE_SPLIT"] is False
+
+
 def test_cross_compile_specs_cover_launches():
     from kimi_ops.kernels import mxfp4 as K
 
@@ -348,27 +455,41 @@ def test_cross_compile_specs_cover_launches():
     assert len(names) == len(set(names))
     for spec in K.CROSS_COMPILE_SPECS:
         assert set(spec["signature"]) == set(K._bmm_a16wfp4_kernel.arg_names)
+        assert set(spec["constexprs"]) == {k for k, v in spec["signature"].items() if v == "constexpr"}
+        assert not (spec["constexprs"]["NIBBLE_SPLIT"] and spec["constexprs"]["DOT_SCALED"])
     launched = {K.bmm_config(m, n, k) for n, k in ((512, 128), (128, 512)) for m in (1, 8, 64, 256, 512)}
-    covered = {(s["constexprs"]["BLOCK_M"], s["constexprs"]["BLOCK_N"], s["constexprs"]["BLOCK_K"],
-                s["num_warps"], s["num_stages"]) for s in K.CROSS_COMPILE_SPECS}
-    assert launched <= covered
+    for ds, ns in ((False, False), (False, True), (True, False)):
+        covered = {(s["constexprs"]["BLOCK_M"], s["constexprs"]["BLOCK_N"], s["constexprs"]["BLOCK_K"],
+                    s["num_warps"], s["num_stages"]) for s in K.CROSS_COMPILE_SPECS
+                   if (s["constexprs"]["DOT_SCALED"], s["constexprs"]["NIBBLE_SPLIT"]) == (ds, ns)}
+        assert launched <= covered, (ds, ns)
 
 
 # ----------------------------------------------------------------------------------------------
 # GPU
 
 @requires_cuda
+@pytest.mark.parametrize("nibble_split", [False, True])
 @pytest.mark.parametrize("m", [1, 8, 64, 256, 512])
 @pytest.mark.parametrize("n,k", [(512, 128), (128, 512)])
-def test_gpu_bmm_grid(m, n, k):
-    check_bmm(12, m, n, k, device="cuda", strided=(n == 512), seed=m)
-    check_bmm(12, m, n, k, device="cuda", strided=False, seed=m + 1)
+def test_gpu_bmm_grid(m, n, k, nibble_split):
+    ds = False if nibble_split else None      # the split is the decode path's (None: the host's choice)
+    check_bmm(12, m, n, k, device="cuda", dot_scaled=ds, nibble_split=nibble_split, strided=(n == 512), seed=m)
+    check_bmm(12, m, n, k, device="cuda", dot_scaled=ds, nibble_split=nibble_split, strided=False, seed=m + 1)
 
 
 @requires_cuda
 def test_gpu_bmm_dot_scaled_and_nan():
     check_bmm(12, 33, 512, 128, device="cuda", dot_scaled=True)
     check_bmm(3, 7, 64, 96, device="cuda", nan_block=True)
+
+
+@requires_cuda
+def test_gpu_bmm_nibble_split_edges():
+    check_decode_split(device="cuda")
+    check_bmm(3, 7, 64, 96, device="cuda", dot_scaled=False, nibble_split=True, nan_block=True)
+    check_bmm(2, 7, 40, 160, device="cuda", dot_scaled=False, nibble_split=True, strided="k",
+              config=(16, 16, 32, 4, 1))
 
 
 @requires_cuda
@@ -381,8 +502,11 @@ def test_gpu_quantize_matches_cpu():
 
 
 @requires_cuda
-def test_gpu_opcheck_and_graph():
+@pytest.mark.parametrize("nibble_split_env", ["0", "1"])
+def test_gpu_opcheck_and_graph(monkeypatch, nibble_split_env):
     import kimi_ops  # noqa: F401
+
+    monkeypatch.setenv("KIMI_OPS_MXFP4_NIBBLE_SPLIT", nibble_split_env)
 
     x = torch.randn(12, 16, 128, device="cuda", dtype=torch.bfloat16)
     p, s = ref.mxfp4_quantize(torch.randn(12, 512, 128, device="cuda"))

@@ -24,7 +24,15 @@ from test_mxfp4 import oracle_dequantize, random_weights, rel_err, requires_cuda
 
 def make_query_inputs(t, h, *, d=128, latent=512, p=64, mxfp4=False, strided=False, seed=0, device="cpu"):
     g = torch.Generator().manual_seed(seed)
-    if strided:   # q_nope and q_pe as views of one [T, H, D + P] projection output, as in vLLM
+    if strided == "d":   # q_nope with stride 2 along D, and NaN in the columns it does not own
+        qn2 = torch.full((t, h, 2 * d + 32), float("nan"), dtype=torch.bfloat16)
+        qn2[..., 0:2 * d:2] = torch.randn(t, h, d, generator=g).to(torch.bfloat16)
+        q_nope = qn2.to(device)[..., 0:2 * d:2]
+        q_pe = torch.randn(t, h, p, generator=g).to(torch.bfloat16).to(device)
+    elif strided == "t":   # q_nope = a [H, T, D] tensor transposed (0, 1)
+        q_nope = torch.randn(h, t, d, generator=g).to(torch.bfloat16).to(device).transpose(0, 1)
+        q_pe = torch.randn(t, h, p, generator=g).to(torch.bfloat16).to(device)
+    elif strided:   # q_nope and q_pe as views of one [T, H, D + P] projection output, as in vLLM
         qall = torch.randn(t, h, d + p, generator=g).to(torch.bfloat16).to(device)
         q_nope, q_pe = qall[..., :d], qall[..., d:]
     else:
@@ -54,13 +62,13 @@ def oracle_query(q_nope, q_pe, w_uk, w_uk_scale, pad_heads):
 
 
 def check_query(t, h, *, pad=None, mxfp4=False, strided=False, d=128, latent=512, p=64, impl="triton",
-                device="cpu", dot_scaled=None, seed=0):
+                device="cpu", dot_scaled=None, nibble_split=None, seed=0):
     q_nope, q_pe, w_uk, w_uk_scale = make_query_inputs(t, h, d=d, latent=latent, p=p, mxfp4=mxfp4,
                                                        strided=strided, seed=seed, device=device)
     if impl == "triton":
         from kimi_ops.kernels import query as Q
 
-        out = Q.mla_query(q_nope, q_pe, w_uk, w_uk_scale, pad, dot_scaled=dot_scaled)
+        out = Q.mla_query(q_nope, q_pe, w_uk, w_uk_scale, pad, dot_scaled=dot_scaled, nibble_split=nibble_split)
     else:
         out = ref.mla_query(q_nope, q_pe, w_uk, w_uk_scale, pad)
     hp = h if pad is None else pad
@@ -68,7 +76,7 @@ def check_query(t, h, *, pad=None, mxfp4=False, strided=False, d=128, latent=512
     out = out.cpu()
     want = oracle_query(q_nope, q_pe, w_uk, w_uk_scale, pad)
     err = rel_err(out[:, :h, :latent], want[:, :h, :latent])
-    assert err < 4e-3, (t, h, pad, mxfp4, strided, impl, err)
+    assert err < 4e-3, (t, h, pad, mxfp4, strided, impl, dot_scaled, nibble_split, err)
     assert torch.equal(out[:, :h, latent:], q_pe.cpu()), "q_pe part must be copied bit for bit"
     if hp > h:
         assert out[:, h:].eq(0).all() and not torch.signbit(out[:, h:]).any(), "pad rows must be +0"
@@ -115,6 +123,27 @@ assert torch.equal(kimi_ops.mla_query(qn, qp, w, s, pad_heads=4), t.ref.mla_quer
 """)
 
 
+def test_interp_mla_query_nibble_split():
+    run_interpreted("test_query", """
+t.check_query(17, 2, pad=4, mxfp4=True, seed=1, nibble_split=True)          # row tail, pad heads, D = 128
+t.check_query(6, 3, pad=None, mxfp4=True, strided=True, seed=6, nibble_split=True)   # q views of [T, H, D + P]
+t.check_query(5, 2, pad=None, mxfp4=True, strided="t", seed=8, nibble_split=True)    # q_nope.transpose(0, 1)
+t.check_query(4, 1, pad=2, mxfp4=True, d=96, latent=64, p=16, strided="d", seed=4,
+              nibble_split=True)   # D tail (not 2^k), stride_qnd = 2, NaN in the unowned columns
+t.check_query(3, 2, mxfp4=True, d=512, latent=96, p=16, seed=7, nibble_split=True)   # D = 512, L tail
+t.check_query(3, 2, pad=4, mxfp4=False, seed=9, nibble_split=True)           # bf16 W_UK: ignored
+# the environment variable, through the op layer
+import os, kimi_ops
+os.environ["KIMI_OPS_BACKEND"] = "triton"
+os.environ["KIMI_OPS_MXFP4_NIBBLE_SPLIT"] = "1"
+qn, qp, w, s = t.make_query_inputs(3, 2, mxfp4=True, seed=5)
+out = kimi_ops.mla_query(qn, qp, w, s, pad_heads=4)
+want = t.oracle_query(qn, qp, w, s, 4)
+assert t.rel_err(out[:, :2, :512], want[:, :2, :512]) < 4e-3 and torch.equal(out[:, :2, 512:], qp)
+assert out[:, 2:].eq(0).all()
+""")
+
+
 def test_cross_compile_specs_cover_launches():
     from kimi_ops.kernels import query as Q
 
@@ -122,10 +151,15 @@ def test_cross_compile_specs_cover_launches():
     assert len(names) == len(set(names))
     for spec in Q.CROSS_COMPILE_SPECS:
         assert set(spec["signature"]) == set(Q._mla_query_kernel.arg_names)
+        assert set(spec["constexprs"]) == {k for k, v in spec["signature"].items() if v == "constexpr"}
+        c = spec["constexprs"]
+        assert not (c["NIBBLE_SPLIT"] and (c["DOT_SCALED"] or not c["MXFP4"]))
     launched = {Q.query_config(t, 12, 512) for t in (1, 8, 16, 32, 64, 128, 256, 512)}
-    covered = {(s["constexprs"]["BLOCK_M"], s["constexprs"]["BLOCK_N"], s["num_warps"])
-               for s in Q.CROSS_COMPILE_SPECS}
-    assert launched <= covered
+    for path in ((False, False, False), (True, False, False), (True, False, True), (True, True, False)):
+        covered = {(s["constexprs"]["BLOCK_M"], s["constexprs"]["BLOCK_N"], s["num_warps"])
+                   for s in Q.CROSS_COMPILE_SPECS
+                   if (s["constexprs"]["MXFP4"], s["constexprs"]["DOT_SCALED"], s["constexprs"]["NIBBLE_SPLIT"]) == path}
+        assert launched <= covered, path
 
 
 # ----------------------------------------------------------------------------------------------
@@ -139,11 +173,14 @@ def _poison_allocator():
 @requires_cuda
 @pytest.mark.parametrize("t", [1, 8, 64, 256, 512])
 @pytest.mark.parametrize("h", [12, 16])
-@pytest.mark.parametrize("mxfp4", [False, True])
+@pytest.mark.parametrize("mxfp4,nibble_split", [(False, False), (True, False), (True, True)],
+                         ids=["bf16", "mxfp4", "mxfp4-split"])
 @pytest.mark.parametrize("pad", [None, 16, 128])
-def test_gpu_query_grid(t, h, mxfp4, pad):
+def test_gpu_query_grid(t, h, mxfp4, nibble_split, pad):
     _poison_allocator()
-    check_query(t, h, pad=pad, mxfp4=mxfp4, strided=(t % 2 == 0), device="cuda", seed=t + h)
+    ds = False if nibble_split else None      # the split is the decode path's (None: the host's choice)
+    check_query(t, h, pad=pad, mxfp4=mxfp4, strided=(t % 2 == 0), device="cuda", seed=t + h, dot_scaled=ds,
+                nibble_split=nibble_split)
 
 
 @requires_cuda
@@ -152,9 +189,18 @@ def test_gpu_query_dot_scaled_path():
 
 
 @requires_cuda
-@pytest.mark.parametrize("mxfp4", [False, True])
-def test_gpu_query_opcheck_and_graph(mxfp4):
+def test_gpu_query_nibble_split_edges():
+    for kw in ({"strided": "t", "seed": 8}, {"d": 96, "latent": 64, "p": 16, "strided": "d", "seed": 4},
+               {"d": 512, "latent": 96, "p": 16, "seed": 7}):
+        check_query(5, 3, pad=4, mxfp4=True, device="cuda", dot_scaled=False, nibble_split=True, **kw)
+
+
+@requires_cuda
+@pytest.mark.parametrize("mxfp4,nibble_split_env", [(False, "0"), (True, "0"), (True, "1")])
+def test_gpu_query_opcheck_and_graph(monkeypatch, mxfp4, nibble_split_env):
     import kimi_ops  # noqa: F401
+
+    monkeypatch.setenv("KIMI_OPS_MXFP4_NIBBLE_SPLIT", nibble_split_env)
 
     q_nope, q_pe, w_uk, w_uk_scale = make_query_inputs(8, 12, mxfp4=mxfp4, device="cuda")
     torch.library.opcheck(torch.ops.kimi_ops.mla_query, (q_nope, q_pe, w_uk, w_uk_scale), {"pad_heads": 16})

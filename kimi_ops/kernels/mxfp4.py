@@ -22,6 +22,19 @@ Decoding: code ``c`` (bit 3 the sign, bits 2..1 the exponent E, bit 0 the mantis
 has ``2|v| = m`` when E = 0 else ``(2 + m) << (E - 1)``, an integer 0..12; the block's
 value is ``2|v| * 2^(s - 128)`` with the scale byte s built as float32 bits (s = 0, 1 are
 the float32 subnormals 2^-128, 2^-127; s = 0xFF is NaN, as in the reference).
+
+Nibble split (``NIBBLE_SPLIT``, decode path only; **off by default until measured on the
+H200**): :func:`_mxfp4_decode` interleaves the two nibbles of a byte with ``tl.join`` and
+applies the per-32 scale through a reshape, and on sm_90 both are layout conversions (shared
+memory round trips). With ``nibble_split=True`` (or ``KIMI_OPS_MXFP4_NIBBLE_SPLIT=1`` in the
+environment when the argument is None; any other value, or unset, is off) the packed tile
+``[BN, BK/2]`` is decoded instead into ``w_even`` (low nibbles: K elements 2j) and ``w_odd``
+(high nibbles: elements 2j + 1), both ``[BN, BK/2]``, by elementwise integer ops only; the
+scale byte is loaded per element through a pointer tile (column ``(k0/2 + j) // 16`` of
+``w_scale``; repeated addresses are broadcast loads), the activations as their even and odd K
+columns (two ``[BM, BK/2]`` strided loads), and ``acc = x_even @ w_even^T + x_odd @ w_odd^T``
+(f32). Same values as the joined decode (code 8 decodes to -0.0, the spec's value, where the
+joined decode gives +0.0: no product-sum changes). ``dot_scaled=True`` ignores it.
 """
 import os
 
@@ -41,12 +54,39 @@ def _mxfp4_decode(packed, scale, BN: tl.constexpr, BK: tl.constexpr):
     m = c & 1
     two_v = tl.where(e == 0, m, (2 + m) << tl.maximum(e - 1, 0))
     two_v = tl.where((c & 8) != 0, -two_v, two_v)
-    s = scale.to(tl.int32)
-    bits = tl.where(s >= 2, (s - 1) << 23, tl.where(s == 1, 0x00400000, 0x00200000))
-    bits = tl.where(s == 255, 0x7FC00000, bits)            # E8M0 NaN
-    half_scale = bits.to(tl.float32, bitcast=True)           # 2^(s - 128)
+    half_scale = _e8m0_half_scale(scale.to(tl.int32))        # 2^(s - 128)
     w = two_v.to(tl.float32).reshape(BN, BK // 32, 32) * half_scale[:, :, None]
     return w.reshape(BN, BK)
+
+
+@triton.jit
+def _e8m0_half_scale(s):
+    """E8M0 scale bytes (int32 0..255, any shape) -> float32 2^(s - 128), elementwise:
+    s >= 2 normal, s = 1, 0 the subnormals 2^-127, 2^-128, s = 255 NaN."""
+    bits = tl.where(s >= 2, (s - 1) << 23, tl.where(s == 1, 0x00400000, 0x00200000))
+    bits = tl.where(s == 255, 0x7FC00000, bits)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e2m1_twice(c):
+    """E2M1 codes (int32 0..15, any shape) -> float32 2v, built as float32 bits: E = 0 gives
+    m (0 or 1.0), E >= 1 gives (1 + m/2) * 2^E, i.e. biased exponent E + 127 and mantissa m << 22;
+    bit 3 is the sign (code 8 is -0.0)."""
+    e = (c >> 1) & 3
+    m = c & 1
+    bits = tl.where(e == 0, m * 0x3F800000, ((e + 127) << 23) | (m << 22))
+    return (bits | ((c & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _mxfp4_decode_split(packed, scale):
+    """packed [BN, BK/2] uint8 + scale [BN, BK/2] uint8 (the E8M0 byte of each packed column,
+    loaded at element granularity) -> (w_even, w_odd) float32 [BN, BK/2]: the low nibbles
+    (K elements 2j) and the high nibbles (2j + 1), exact, with no join or reshape."""
+    p = packed.to(tl.int32)
+    half_scale = _e8m0_half_scale(scale.to(tl.int32))
+    return _e2m1_twice(p & 0xF) * half_scale, _e2m1_twice(p >> 4) * half_scale
 
 
 @triton.jit
@@ -120,7 +160,8 @@ def _bmm_a16wfp4_kernel(
     stride_sb, stride_sn, stride_sk,
     stride_yb, stride_ym, stride_yn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    K_TILES: tl.constexpr, DOT_SCALED: tl.constexpr, INTERP: tl.constexpr,
+    K_TILES: tl.constexpr, DOT_SCALED: tl.constexpr, NIBBLE_SPLIT: tl.constexpr,
+    INTERP: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -140,17 +181,32 @@ def _bmm_a16wfp4_kernel(
     # runtime bound, and K is a fixed model dim anyway. K % 32 == 0; masks take the tail.
     for kt in range(K_TILES):
         k0 = kt * BLOCK_K
-        kx = k0 + offs_k
-        x = tl.load(x_base + kx[None, :] * stride_xk, mask=mask_m[:, None] & (kx[None, :] < K), other=0.0)
-        kp = k0 // 2 + offs_kp
-        wp = tl.load(w_base + kp[None, :] * stride_wk, mask=mask_n[:, None] & (kp[None, :] < K // 2), other=0)
-        ks = k0 // 32 + offs_ks
-        ws = tl.load(s_base + ks[None, :] * stride_sk, mask=mask_n[:, None] & (ks[None, :] < K // 32), other=0)
-        if DOT_SCALED:
-            acc = _dot_mxfp4_scaled(x, wp, ws, acc, BLOCK_M, BLOCK_K)
+        if NIBBLE_SPLIT and not DOT_SCALED:
+            # x's even / odd K columns (2 kp < K iff kp < K/2: K % 32 == 0), the scale byte of
+            # each packed column (kp // 16), two dots over BLOCK_K / 2
+            kp = k0 // 2 + offs_kp
+            mask_kp = kp[None, :] < K // 2
+            x_even = x_base + (2 * kp)[None, :] * stride_xk
+            x_msk = mask_m[:, None] & mask_kp
+            xe = tl.load(x_even, mask=x_msk, other=0.0)
+            xo = tl.load(x_even + stride_xk, mask=x_msk, other=0.0)
+            wp = tl.load(w_base + kp[None, :] * stride_wk, mask=mask_n[:, None] & mask_kp, other=0)
+            wse = tl.load(s_base + (kp // 16)[None, :] * stride_sk, mask=mask_n[:, None] & mask_kp, other=0)
+            we, wo = _mxfp4_decode_split(wp, wse)
+            acc = tl.dot(_dot_operand(xe, INTERP), tl.trans(_dot_operand(we, INTERP)), acc)
+            acc = tl.dot(_dot_operand(xo, INTERP), tl.trans(_dot_operand(wo, INTERP)), acc)
         else:
-            w = _dot_operand(_mxfp4_decode(wp, ws, BLOCK_N, BLOCK_K), INTERP)
-            acc = tl.dot(_dot_operand(x, INTERP), tl.trans(w), acc)
+            kx = k0 + offs_k
+            x = tl.load(x_base + kx[None, :] * stride_xk, mask=mask_m[:, None] & (kx[None, :] < K), other=0.0)
+            kp = k0 // 2 + offs_kp
+            wp = tl.load(w_base + kp[None, :] * stride_wk, mask=mask_n[:, None] & (kp[None, :] < K // 2), other=0)
+            ks = k0 // 32 + offs_ks
+            ws = tl.load(s_base + ks[None, :] * stride_sk, mask=mask_n[:, None] & (ks[None, :] < K // 32), other=0)
+            if DOT_SCALED:
+                acc = _dot_mxfp4_scaled(x, wp, ws, acc, BLOCK_M, BLOCK_K)
+            else:
+                w = _dot_operand(_mxfp4_decode(wp, ws, BLOCK_N, BLOCK_K), INTERP)
+                acc = tl.dot(_dot_operand(x, INTERP), tl.trans(w), acc)
     y = y_ptr + b * stride_yb + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
     tl.store(y, _to_bf16(acc, INTERP), mask=mask_m[:, None] & mask_n[None, :])
 
@@ -169,6 +225,14 @@ def use_dot_scaled(device: torch.device) -> bool:
     return _is_gfx950(device)
 
 
+def use_nibble_split(nibble_split: bool | None = None) -> bool:
+    """The decode path's nibble split: ``nibble_split`` when given, else
+    ``KIMI_OPS_MXFP4_NIBBLE_SPLIT=1`` (anything else, or unset: off, the default)."""
+    if nibble_split is not None:
+        return bool(nibble_split)
+    return os.environ.get("KIMI_OPS_MXFP4_NIBBLE_SPLIT", "").strip() == "1"
+
+
 def bmm_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) from shapes alone."""
     # measured on the H200 (docs/PERF.md, query section's sweep), Kimi-K3 TP8 shapes
@@ -183,10 +247,12 @@ def bmm_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
 
 def bmm_a16wfp4(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,
                 *, config: tuple[int, int, int, int, int] | None = None,
-                dot_scaled: bool | None = None) -> torch.Tensor:
+                dot_scaled: bool | None = None, nibble_split: bool | None = None) -> torch.Tensor:
     """``y[b] = x[b] @ dequant(w)[b]^T`` -> bf16 ``[B, M, N]`` (inputs validated by the op layer).
 
-    ``config`` / ``dot_scaled`` override the host's choice (benchmarks, tests).
+    ``config`` / ``dot_scaled`` override the host's choice (benchmarks, tests);
+    ``nibble_split`` picks the decode path's nibble-split form (None:
+    ``KIMI_OPS_MXFP4_NIBBLE_SPLIT``, default off; ignored when the dot_scaled path runs).
     """
     batch, m, k = x.shape
     n = w_packed.shape[1]
@@ -206,7 +272,7 @@ def bmm_a16wfp4(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,
         x, w_packed, w_scale, y, m, n, k,
         *x.stride(), *w_packed.stride(), *w_scale.stride(), *y.stride(),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, K_TILES=triton.cdiv(k, bk), DOT_SCALED=ds,
-        INTERP=interpreting(),
+        NIBBLE_SPLIT=(not ds) and use_nibble_split(nibble_split), INTERP=interpreting(),
         num_warps=warps, num_stages=stages,
     )
     return y
@@ -221,27 +287,29 @@ def _specs():
     for name in ("x", "w", "s", "y"):
         for dim in ("b", "m" if name in ("x", "y") else "n", "k" if name != "y" else "n"):
             sig[f"stride_{name}{dim}"] = "i32"
-    for kk in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "K_TILES", "DOT_SCALED", "INTERP"):
+    for kk in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "K_TILES", "DOT_SCALED", "NIBBLE_SPLIT", "INTERP"):
         sig[kk] = "constexpr"
     specs = []
     # Kimi-K3 TP8: W_UK (N 512, K 128) and W_UV (N 128, K 512), M from 1 to 512.
     seen = set()
+    # (DOT_SCALED, NIBBLE_SPLIT): the decode path, its nibble split, gfx950's dot_scaled path
+    paths = ((False, False, "decode"), (False, True, "nsplit"), (True, False, "dotscaled"))
     for n, k in ((512, 128), (128, 512)):
         for m in (1, 32, 64, 512):   # every config bmm_config returns for these shapes
             bm, bn, bk, warps, stages = bmm_config(m, n, k)
-            for ds in (False, True):
-                key = (bm, bn, bk, -(-k // bk), warps, stages, ds)
+            for ds, ns, kind in paths:
+                key = (bm, bn, bk, -(-k // bk), warps, stages, ds, ns)
                 if key in seen:
                     continue
                 seen.add(key)
                 specs.append(dict(
-                    name=f"bmm_a16wfp4_{'dotscaled' if ds else 'decode'}_m{bm}n{bn}k{bk}t{-(-k // bk)}w{warps}s{stages}",
+                    name=f"bmm_a16wfp4_{kind}_m{bm}n{bn}k{bk}t{-(-k // bk)}w{warps}s{stages}",
                     kernel=_bmm_a16wfp4_kernel, signature=dict(sig),
                     constexprs={"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "K_TILES": -(-k // bk),
-                                "DOT_SCALED": ds,
+                                "DOT_SCALED": ds, "NIBBLE_SPLIT": ns,
                                 "INTERP": False},
                     num_warps=warps, num_stages=stages,
-                    # dot_scaled is the gfx950 path; the decode path is every target's.
+                    # dot_scaled is the gfx950 path; the decode path (either form) every target's.
                     targets=("gfx950",) if ds else ("gfx950", "gfx942", "sm90")))
     return specs
 
