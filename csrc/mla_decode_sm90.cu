@@ -209,6 +209,182 @@ __device__ __forceinline__ void write_empty_split(const SplitKVParams& p, const 
   if (tid < w.valid_rows) p.lse_part[first + tid] = -INFINITY;
 }
 
+// ---- per-tile pieces shared by splitkv_kernel and splitkv_ws_kernel ---------------------------
+
+// Query rows r = first, first + step, ... (< rows) of the CTA, one warp a row: bf16 -> f16 scaled
+// by 2^k into [2^14, 2^15) (exact), columns permuted inside each 16-column chunk so that ldmatrix's
+// A fragment pairs physical columns (4c, 4c+1) and (4c+2, 4c+3), the pairs the K fragment gets
+// from one 32-bit word of fp8 bytes; row_fac[r] = qk_scale_log2 * 2^-k (2^(8-k) when K's f16
+// values are 2^-8 x the cache's, int_k).
+__device__ __forceinline__ void stage_query_rows(const SplitKVParams& p, __half* q_smem, float* row_fac,
+                                                 int64_t flat0, int valid_rows, int rows, int first, int step,
+                                                 int lane, bool int_k) {
+  for (int r = first; r < rows; r += step) {
+    const bool valid = r < valid_rows;
+    const uint32_t* src = reinterpret_cast<const uint32_t*>(p.q + (flat0 + r) * kRowBytes);
+    float2 v[9];
+    float amax = 0.f;
+#pragma unroll
+    for (int i = 0; i < 9; ++i) {
+      uint32_t w = valid ? src[lane + 32 * i] : 0u;
+      v[i] = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&w));
+      amax = fmaxf(amax, fmaxf(fabsf(v[i].x), fabsf(v[i].y)));
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    int k = 0;
+    if (amax > 0.f) {
+      int e;
+      frexpf(amax, &e);  // amax = m * 2^e, m in [0.5, 1)
+      k = max(-100, min(100, kQExp + 1 - e));
+    }
+#pragma unroll
+    for (int i = 0; i < 9; ++i) {
+      const int col = 2 * (lane + 32 * i);  // physical column of this pair (even)
+      const int within = col % 16, c4 = within / 4;
+      const int scol = col - within + ((within % 4) == 0 ? 2 * c4 : 8 + 2 * c4);
+      *reinterpret_cast<uint32_t*>(&q_smem[r * kQStride + scol]) = pack_half2(ldexpf(v[i].x, k), ldexpf(v[i].y, k));
+    }
+    if (lane == 0) row_fac[r] = ldexpf(p.qk_scale_log2, (int_k ? 8 : 0) - k);
+  }
+}
+
+// S = Q K^T over the warp's 16 tokens of a tile: s[nt] holds (row g / g+8, token nt*8 + 2c + {0,1}).
+// Four independent accumulators per n-tile (k-step mod 4) keep the MMA chains short.
+template <bool kIntK>
+__device__ __forceinline__ void tile_scores(float (&s)[2][4], const uint8_t* tile, const __half* q_lane, int wq,
+                                            int lane) {
+  float s4[4][2][4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) s4[i][nt][0] = s4[i][nt][1] = s4[i][nt][2] = s4[i][nt][3] = 0.f;
+  const uint8_t* k_lane = tile + (wq * 16 + (lane & 15)) * kSmemRow + (lane >> 4) * 16;
+#pragma unroll
+  for (int kc = 0; kc < kRowBytes / 32; ++kc) {
+    uint32_t kw[4];  // (nt 0, k-step 2kc), (nt 1, 2kc), (nt 0, 2kc+1), (nt 1, 2kc+1)
+    ldmatrix_x4(kw, k_lane + kc * 32);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int ks = 2 * kc + half;
+      uint32_t a[4];
+      ldmatrix_x4(a, q_lane + ks * 16);
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        const uint32_t w = kw[2 * half + nt];
+        if constexpr (kIntK)
+          mma_f16(s4[ks % 4][nt], a, e4m3x2_to_f16x2_scaled(w, w, kSelBytes01), e4m3x2_to_f16x2_scaled(w, w, kSelBytes23));
+        else
+          mma_f16(s4[ks % 4][nt], a, e4m3x2_to_f16x2(w & 0xffffu), e4m3x2_to_f16x2(w >> 16));
+      }
+    }
+  }
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) s[nt][i] = (s4[0][nt][i] + s4[1][nt][i]) + (s4[2][nt][i] + s4[3][nt][i]);
+}
+
+// Scale and mask the warp's scores (token tok_base + nt*8 + 2c + e against each row's limit) and
+// publish its per-row max of the tile: red_rows[g], red_rows[g + 8] (the quad's max).
+__device__ __forceinline__ void tile_mask_and_max(float (&s)[2][4], const float (&row_fac)[2], const int (&lim)[2],
+                                                  int tok_base, int g, int c, float* red_rows) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float mx = -INFINITY;
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int tok = tok_base + nt * 8 + 2 * c + e;
+        float v = s[nt][2 * h + e] * row_fac[h];
+        v = tok < lim[h] ? v : -INFINITY;
+        s[nt][2 * h + e] = v;
+        mx = fmaxf(mx, v);
+      }
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    if (c == 0) red_rows[g + 8 * h] = mx;
+  }
+}
+
+// Online softmax step once every warp's row max is published (red[w * red_stride + row] for the 4
+// warps of the m-tile): s becomes P = 2^(s - m), alpha the rescale of the running O, and P (f16)
+// goes to p_rows (row, token within the tile).
+__device__ __forceinline__ void tile_softmax(float (&s)[2][4], float (&m_run)[2], float (&l_run)[2], float (&alpha)[2],
+                                             const float* red, int red_stride, __half* p_rows, int wq, int g, int c) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float mx = m_run[h];
+#pragma unroll
+    for (int w = 0; w < kWarpsPerM; ++w) mx = fmaxf(mx, red[w * red_stride + g + 8 * h]);
+    const float m_safe = mx == -INFINITY ? 0.f : mx;
+    alpha[h] = fast_exp2(m_run[h] - m_safe);
+    m_run[h] = mx;
+    float sum = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float pv = fast_exp2(s[nt][2 * h + e] - m_safe);
+        s[nt][2 * h + e] = pv;
+        sum += pv;
+      }
+    l_run[h] = l_run[h] * alpha[h] + sum;
+  }
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      *reinterpret_cast<uint32_t*>(&p_rows[(g + 8 * h) * kPStride + wq * 16 + nt * 8 + 2 * c]) =
+          pack_half2(s[nt][2 * h], s[nt][2 * h + 1]);
+}
+
+// O = alpha O + P V over the tile's 64 tokens and the warp's 128 columns. acc[4*grp + j] column n
+// (0..7) is latent wq*128 + grp*32 + 4n + j. V^T's fragments come from the K tile's bytes: four
+// 32-bit loads of two token rows each, byte-permuted into (token, token+1) pairs.
+template <bool kIntV>
+__device__ __forceinline__ void tile_pv(float (&acc)[16][4], const float (&alpha)[2], const uint8_t* tile,
+                                        const __half* p_lane, int wq, int g, int c) {
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    acc[j][0] *= alpha[0];
+    acc[j][1] *= alpha[0];
+    acc[j][2] *= alpha[1];
+    acc[j][3] *= alpha[1];
+  }
+#pragma unroll
+  for (int kk = 0; kk < kTileN / 16; ++kk) {
+    uint32_t pa[4];
+    ldmatrix_x4(pa, p_lane + kk * 16);
+    const uint8_t* v0 = tile + (kk * 16 + 2 * c) * kSmemRow + wq * 128 + 4 * g;
+#pragma unroll
+    for (int grp = 0; grp < 4; ++grp) {
+      const uint32_t x0 = lds32(v0 + grp * 32);                 // token 2c,   latents 4g..4g+3
+      const uint32_t x1 = lds32(v0 + kSmemRow + grp * 32);      // token 2c+1
+      const uint32_t x2 = lds32(v0 + 8 * kSmemRow + grp * 32);  // token 2c+8
+      const uint32_t x3 = lds32(v0 + 9 * kSmemRow + grp * 32);  // token 2c+9
+      uint32_t b01[4], b23[4];
+      if constexpr (kIntV) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          b01[j] = e4m3x2_to_f16x2_scaled(x0, x1, sel_byte_of_each(j));
+          b23[j] = e4m3x2_to_f16x2_scaled(x2, x3, sel_byte_of_each(j));
+        }
+      } else {
+        const uint32_t lo01 = prmt(x0, x1, 0x5140), hi01 = prmt(x0, x1, 0x7362);
+        const uint32_t lo23 = prmt(x2, x3, 0x5140), hi23 = prmt(x2, x3, 0x7362);
+        b01[0] = e4m3x2_to_f16x2(lo01 & 0xffffu), b01[1] = e4m3x2_to_f16x2(lo01 >> 16);
+        b01[2] = e4m3x2_to_f16x2(hi01 & 0xffffu), b01[3] = e4m3x2_to_f16x2(hi01 >> 16);
+        b23[0] = e4m3x2_to_f16x2(lo23 & 0xffffu), b23[1] = e4m3x2_to_f16x2(lo23 >> 16);
+        b23[2] = e4m3x2_to_f16x2(hi23 & 0xffffu), b23[3] = e4m3x2_to_f16x2(hi23 >> 16);
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) mma_f16(acc[grp * 4 + j], pa, b01[j], b23[j]);
+    }
+  }
+}
+
 // ---- M1c ---------------------------------------------------------------------------------------
 
 // CVT: how the fp8 bytes become f16 operands. 0: cvt.rn.f16x2.e4m3x2 (the conversion pipe);
@@ -277,38 +453,8 @@ __global__ void __launch_bounds__(128 * MT, 1) splitkv_kernel(const SplitKVParam
     cp_async_commit();
   }
 
-  // --- Q: bf16 -> 2^k-scaled f16 in smem, columns permuted inside each 16-column chunk so that
-  // ldmatrix's A fragment pairs physical columns (4c, 4c+1) and (4c+2, 4c+3), the pairs the
-  // K fragment gets from one 32-bit word of fp8 bytes.
-  for (int r = warp; r < kRows; r += kWarps) {
-    const bool valid = row0 + r < rows_per_req;
-    const uint32_t* src = reinterpret_cast<const uint32_t*>(p.q + (flat0 + r) * kRowBytes);
-    float2 v[9];
-    float amax = 0.f;
-#pragma unroll
-    for (int i = 0; i < 9; ++i) {
-      uint32_t w = valid ? src[lane + 32 * i] : 0u;
-      v[i] = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&w));
-      amax = fmaxf(amax, fmaxf(fabsf(v[i].x), fabsf(v[i].y)));
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    int k = 0;
-    if (amax > 0.f) {
-      int e;
-      frexpf(amax, &e);  // amax = m * 2^e, m in [0.5, 1)
-      k = max(-100, min(100, kQExp + 1 - e));
-    }
-#pragma unroll
-    for (int i = 0; i < 9; ++i) {
-      const int col = 2 * (lane + 32 * i);  // physical column of this pair (even)
-      const int within = col % 16, c4 = within / 4;
-      const int scol = col - within + ((within % 4) == 0 ? 2 * c4 : 8 + 2 * c4);
-      *reinterpret_cast<uint32_t*>(&sm.q[r * kQStride + scol]) =
-          pack_half2(ldexpf(v[i].x, k), ldexpf(v[i].y, k));
-    }
-    if (lane == 0) sm.row_fac[r] = ldexpf(p.qk_scale_log2, (kIntK ? 8 : 0) - k);
-  }
+  // --- Q: bf16 -> 2^k-scaled f16 in smem (stage_query_rows)
+  stage_query_rows(p, sm.q, sm.row_fac, flat0, valid_rows, kRows, warp, kWarps, lane, kIntK);
 
   // --- per-thread row state: rows g and g+8 of the warp's m-tile
   int lim[2];
@@ -339,129 +485,14 @@ __global__ void __launch_bounds__(128 * MT, 1) splitkv_kernel(const SplitKVParam
     const uint8_t* tile = sm.kv[t % STAGES];
     const int tok_base = lo + t * kTileN + wq * 16;  // request-relative token of this warp's first row
 
-    // S = Q K^T over this warp's 16 tokens: s[nt] holds (row g / g+8, token nt*8 + 2c + {0,1}).
     float s[2][4];
-    {
-    // Four independent accumulators per n-tile (k-step mod 4) keep the MMA chains short.
-    float s4[4][2][4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) s4[i][nt][0] = s4[i][nt][1] = s4[i][nt][2] = s4[i][nt][3] = 0.f;
-    const uint8_t* k_lane = tile + (wq * 16 + (lane & 15)) * kSmemRow + (lane >> 4) * 16;
-#pragma unroll
-    for (int kc = 0; kc < kRowBytes / 32; ++kc) {
-      uint32_t kw[4];  // (nt 0, k-step 2kc), (nt 1, 2kc), (nt 0, 2kc+1), (nt 1, 2kc+1)
-      ldmatrix_x4(kw, k_lane + kc * 32);
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int ks = 2 * kc + half;
-        uint32_t a[4];
-        ldmatrix_x4(a, q_lane + ks * 16);
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-          const uint32_t w = kw[2 * half + nt];
-          if constexpr (kIntK)
-            mma_f16(s4[ks % 4][nt], a, e4m3x2_to_f16x2_scaled(w, w, kSelBytes01),
-                    e4m3x2_to_f16x2_scaled(w, w, kSelBytes23));
-          else
-            mma_f16(s4[ks % 4][nt], a, e4m3x2_to_f16x2(w & 0xffffu), e4m3x2_to_f16x2(w >> 16));
-        }
-      }
-    }
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) s[nt][i] = (s4[0][nt][i] + s4[1][nt][i]) + (s4[2][nt][i] + s4[3][nt][i]);
-    }
-
-    // scale, mask, row max of the tile (quad, then across the m-tile's 4 warps through smem)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float mx = -INFINITY;
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int tok = tok_base + nt * 8 + 2 * c + e;
-          float v = s[nt][2 * h + e] * row_fac[h];
-          v = tok < lim[h] ? v : -INFINITY;
-          s[nt][2 * h + e] = v;
-          mx = fmaxf(mx, v);
-        }
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      if (c == 0) sm.red[wq][mg * 16 + g + 8 * h] = mx;
-    }
+    tile_scores<kIntK>(s, tile, q_lane, wq, lane);
+    tile_mask_and_max(s, row_fac, lim, tok_base, g, c, &sm.red[wq][mg * 16]);
     __syncthreads();
     float alpha[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float mx = m_run[h];
-#pragma unroll
-      for (int w = 0; w < kWarpsPerM; ++w) mx = fmaxf(mx, sm.red[w][mg * 16 + g + 8 * h]);
-      const float m_safe = mx == -INFINITY ? 0.f : mx;
-      alpha[h] = fast_exp2(m_run[h] - m_safe);
-      m_run[h] = mx;
-      float sum = 0.f;
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float pv = fast_exp2(s[nt][2 * h + e] - m_safe);
-          s[nt][2 * h + e] = pv;
-          sum += pv;
-        }
-      l_run[h] = l_run[h] * alpha[h] + sum;
-    }
-    // P (f16) to smem: row, token (within the tile)
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-        *reinterpret_cast<uint32_t*>(&sm.p[(mg * 16 + g + 8 * h) * kPStride + wq * 16 + nt * 8 + 2 * c]) =
-            pack_half2(s[nt][2 * h], s[nt][2 * h + 1]);
+    tile_softmax(s, m_run, l_run, alpha, &sm.red[0][mg * 16], MT * 16, &sm.p[mg * 16 * kPStride], wq, g, c);
     __syncthreads();
-
-    // O += P V over the tile's 64 tokens, this warp's 128 columns. acc[4*grp + j] column n (0..7)
-    // is latent wq*128 + grp*32 + 4n + j.
-#pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      acc[j][0] *= alpha[0];
-      acc[j][1] *= alpha[0];
-      acc[j][2] *= alpha[1];
-      acc[j][3] *= alpha[1];
-    }
-#pragma unroll
-    for (int kk = 0; kk < kTileN / 16; ++kk) {
-      uint32_t pa[4];
-      ldmatrix_x4(pa, p_lane + kk * 16);
-      const uint8_t* v0 = tile + (kk * 16 + 2 * c) * kSmemRow + wq * 128 + 4 * g;
-#pragma unroll
-      for (int grp = 0; grp < 4; ++grp) {
-        const uint32_t x0 = lds32(v0 + grp * 32);                 // token 2c,   latents 4g..4g+3
-        const uint32_t x1 = lds32(v0 + kSmemRow + grp * 32);      // token 2c+1
-        const uint32_t x2 = lds32(v0 + 8 * kSmemRow + grp * 32);  // token 2c+8
-        const uint32_t x3 = lds32(v0 + 9 * kSmemRow + grp * 32);  // token 2c+9
-        uint32_t b01[4], b23[4];
-        if constexpr (kIntV) {
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            b01[j] = e4m3x2_to_f16x2_scaled(x0, x1, sel_byte_of_each(j));
-            b23[j] = e4m3x2_to_f16x2_scaled(x2, x3, sel_byte_of_each(j));
-          }
-        } else {
-          const uint32_t lo01 = prmt(x0, x1, 0x5140), hi01 = prmt(x0, x1, 0x7362);
-          const uint32_t lo23 = prmt(x2, x3, 0x5140), hi23 = prmt(x2, x3, 0x7362);
-          b01[0] = e4m3x2_to_f16x2(lo01 & 0xffffu), b01[1] = e4m3x2_to_f16x2(lo01 >> 16);
-          b01[2] = e4m3x2_to_f16x2(hi01 & 0xffffu), b01[3] = e4m3x2_to_f16x2(hi01 >> 16);
-          b23[0] = e4m3x2_to_f16x2(lo23 & 0xffffu), b23[1] = e4m3x2_to_f16x2(lo23 >> 16);
-          b23[2] = e4m3x2_to_f16x2(hi23 & 0xffffu), b23[3] = e4m3x2_to_f16x2(hi23 >> 16);
-        }
-#pragma unroll
-        for (int j = 0; j < 4; ++j) mma_f16(acc[grp * 4 + j], pa, b01[j], b23[j]);
-      }
-    }
+    tile_pv<kIntV>(acc, alpha, tile, p_lane, wq, g, c);
   }
   cp_async_wait<0>();
 
@@ -620,34 +651,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) splitkv_ws_kernel(const SplitKV
   // --- consumers
   const int cg = warp / 4, wq = warp % 4;  // consumer warpgroup; token / column quarter within it
   const int g = lane / 4, c = lane % 4;
-  for (int r = warp; r < kRows; r += 4 * kWsConsumers) {  // Q as in splitkv_kernel
-    const bool valid = row0 + r < rows_per_req;
-    const uint32_t* src = reinterpret_cast<const uint32_t*>(p.q + (flat0 + r) * kRowBytes);
-    float2 v[9];
-    float amax = 0.f;
-#pragma unroll
-    for (int i = 0; i < 9; ++i) {
-      uint32_t w = valid ? src[lane + 32 * i] : 0u;
-      v[i] = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&w));
-      amax = fmaxf(amax, fmaxf(fabsf(v[i].x), fabsf(v[i].y)));
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    int k = 0;
-    if (amax > 0.f) {
-      int e;
-      frexpf(amax, &e);
-      k = max(-100, min(100, kQExp + 1 - e));
-    }
-#pragma unroll
-    for (int i = 0; i < 9; ++i) {
-      const int col = 2 * (lane + 32 * i);
-      const int within = col % 16, c4 = within / 4;
-      const int scol = col - within + ((within % 4) == 0 ? 2 * c4 : 8 + 2 * c4);
-      *reinterpret_cast<uint32_t*>(&sm.q[r * kQStride + scol]) = pack_half2(ldexpf(v[i].x, k), ldexpf(v[i].y, k));
-    }
-    if (lane == 0) sm.row_fac[r] = ldexpf(p.qk_scale_log2, -k);
-  }
+  stage_query_rows(p, sm.q, sm.row_fac, flat0, valid_rows, kRows, warp, 4 * kWsConsumers, lane, false);
   int lim[2];
   float m_run[2], l_run[2];
   float acc[16][4];
@@ -674,110 +678,13 @@ __global__ void __launch_bounds__(kWsThreads, 1) splitkv_ws_kernel(const SplitKV
     const int tok_base = lo + t * kTileN + wq * 16;
 
     float s_acc[2][4];
-    {
-      float s4[4][2][4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt) s4[i][nt][0] = s4[i][nt][1] = s4[i][nt][2] = s4[i][nt][3] = 0.f;
-      const uint8_t* k_lane = tile + (wq * 16 + (lane & 15)) * kSmemRow + (lane >> 4) * 16;
-#pragma unroll
-      for (int kc = 0; kc < kRowBytes / 32; ++kc) {
-        uint32_t kw[4];
-        ldmatrix_x4(kw, k_lane + kc * 32);
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int ks = 2 * kc + half;
-          uint32_t a[4];
-          ldmatrix_x4(a, q_lane + ks * 16);
-#pragma unroll
-          for (int nt = 0; nt < 2; ++nt) {
-            const uint32_t w = kw[2 * half + nt];
-            mma_f16(s4[ks % 4][nt], a, e4m3x2_to_f16x2(w & 0xffffu), e4m3x2_to_f16x2(w >> 16));
-          }
-        }
-      }
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-          s_acc[nt][i] = (s4[0][nt][i] + s4[1][nt][i]) + (s4[2][nt][i] + s4[3][nt][i]);
-    }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float mx = -INFINITY;
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int tok = tok_base + nt * 8 + 2 * c + e;
-          float v = s_acc[nt][2 * h + e] * row_fac[h];
-          v = tok < lim[h] ? v : -INFINITY;
-          s_acc[nt][2 * h + e] = v;
-          mx = fmaxf(mx, v);
-        }
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      if (c == 0) sm.red[cg][wq][g + 8 * h] = mx;
-    }
+    tile_scores<false>(s_acc, tile, q_lane, wq, lane);
+    tile_mask_and_max(s_acc, row_fac, lim, tok_base, g, c, sm.red[cg][wq]);
     named_barrier(wg_bar, 128);
     float alpha[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float mx = m_run[h];
-#pragma unroll
-      for (int w = 0; w < kWarpsPerM; ++w) mx = fmaxf(mx, sm.red[cg][w][g + 8 * h]);
-      const float m_safe = mx == -INFINITY ? 0.f : mx;
-      alpha[h] = fast_exp2(m_run[h] - m_safe);
-      m_run[h] = mx;
-      float sum = 0.f;
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float pv = fast_exp2(s_acc[nt][2 * h + e] - m_safe);
-          s_acc[nt][2 * h + e] = pv;
-          sum += pv;
-        }
-      l_run[h] = l_run[h] * alpha[h] + sum;
-    }
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-        *reinterpret_cast<uint32_t*>(&p_buf[(g + 8 * h) * kPStride + wq * 16 + nt * 8 + 2 * c]) =
-            pack_half2(s_acc[nt][2 * h], s_acc[nt][2 * h + 1]);
+    tile_softmax(s_acc, m_run, l_run, alpha, sm.red[cg][0], 16, p_buf, wq, g, c);
     named_barrier(wg_bar, 128);  // P complete; every warp of the group has read the row maxima
-
-#pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      acc[j][0] *= alpha[0];
-      acc[j][1] *= alpha[0];
-      acc[j][2] *= alpha[1];
-      acc[j][3] *= alpha[1];
-    }
-    const __half* p_lane = &p_buf[(lane & 15) * kPStride + (lane >> 4) * 8];
-#pragma unroll
-    for (int kk = 0; kk < kTileN / 16; ++kk) {
-      uint32_t pa[4];
-      ldmatrix_x4(pa, p_lane + kk * 16);
-      const uint8_t* v0 = tile + (kk * 16 + 2 * c) * kSmemRow + wq * 128 + 4 * g;
-#pragma unroll
-      for (int grp = 0; grp < 4; ++grp) {
-        const uint32_t x0 = lds32(v0 + grp * 32);
-        const uint32_t x1 = lds32(v0 + kSmemRow + grp * 32);
-        const uint32_t x2 = lds32(v0 + 8 * kSmemRow + grp * 32);
-        const uint32_t x3 = lds32(v0 + 9 * kSmemRow + grp * 32);
-        const uint32_t lo01 = prmt(x0, x1, 0x5140), hi01 = prmt(x0, x1, 0x7362);
-        const uint32_t lo23 = prmt(x2, x3, 0x5140), hi23 = prmt(x2, x3, 0x7362);
-        const uint32_t b01[4] = {e4m3x2_to_f16x2(lo01 & 0xffffu), e4m3x2_to_f16x2(lo01 >> 16),
-                                 e4m3x2_to_f16x2(hi01 & 0xffffu), e4m3x2_to_f16x2(hi01 >> 16)};
-        const uint32_t b23[4] = {e4m3x2_to_f16x2(lo23 & 0xffffu), e4m3x2_to_f16x2(lo23 >> 16),
-                                 e4m3x2_to_f16x2(hi23 & 0xffffu), e4m3x2_to_f16x2(hi23 >> 16)};
-#pragma unroll
-        for (int j = 0; j < 4; ++j) mma_f16(acc[grp * 4 + j], pa, b01[j], b23[j]);
-      }
-    }
+    tile_pv<false>(acc, alpha, tile, &p_buf[(lane & 15) * kPStride + (lane >> 4) * 8], wq, g, c);
     mbar_arrive(&sm.empty[s]);  // this thread is done with the stage
   }
 

@@ -10,13 +10,7 @@
 #   run(command="bash scripts/device_sm90_experiments.sh 2", carry=[".whl"])  balance sweep, sanitizers, ncu
 set -uo pipefail
 PART=${1:-1}
-OUT=${OUT:-out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
+. scripts/device_env.sh
 ( time python3 -m pip install -q --no-build-isolation --no-deps -e . ) > "$OUT/build.log" 2>&1
 echo "build rc=$?"
 if [ "$PART" = 1 ]; then
