@@ -9,9 +9,10 @@
 3. --time: CUDA-graph replays over rotating input sets for a few shapes, cuda vs triton backend.
    With --l2 the cache pool is 40k rows (23 MB), so every KV read hits L2: the time left is the
    kernel's own (compute and latency), the gap to the normal run is what HBM adds.
-4. --balance: the variable-length batch and a uniform one of 32 x 32k on the cuda backend over
-   KIMI_OPS_SM90_BALANCE_WAVES x num_splits, empty splits' o unwritten (as mla_decode runs);
-   scripts/split_model.py predicts these ratios on the CPU.
+4. --balance: the variable-length batch and a uniform one of 32 x 32k on the cuda backend, first
+   as before (one wave, suggested splits, empty splits write zeros), then over
+   KIMI_OPS_SM90_BALANCE_WAVES 1-2 x num_splits with empty splits' o unwritten (as mla_decode
+   runs); scripts/split_model.py predicts these ratios on the CPU.
 """
 import argparse
 import math
@@ -108,14 +109,17 @@ def varlen_batch():
 
 
 def balance_sweep():
+    """Per batch: the old behaviour (one wave, suggested S, empty splits write zeros), then
+    waves 1-2 x S with empty splits' o unwritten, as mla_decode now runs."""
     for label, lens in (("H12 q1 b64 varlen", varlen_batch()), ("H12 q1 b32 32k", [32768] * 32)):
-        for waves in (1, 2, 3):
+        runs = [(1, None, True)] + [(w, S, False) for w in (1, 2) for S in (None, 32, 48, 64)]
+        for waves, S, zero_empty in runs:
             os.environ[hopper.BALANCE_WAVES_ENV] = str(waves)
             suggested = hopper.suggest_num_splits(len(lens), 1, 12, sum(lens))
-            for S in sorted({suggested, 24, 32, 48, 64, 96}):
-                us, tb = time_one(hopper, 12, 1, lens, S, zero_empty=False)
-                print(f"balance {label:18s} waves {waves} S={S:3d}{'*' if S == suggested else ' '}: "
-                      f"{us:8.1f} us  {tb:5.2f} TB/s  ({100 * tb / 4.31:.0f}% of HBM)")
+            S = suggested if S is None else S
+            us, tb = time_one(hopper, 12, 1, lens, S, zero_empty=zero_empty)
+            print(f"balance {label:18s} waves {waves} S={S:3d}{'*' if S == suggested else ' '} "
+                  f"{'zeros' if zero_empty else 'skip '}: {us:8.1f} us  {tb:5.2f} TB/s  ({100 * tb / 4.31:.0f}% of HBM)")
     os.environ.pop(hopper.BALANCE_WAVES_ENV)
 
 
