@@ -24,8 +24,13 @@
 //                converted, so no second pass over the tile's bytes and no transpose in memory
 // Accumulation is f32 throughout: within DESIGN.md's accuracy contract with margin (the
 // products are exact; P is rounded to f16, 2^-11 relative).
-// Split lengths are computed here from kv_indptr (see per_split below): a long request of a
-// mixed batch takes more, equally long splits; a split with no token exits at once.
+// Split lengths are computed here from kv_indptr (cta_work): a long request of a mixed batch
+// takes more, equally long splits; a split with no token exits at once (writing lse = -inf, and
+// o = 0 unless the caller's partials are private: zero_empty).
+// The per-tile pieces (stage_query_rows, tile_scores, tile_mask_and_max, tile_softmax, tile_pv)
+// serve both this kernel and splitkv_ws_kernel (a producer warp + two consumer warpgroups, below).
+// CVT (16-row, 2-stage CTAs only): the fp8 -> f16 operands by integer ops (fp8_bits.h) instead of
+// cvt.rn.f16x2.e4m3x2, for K, V or both.
 //
 // merge_kernel: one CTA of 4 warps per (query row, block of 64..512 output columns); thread t
 // reads 8 bytes of split rows t / (columns / 4), ... with 8 split rows a thread in flight. With
