@@ -11,7 +11,12 @@ same activations. Timing: a CUDA graph of R back-to-back calls over R rotating i
 median replay / R. Floor = (weight bytes + activation bytes in + out) / 4.31 TB/s
 (DESIGN.md's measured HBM read ceiling). With --sweep, the MXFP4 decode path is also timed in
 its nibble-split form (``nibble_split=True``: no join / reshape in the decode) for the default
-config and each swept one: sweep entries "split default (...)" and "split (...)".
+config and each swept one: sweep entries "split default (...)" and "split (...)"; and at T <= 8
+(kimi_ops.kernels.mxfp4.GEMV_MAX_M) the dot-free GEMV kernel (``gemv=True``) with its default
+``gemv_config`` and a few alternatives: entries "gemv default (BLOCK_M, BLOCK_N, BLOCK_K, warps)"
+and "gemv (...)" (BLOCK_K as launched: clamped to K). The main "ours" column is the library's
+default path (``KIMI_OPS_MXFP4_GEMV`` unset: the tl.dot kernel); the decode sweep entries force
+``gemv=False``.
 """
 from __future__ import annotations
 
@@ -60,11 +65,30 @@ def split_label(default):
     return lambda cfg: f"split default {default}" if cfg is None else f"split {cfg}"
 
 
+def gemv_label(default):
+    """Sweep keys of the GEMV runs: "gemv default (...)" for None, "gemv (...)" else."""
+    return lambda cfg: f"gemv default {default}" if cfg is None else f"gemv {cfg}"
+
+
+def gemv_sweep(t, k):
+    """Alternative GEMV configs at T rows, K: one chunk of K = 512 at 8 warps (every load issued up
+    front, x through shared memory), 256 at 8 warps, BLOCK_N 8 (twice the programs), BLOCK_N 32 at
+    8 warps; BLOCK_K clamped to K as the launcher does, duplicates and the default dropped."""
+    bm = KM.gemv_config(t, 1, k)[0]
+    default = KM.gemv_config(t, 1, k)
+    out = []
+    for bn, bk, warps in ((16, 512, 8), (16, 256, 8), (8, 128, 4), (32, 128, 8)):
+        cfg = (bm, bn, min(bk, max(32, 1 << (k - 1).bit_length())), warps)
+        if cfg != default and cfg not in out:
+            out.append(cfg)
+    return out
+
+
 def nsets_for(set_bytes):
     return int(max(4, min(256, -(-(128 << 20) // set_bytes))))
 
 
-def bench_bmm(kind, t, configs=None, dot_scaled=False):
+def bench_bmm(kind, t, configs=None, dot_scaled=False, gemv_configs=None):
     n, k = (L, D) if kind == "W_UK" else (D, L)
     wq_bytes = H * n * k // 2 + H * n * k // 32
     act_bytes = H * t * k * 2 + H * t * n * 2
@@ -81,10 +105,11 @@ def bench_bmm(kind, t, configs=None, dot_scaled=False):
            "torch_floor_us": (H * n * k * 2 + act_bytes) / HBM * 1e6, "nsets": nsets}
     outs = [None] * nsets
 
-    def ours(cfg, nibble_split=None):
+    def ours(cfg, nibble_split=None, gemv=None):
         def f(i):
             x, p, s, _ = sets[i]
-            outs[i] = KM.bmm_a16wfp4(x, p, s, config=cfg, dot_scaled=dot_scaled, nibble_split=nibble_split)
+            outs[i] = KM.bmm_a16wfp4(x, p, s, config=cfg, dot_scaled=dot_scaled, nibble_split=nibble_split,
+                                     gemv=gemv)
         return f
 
     def peer(i):
@@ -98,18 +123,32 @@ def bench_bmm(kind, t, configs=None, dot_scaled=False):
     res["rel_err"] = float((y - r).norm() / r.norm())
     res["ours_us"] = graph_time_us(ours(None), nsets)
     res["torch_us"] = graph_time_us(peer, nsets)
-    res["config"] = KM.bmm_config(t, n, k)
-    if configs:
-        def check(cfg, nibble_split=None):
-            yc = KM.bmm_a16wfp4(x, p, s, config=cfg, dot_scaled=dot_scaled, nibble_split=nibble_split).double()
-            ec = float((yc - r).norm() / r.norm())
-            assert ec < 4e-3, ec
+    default_gemv = not dot_scaled and t <= KM.GEMV_MAX_M and KM.use_gemv()
+    res["config"] = KM.gemv_config(t, n, k) if default_gemv else KM.bmm_config(t, n, k)
+    if default_gemv:
+        res["op"] += " (gemv)"
 
-        res["sweep"] = sweep_configs(configs, check, lambda cfg: graph_time_us(ours(cfg), nsets))
+    def check(cfg, nibble_split=None, gemv=False):
+        yc = KM.bmm_a16wfp4(x, p, s, config=cfg, dot_scaled=dot_scaled, nibble_split=nibble_split,
+                            gemv=gemv).double()
+        ec = float((yc - r).norm() / r.norm())
+        assert ec < 4e-3, ec
+
+    res["sweep"] = {}
+    if configs:
+        res["sweep"].update(sweep_configs(configs, check, lambda cfg: graph_time_us(ours(cfg, gemv=False), nsets)))
         if not dot_scaled:   # the decode path's nibble split: the default config, then each swept one
             res["sweep"].update(sweep_configs(
                 [None, *configs], lambda cfg: check(cfg, True),
-                lambda cfg: graph_time_us(ours(cfg, True), nsets), split_label(res["config"])))
+                lambda cfg: graph_time_us(ours(cfg, True, gemv=False), nsets),
+                split_label(KM.bmm_config(t, n, k))))
+    if gemv_configs is not None and not dot_scaled and t <= KM.GEMV_MAX_M:
+        # the dot-free GEMV kernel: its default config, then each alternative
+        res["sweep"].update(sweep_configs(
+            [None, *gemv_configs], lambda cfg: check(cfg, gemv=True),
+            lambda cfg: graph_time_us(ours(cfg, gemv=True), nsets), gemv_label(KM.gemv_config(t, n, k))))
+    if not res["sweep"]:
+        del res["sweep"]
     del sets
     return res
 
@@ -210,7 +249,9 @@ def main():
     for t in TS:
         sweep_here = args.sweep and t in (1, 64, 512)
         for kind in ("W_UK", "W_UV"):
-            rows.append(bench_bmm(kind, t, BMM_SWEEP if sweep_here else None))
+            k = D if kind == "W_UK" else L
+            gemv_here = gemv_sweep(t, k) if args.sweep and t <= KM.GEMV_MAX_M else None
+            rows.append(bench_bmm(kind, t, BMM_SWEEP if sweep_here else None, gemv_configs=gemv_here))
             print(rows[-1], flush=True)
         for fmt in ("bf16", "mxfp4"):
             rows.append(bench_query(fmt, t, None, QUERY_SWEEP if sweep_here else None))
@@ -234,7 +275,7 @@ def main():
             sweeps.append(f"| {r['op']} | {r['T']} | default {r['config']}: {r['ours_us']:.2f}; " + "; ".join(
                 f"{k}: {v:.2f}" if isinstance(v, float) else f"{k}: {v}" for k, v in r["sweep"].items()) + " |")
     md = head + "\n\n" + table(rows) + "\n\nConfig sweep (bmm: BLOCK_M, BLOCK_N, BLOCK_K, warps, stages; " \
-        "mla_query: BLOCK_M, BLOCK_N, warps):\n\n" + "\n".join(sweeps) + "\n\nsm_90 timing of the gfx950 path (MXFP8 hi+lo x fp4 `tl.dot_scaled`, " \
+        "bmm gemv: BLOCK_M, BLOCK_N, BLOCK_K, warps; mla_query: BLOCK_M, BLOCK_N, warps):\n\n" + "\n".join(sweeps) + "\n\nsm_90 timing of the gfx950 path (MXFP8 hi+lo x fp4 `tl.dot_scaled`, " \
         "not used on NVIDIA):\n\n" + table(extra) + "\n"
     print(md)
     if args.out:

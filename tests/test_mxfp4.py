@@ -277,11 +277,13 @@ def test_reference_bmm_matches_float64():
 # the Triton kernel: shared checks (run in the interpreter subprocess and on the GPU)
 
 def check_bmm(b, m, n, k, *, device="cpu", dot_scaled=None, nibble_split=None, config=None, strided=False,
-              nan_block=False, seed=0):
+              nan_block=False, seed=0, gemv=None):
     from kimi_ops.kernels import mxfp4 as K
 
     g = torch.Generator().manual_seed(seed)
-    if strided == "k":   # x = a [B, K, M] tensor transposed: stride_xk = M, stride_xm = 1
+    if strided == "odd":   # x = columns 1 .. K of [B, M, K + 1]: K contiguous but rows at odd elements
+        x = torch.randn(b, m, k + 1, generator=g).to(torch.bfloat16).to(device)[..., 1:]
+    elif strided == "k":   # x = a [B, K, M] tensor transposed: stride_xk = M, stride_xm = 1
         x = torch.randn(b, k, m, generator=g).to(torch.bfloat16).to(device).transpose(1, 2)
     elif strided == "nan_tail":   # x = the first K columns of [B, M, K + 64] whose other columns are NaN
         x = torch.full((b, m, k + 64), float("nan"), dtype=torch.bfloat16, device=device)
@@ -296,7 +298,7 @@ def check_bmm(b, m, n, k, *, device="cpu", dot_scaled=None, nibble_split=None, c
         s[0, n - 1, 0] = 255
     want = oracle_bmm(x, p, s)
     y = K.bmm_a16wfp4(x, p.to(device), s.to(device), dot_scaled=dot_scaled, nibble_split=nibble_split,
-                      config=config)
+                      config=config, gemv=gemv)
     assert y.shape == (b, m, n) and y.dtype == torch.bfloat16 and y.is_contiguous()
     if nan_block:
         assert torch.isnan(y[0, :, n - 1]).all().item()
@@ -304,7 +306,7 @@ def check_bmm(b, m, n, k, *, device="cpu", dot_scaled=None, nibble_split=None, c
         y[0, :, n - 1] = 0
         want[0, :, n - 1] = 0
     err = rel_err(y, want)
-    assert err < 4e-3, (b, m, n, k, dot_scaled, nibble_split, config, strided, err)
+    assert err < 4e-3, (b, m, n, k, dot_scaled, nibble_split, gemv, config, strided, err)
     # same function as the reference (float32 math on the same weights, one bf16 rounding)
     r = ref.bmm_a16wfp4(x.cpu(), p, s)
     if nan_block:
@@ -412,6 +414,38 @@ assert t.rel_err(kimi_ops.bmm_a16wfp4(x, p, s), t.oracle_bmm(x, p, s)) < 4e-3
 """)
 
 
+def test_interp_bmm_a16wfp4_gemv():
+    run_interpreted("test_mxfp4", """
+from kimi_ops.kernels import mxfp4 as K
+# (BLOCK_M, BLOCK_K, K_TILES, X_PAIRS) of each case in the comments
+t.check_bmm(2, 1, 64, 128, gemv=True)                        # M = 1, K = 128: (1, 128, 1, pairs)
+t.check_bmm(2, 1, 40, 512, gemv=True, strided=True)          # M = 1, K = 512 (4 chunks), N tail, x^T(0, 1)
+t.check_bmm(2, 3, 48, 128, gemv=True, strided="k")           # M = 3 (M tail), N tail, stride_xk != 1: halves
+t.check_bmm(1, 3, 32, 512, gemv=True, strided="odd")         # K = 512, rows at odd elements: halves
+t.check_bmm(2, 8, 24, 512, gemv=True, strided=True)          # M = 8, K = 512, N tail
+t.check_bmm(1, 8, 40, 160, gemv=True)                        # K tail in chunk 2 (160 = 128 + 32)
+t.check_bmm(1, 5, 32, 96, gemv=True, strided="nan_tail")     # K tail in chunk 1: x's NaN columns >= K unread
+t.check_bmm(1, 3, 32, 96, gemv=True, nan_block=True)         # NaN scale -> NaN column
+t.check_bmm(1, 2, 24, 320, gemv=True, config=(4, 16, 32, 4))    # 10 chunks of 32: the runtime loop
+t.check_bmm(1, 7, 20, 64, gemv=True, config=(8, 8, 512, 2))     # BLOCK_K clamped to K, BLOCK_N 8
+# the environment variable (KIMI_OPS_MXFP4_GEMV=1), through the op layer; M = 9 falls back
+import os, kimi_ops
+os.environ["KIMI_OPS_BACKEND"] = "triton"
+os.environ["KIMI_OPS_MXFP4_GEMV"] = "1"
+x = torch.randn(5, 2, 128).to(torch.bfloat16).transpose(0, 1)
+p, s = t.ref.mxfp4_quantize(torch.randn(2, 64, 128))
+assert t.rel_err(kimi_ops.bmm_a16wfp4(x, p, s), t.oracle_bmm(x, p, s)) < 4e-3
+x9 = torch.randn(2, 9, 128).to(torch.bfloat16)
+assert t.rel_err(kimi_ops.bmm_a16wfp4(x9, p, s), t.oracle_bmm(x9, p, s)) < 4e-3
+# same values as the tl.dot kernel up to summation order (one bf16 rounding of an f32 sum each)
+x = torch.randn(3, 4, 256).to(torch.bfloat16)
+p, s = t.ref.mxfp4_quantize(t.random_weights((3, 48, 256)))
+a = K.bmm_a16wfp4(x, p, s, gemv=True).float()
+d = K.bmm_a16wfp4(x, p, s, gemv=False, dot_scaled=False).float()
+assert ((a - d).abs() <= 2 ** -7 * d.abs() + 1e-6 * d.abs().max()).all()
+""")
+
+
 class _RecordLaunch:
     """Stands in for a jitted kernel: records the launch's keyword arguments, runs nothing."""
 
@@ -448,34 +482,116 @@ def test_nibble_split_host_choice(monkeypatch, env, arg, dot_scaled, want):
     assert rec_q.kwargs[-1]["NIBBLE_SPLIT"] is False
 
 
+@pytest.mark.parametrize("env,arg,m,dot_scaled,want", [
+    (None, None, 1, False, False), ("0", None, 1, False, False), ("true", None, 1, False, False),
+    ("1", None, 1, False, True), (" 1 ", None, 8, False, True), ("1", None, 9, False, False),
+    ("1", False, 1, False, False), ("0", True, 1, False, True), (None, True, 8, False, True),
+    (None, True, 9, False, False), (None, True, 64, False, False), ("1", None, 1, True, False),
+    (None, True, 3, True, False),
+])
+def test_gemv_host_choice(monkeypatch, env, arg, m, dot_scaled, want):
+    from kimi_ops.kernels import mxfp4 as K
+
+    if env is None:
+        monkeypatch.delenv("KIMI_OPS_MXFP4_GEMV", raising=False)
+    else:
+        monkeypatch.setenv("KIMI_OPS_MXFP4_GEMV", env)
+    rec_d, rec_g = _RecordLaunch(), _RecordLaunch()
+    monkeypatch.setattr(K, "_bmm_a16wfp4_kernel", rec_d)
+    monkeypatch.setattr(K, "_bmm_a16wfp4_gemv_kernel", rec_g)
+    p, s = ref.mxfp4_quantize(torch.randn(2, 64, 128))
+    K.bmm_a16wfp4(torch.randn(2, m, 128).to(torch.bfloat16), p, s, dot_scaled=dot_scaled, gemv=arg)
+    assert (len(rec_g.kwargs), len(rec_d.kwargs)) == ((1, 0) if want else (0, 1))
+    if want:
+        kw = rec_g.kwargs[0]
+        assert (kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"], kw["num_warps"]) == K.gemv_config(m, 64, 128)
+        assert kw["BLOCK_M"] >= m and kw["K_TILES"] == 1 and kw["X_PAIRS"] is True
+    else:
+        assert rec_d.kwargs[0]["DOT_SCALED"] is dot_scaled
+
+
+def test_gemv_config_and_launch_args(monkeypatch):
+    from kimi_ops.kernels import mxfp4 as K
+
+    for m in range(1, K.GEMV_MAX_M + 1):
+        for n, k in ((512, 128), (128, 512), (40, 96), (8, 32)):
+            bm, bn, bk, warps = K.gemv_config(m, n, k)
+            assert bm >= m and bm & (bm - 1) == 0 and bm <= 8
+            assert 32 <= bk <= 128 and bk & (bk - 1) == 0 and bk // 2 < 32 * warps
+            assert bm * bn * bk // 2 <= 8192
+    rec = _RecordLaunch()
+    monkeypatch.setattr(K, "_bmm_a16wfp4_gemv_kernel", rec)
+    p, s = ref.mxfp4_quantize(torch.randn(3, 64, 160))
+    x = torch.randn(3, 5, 160).to(torch.bfloat16)
+    K.bmm_a16wfp4(x, p, s, gemv=True, config=(8, 32, 64, 2))
+    kw = rec.kwargs[-1]
+    assert (kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"], kw["K_TILES"], kw["num_warps"]) == (8, 32, 64, 3, 2)
+    K.bmm_a16wfp4(x, p, s, gemv=True, config=(8, 16, 1024, 4))          # BLOCK_K clamped to K's power of two
+    assert (rec.kwargs[-1]["BLOCK_K"], rec.kwargs[-1]["K_TILES"]) == (256, 1)
+    # x read as uint32 pairs only when K is contiguous and rows start 4-byte aligned
+    assert K.gemv_x_pairs(x) and K.gemv_x_pairs(torch.randn(5, 3, 160).to(torch.bfloat16).transpose(0, 1))
+    assert not K.gemv_x_pairs(torch.randn(3, 160, 5).to(torch.bfloat16).transpose(1, 2))
+    assert not K.gemv_x_pairs(torch.randn(3, 5, 161).to(torch.bfloat16)[..., 1:])
+    assert not K.gemv_x_pairs(torch.randn(3, 5, 161).to(torch.bfloat16)[..., :160])    # odd row stride
+    K.bmm_a16wfp4(torch.randn(3, 5, 161).to(torch.bfloat16)[..., 1:], p, s, gemv=True)
+    assert rec.kwargs[-1]["X_PAIRS"] is False
+    # a config of the other kernel's kind is refused, as is BLOCK_M < M
+    with pytest.raises(ValueError, match="GEMV kernel runs"):
+        K.bmm_a16wfp4(x, p, s, gemv=True, config=(16, 32, 128, 4, 1))
+    with pytest.raises(ValueError, match="tl.dot kernel runs"):
+        K.bmm_a16wfp4(x, p, s, gemv=False, config=(8, 32, 128, 4))
+    with pytest.raises(ValueError, match="tl.dot kernel runs"):
+        K.bmm_a16wfp4(torch.randn(3, 9, 160).to(torch.bfloat16), p, s, gemv=True, config=(8, 32, 128, 4))
+    with pytest.raises(ValueError, match="BLOCK_M"):
+        K.bmm_a16wfp4(x, p, s, gemv=True, config=(4, 32, 128, 4))
+
+
 def test_cross_compile_specs_cover_launches():
     from kimi_ops.kernels import mxfp4 as K
 
     names = [s["name"] for s in K.CROSS_COMPILE_SPECS]
     assert len(names) == len(set(names))
+    dot_specs = [s for s in K.CROSS_COMPILE_SPECS if s["kernel"] is K._bmm_a16wfp4_kernel]
+    gemv_specs = [s for s in K.CROSS_COMPILE_SPECS if s["kernel"] is K._bmm_a16wfp4_gemv_kernel]
+    assert len(dot_specs) + len(gemv_specs) == len(names)
     for spec in K.CROSS_COMPILE_SPECS:
-        assert set(spec["signature"]) == set(K._bmm_a16wfp4_kernel.arg_names)
+        assert set(spec["signature"]) == set(spec["kernel"].arg_names)
         assert set(spec["constexprs"]) == {k for k, v in spec["signature"].items() if v == "constexpr"}
+    for spec in dot_specs:
         assert not (spec["constexprs"]["NIBBLE_SPLIT"] and spec["constexprs"]["DOT_SCALED"])
     launched = {K.bmm_config(m, n, k) for n, k in ((512, 128), (128, 512)) for m in (1, 8, 64, 256, 512)}
     for ds, ns in ((False, False), (False, True), (True, False)):
         covered = {(s["constexprs"]["BLOCK_M"], s["constexprs"]["BLOCK_N"], s["constexprs"]["BLOCK_K"],
-                    s["num_warps"], s["num_stages"]) for s in K.CROSS_COMPILE_SPECS
+                    s["num_warps"], s["num_stages"]) for s in dot_specs
                    if (s["constexprs"]["DOT_SCALED"], s["constexprs"]["NIBBLE_SPLIT"]) == (ds, ns)}
         assert launched <= covered, (ds, ns)
+    # the GEMV kernel: every config gemv_config gives for M <= GEMV_MAX_M, x as pairs and as halves
+    launched = {(*K.gemv_config(m, n, k), -(-k // K.gemv_config(m, n, k)[2])) for n, k in ((512, 128), (128, 512))
+                for m in range(1, K.GEMV_MAX_M + 1)}
+    for pairs in (True, False):
+        covered = {(s["constexprs"]["BLOCK_M"], s["constexprs"]["BLOCK_N"], s["constexprs"]["BLOCK_K"],
+                    s["num_warps"], s["constexprs"]["K_TILES"]) for s in gemv_specs
+                   if s["constexprs"]["X_PAIRS"] is pairs}
+        assert launched <= covered, pairs
+    assert all(s["targets"] == ("gfx950", "gfx942", "sm90") for s in gemv_specs)
 
 
 # ----------------------------------------------------------------------------------------------
 # GPU
 
 @requires_cuda
-@pytest.mark.parametrize("nibble_split", [False, True])
+@pytest.mark.parametrize("nibble_split,gemv", [(False, False), (True, False), (False, True)],
+                         ids=["decode", "nsplit", "gemv"])
 @pytest.mark.parametrize("m", [1, 8, 64, 256, 512])
 @pytest.mark.parametrize("n,k", [(512, 128), (128, 512)])
-def test_gpu_bmm_grid(m, n, k, nibble_split):
-    ds = False if nibble_split else None      # the split is the decode path's (None: the host's choice)
-    check_bmm(12, m, n, k, device="cuda", dot_scaled=ds, nibble_split=nibble_split, strided=(n == 512), seed=m)
-    check_bmm(12, m, n, k, device="cuda", dot_scaled=ds, nibble_split=nibble_split, strided=False, seed=m + 1)
+def test_gpu_bmm_grid(m, n, k, nibble_split, gemv):
+    # the split is the decode path's, the GEMV needs dot_scaled off (None: the host's choice); with
+    # gemv=True, M > GEMV_MAX_M checks the fallback to the tl.dot kernel
+    ds = False if (nibble_split or gemv) else None
+    check_bmm(12, m, n, k, device="cuda", dot_scaled=ds, nibble_split=nibble_split, gemv=gemv,
+              strided=(n == 512), seed=m)
+    check_bmm(12, m, n, k, device="cuda", dot_scaled=ds, nibble_split=nibble_split, gemv=gemv, strided=False,
+              seed=m + 1)
 
 
 @requires_cuda
@@ -493,6 +609,18 @@ def test_gpu_bmm_nibble_split_edges():
 
 
 @requires_cuda
+def test_gpu_bmm_gemv_edges():
+    for m in (1, 3, 8):
+        check_bmm(12, m, 128, 512, device="cuda", dot_scaled=False, gemv=True, strided="k", seed=m)
+        check_bmm(12, m, 512, 128, device="cuda", dot_scaled=False, gemv=True, strided="odd", seed=m)
+    check_bmm(3, 7, 64, 96, device="cuda", dot_scaled=False, gemv=True, nan_block=True)
+    check_bmm(2, 5, 40, 160, device="cuda", dot_scaled=False, gemv=True, strided="nan_tail")
+    check_bmm(2, 2, 24, 320, device="cuda", dot_scaled=False, gemv=True, config=(4, 16, 32, 4))   # runtime loop
+    for cfg in ((8, 16, 512, 8), (8, 16, 256, 8), (8, 8, 128, 4), (8, 32, 128, 8)):   # bench_query's sweep
+        check_bmm(12, 8, 128, 512, device="cuda", dot_scaled=False, gemv=True, strided=True, config=cfg)
+
+
+@requires_cuda
 def test_gpu_quantize_matches_cpu():
     w = random_weights((12, 512, 128)).to(torch.bfloat16)
     p, s = ref.mxfp4_quantize(w)
@@ -502,13 +630,15 @@ def test_gpu_quantize_matches_cpu():
 
 
 @requires_cuda
-@pytest.mark.parametrize("nibble_split_env", ["0", "1"])
-def test_gpu_opcheck_and_graph(monkeypatch, nibble_split_env):
+@pytest.mark.parametrize("nibble_split_env,gemv_env,m", [("0", "0", 16), ("1", "0", 16), ("0", "1", 1),
+                                                         ("0", "1", 8)])
+def test_gpu_opcheck_and_graph(monkeypatch, nibble_split_env, gemv_env, m):
     import kimi_ops  # noqa: F401
 
     monkeypatch.setenv("KIMI_OPS_MXFP4_NIBBLE_SPLIT", nibble_split_env)
+    monkeypatch.setenv("KIMI_OPS_MXFP4_GEMV", gemv_env)
 
-    x = torch.randn(12, 16, 128, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(12, m, 128, device="cuda", dtype=torch.bfloat16)
     p, s = ref.mxfp4_quantize(torch.randn(12, 512, 128, device="cuda"))
     torch.library.opcheck(torch.ops.kimi_ops.bmm_a16wfp4, (x, p, s))
     torch.library.opcheck(torch.ops.kimi_ops.mxfp4_quantize, (torch.randn(4, 64, device="cuda"),))

@@ -35,6 +35,24 @@ scale byte is loaded per element through a pointer tile (column ``(k0/2 + j) // 
 columns (two ``[BM, BK/2]`` strided loads), and ``acc = x_even @ w_even^T + x_odd @ w_odd^T``
 (f32). Same values as the joined decode (code 8 decodes to -0.0, the spec's value, where the
 joined decode gives +0.0: no product-sum changes). ``dot_scaled=True`` ignores it.
+
+GEMV kernel for small M (``_bmm_a16wfp4_gemv_kernel``; **off by default until measured on the
+H200**): at M = T <= 8 rows the MMA is mostly padding (sm_90's mma.sync has m16) and the H200
+numbers point at the decode-to-MMA-operand layout conversions (W_UV, K = 512: 5.5 us against
+cuBLAS's 3.6 us at T = 1, growing with K even in one K tile). With ``gemv=True`` (or
+``KIMI_OPS_MXFP4_GEMV=1`` when the argument is None; anything else, or unset: off) and
+M <= ``GEMV_MAX_M`` = 8 and the dot_scaled path not picked, one program per (BLOCK_N output
+rows, batch) covers every M row (BLOCK_M = M's power of two) and loops over K in BLOCK_K chunks
+(unrolled up to 8 chunks): the packed tile ``[1, BN, BK/2]`` is decoded by the nibble split into
+float32 ``w_even`` / ``w_odd``, x's even and odd K columns ``[BM, 1, BK/2]`` are loaded row by
+row (one uint32 load a pair when K is contiguous and rows are 4-byte aligned, else two strided
+loads), and ``x_even * w_even + x_odd * w_odd`` is added, broadcast to ``[BM, BN, BK/2]``, into a
+float32 partial sum in registers (FMAs), reduced over K once at the end with ``tl.sum``: no
+``tl.dot``, so no MMA operand layouts. On sm_90 as the JIT compiles the model's launches the PTX
+has no mma, one shared-memory round trip (the output's layout for the store: 1 ld.shared,
+1-2 st.shared) and 3-24 shuffles, against 21-30 ld.shared for the tl.dot kernel (see
+:func:`gemv_config` for the block sizes). Results equal the tl.dot kernel's up to the f32
+summation order.
 """
 import os
 
@@ -211,6 +229,84 @@ def _bmm_a16wfp4_kernel(
     tl.store(y, _to_bf16(acc, INTERP), mask=mask_m[:, None] & mask_n[None, :])
 
 
+@triton.jit
+def _gemv_x_row(x_row, kp, mask, stride_xk, X_PAIRS: tl.constexpr):
+    """One row of x at packed K positions kp (any shape): (x[2 kp], x[2 kp + 1]) as float32.
+    X_PAIRS (x contiguous along K, 4-byte aligned): one uint32 load a pair, whose low half is the
+    even element's bf16 bits and the high half the odd one's (a bf16 is the top half of its
+    float32); else two strided bf16 loads."""
+    if X_PAIRS:
+        pair = tl.load(x_row.to(tl.pointer_type(tl.uint32), bitcast=True) + kp, mask=mask, other=0)
+        return (pair << 16).to(tl.float32, bitcast=True), (pair & 0xFFFF0000).to(tl.float32, bitcast=True)
+    else:
+        xe = tl.load(x_row + 2 * kp * stride_xk, mask=mask, other=0.0).to(tl.float32)
+        xo = tl.load(x_row + (2 * kp + 1) * stride_xk, mask=mask, other=0.0).to(tl.float32)
+        return xe, xo
+
+
+@triton.jit
+def _gemv_chunk(part, x_b, w_rows, s_rows, k0, m3, n3, M, N, K, stride_xm, stride_xk, stride_wk, stride_sk,
+                BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, X_PAIRS: tl.constexpr):
+    """part [BM, BN, BK/2] + the products of K chunk [k0, k0 + BLOCK_K), elementwise: x's even and odd
+    columns [BM, 1, BK/2] against the nibble-split decode [1, BN, BK/2] (low nibbles: K elements
+    2j, high: 2j + 1), broadcast. x is loaded row by row ([1, 1, BK/2] tiles put in place with
+    where): a tile with fewer elements than the CTA has threads is a "cheap" load to Triton's
+    layout passes, which then load it straight in the product's layout (each thread its own K
+    strip, repeated over N) instead of converting a [BM, 1, BK/2] tile through shared memory."""
+    kp = k0 // 2 + tl.arange(0, BLOCK_K // 2)[None, None, :]     # [1, 1, BK/2] packed columns
+    mask_k = kp < K // 2                                          # K % 32 == 0: 2 kp < K iff kp < K/2
+    xe = tl.zeros((BLOCK_M, 1, BLOCK_K // 2), dtype=tl.float32)
+    xo = tl.zeros((BLOCK_M, 1, BLOCK_K // 2), dtype=tl.float32)
+    for mi in tl.static_range(BLOCK_M):
+        re, ro = _gemv_x_row(x_b + mi * stride_xm, kp, mask_k & (mi < M), stride_xk, X_PAIRS)
+        xe = tl.where(m3 == mi, re, xe)
+        xo = tl.where(m3 == mi, ro, xo)
+    w_mask = (n3 < N) & mask_k
+    wp = tl.load(w_rows + kp * stride_wk, mask=w_mask, other=0)
+    ws = tl.load(s_rows + (kp // 16) * stride_sk, mask=w_mask, other=0)   # the E8M0 byte of each column
+    we, wo = _mxfp4_decode_split(wp, ws)
+    return part + xe * we + xo * wo
+
+
+@triton.jit
+def _bmm_a16wfp4_gemv_kernel(
+    x_ptr, w_ptr, s_ptr, y_ptr,
+    M, N, K,
+    stride_xb, stride_xm, stride_xk,
+    stride_wb, stride_wn, stride_wk,
+    stride_sb, stride_sn, stride_sk,
+    stride_yb, stride_ym, stride_yn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    K_TILES: tl.constexpr, X_PAIRS: tl.constexpr, INTERP: tl.constexpr,
+):
+    """Small-M bmm without tl.dot: one program per (N block, batch) for all M <= BLOCK_M rows.
+    Products are summed elementwise into part [BM, BN, BK/2] over the K chunks (FMAs in each
+    thread's registers) and reduced over K once at the end."""
+    pid_n = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m3 = offs_m[:, None, None]                                    # [BM, 1, 1]
+    n3 = offs_n[None, :, None]                                    # [1, BN, 1]
+    x_b = x_ptr + b * stride_xb
+    w_rows = w_ptr + b * stride_wb + n3 * stride_wn
+    s_rows = s_ptr + b * stride_sb + n3 * stride_sn
+    part = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // 2), dtype=tl.float32)
+    if K_TILES <= 8:
+        # unrolled (Kimi-K3's K = 128, 512: 1-4 chunks), no barrier between chunks, so later
+        # chunks' loads may issue before earlier chunks' math (ptxas does so in part: gemv_config)
+        for kt in tl.static_range(K_TILES):
+            part = _gemv_chunk(part, x_b, w_rows, s_rows, kt * BLOCK_K, m3, n3, M, N, K,
+                               stride_xm, stride_xk, stride_wk, stride_sk, BLOCK_M, BLOCK_K, X_PAIRS)
+    else:
+        for kt in range(K_TILES):
+            part = _gemv_chunk(part, x_b, w_rows, s_rows, kt * BLOCK_K, m3, n3, M, N, K,
+                               stride_xm, stride_xk, stride_wk, stride_sk, BLOCK_M, BLOCK_K, X_PAIRS)
+    acc = tl.sum(part, axis=2)
+    y = y_ptr + b * stride_yb + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
+    tl.store(y, _to_bf16(acc, INTERP), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
 def _is_gfx950(device: torch.device) -> bool:
     if device.type != "cuda" or torch.version.hip is None:
         return False
@@ -245,14 +341,68 @@ def bmm_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
     return bm, bn, bk, 4, stages
 
 
+# The GEMV path's M limit: up to 8 rows one program holds all of M (BLOCK_M = M's power of two)
+# and multiplies by broadcast, each decoded weight used BLOCK_M times from registers; an MMA would
+# pad those rows to 16 (sm_90's mma.sync m16, wgmma m64) anyway. Above 8 the per-thread partial
+# sums (BLOCK_M * BLOCK_N * BLOCK_K/2 / threads) and the row-by-row x loads grow past what pays,
+# and the tl.dot kernel runs.
+GEMV_MAX_M = 8
+
+
+def use_gemv(gemv: bool | None = None) -> bool:
+    """The dot-free GEMV path (for M <= GEMV_MAX_M): ``gemv`` when given, else
+    ``KIMI_OPS_MXFP4_GEMV=1`` (anything else, or unset: off, the default)."""
+    if gemv is not None:
+        return bool(gemv)
+    return os.environ.get("KIMI_OPS_MXFP4_GEMV", "").strip() == "1"
+
+
+def gemv_config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) of the GEMV kernel from shapes alone (not yet timed).
+
+    * BLOCK_M: M's power of two (every row in one program).
+    * BLOCK_N = 16: Kimi-K3 TP8's W_UV (N = 128) gets 8 x 12 heads = 96 programs, W_UK (N = 512)
+      384, so most of the H200's 132 SMs have work at T <= 8, where the time is latency, not bytes.
+    * BLOCK_K = 128 (K's power of two if smaller) at 4 warps: an x row tile [1, 1, BLOCK_K/2] then
+      has fewer elements (64) than the CTA has threads (128), which Triton's layout passes take
+      as a cheap load and issue directly in the product's layout; at BLOCK_K/2 >= 32 * num_warps
+      x goes through shared memory instead (sm_90 PTX at M = 8, K = 512: 65 ld.shared and 65
+      barriers with BLOCK_K = 512 at 4 warps, 1 and 1 with 128). Partial sums per thread:
+      BLOCK_M * BLOCK_N * BLOCK_K/2 / 128 floats, 8 at M = 1 and 64 at M = 8 (ptxas: 32-175
+      registers, no spills, for the Kimi shapes).
+    * The cost of BLOCK_K < K (W_UV: 4 unrolled chunks): ptxas issues the later chunks' loads
+      after the first chunk's math (sm_90 SASS at M = 1: 6 of 16 loads before the first FMUL), so
+      up to a second DRAM round trip; one chunk of K = 512 at 8 warps issues every load first but
+      moves x through shared memory. bench_query.py --sweep times both.
+    """
+    bm = triton.next_power_of_2(max(1, m))
+    bk = min(128, max(32, triton.next_power_of_2(k)))
+    return bm, 16, bk, 4
+
+
+def gemv_x_pairs(x: torch.Tensor) -> bool:
+    """Whether the GEMV kernel may read x's (even, odd) K pairs as uint32: K contiguous and every
+    row start 4-byte aligned."""
+    return (x.stride(2) == 1 and x.data_ptr() % 4 == 0
+            and (x.stride(0) % 2 == 0 or x.shape[0] == 1) and (x.stride(1) % 2 == 0 or x.shape[1] == 1))
+
+
 def bmm_a16wfp4(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,
-                *, config: tuple[int, int, int, int, int] | None = None,
-                dot_scaled: bool | None = None, nibble_split: bool | None = None) -> torch.Tensor:
+                *, config: tuple[int, ...] | None = None,
+                dot_scaled: bool | None = None, nibble_split: bool | None = None,
+                gemv: bool | None = None) -> torch.Tensor:
     """``y[b] = x[b] @ dequant(w)[b]^T`` -> bf16 ``[B, M, N]`` (inputs validated by the op layer).
 
-    ``config`` / ``dot_scaled`` override the host's choice (benchmarks, tests);
-    ``nibble_split`` picks the decode path's nibble-split form (None:
-    ``KIMI_OPS_MXFP4_NIBBLE_SPLIT``, default off; ignored when the dot_scaled path runs).
+    ``dot_scaled`` overrides the host's choice of multiply (benchmarks, tests); ``nibble_split``
+    picks the decode path's nibble-split form (None: ``KIMI_OPS_MXFP4_NIBBLE_SPLIT``, default off;
+    ignored when the dot_scaled path runs); ``gemv`` the dot-free GEMV kernel (None:
+    ``KIMI_OPS_MXFP4_GEMV``, default off), which runs when on, M <= ``GEMV_MAX_M`` and the
+    dot_scaled path is not picked; otherwise the tl.dot kernel runs.
+
+    ``config`` is the config of the kernel that runs: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps,
+    num_stages) for the tl.dot kernel (default :func:`bmm_config`), (BLOCK_M, BLOCK_N, BLOCK_K,
+    num_warps) for the GEMV kernel (default :func:`gemv_config`; BLOCK_M >= M, a power of two).
+    A config of the other kernel's length raises ValueError (a sweep never times the wrong kernel).
     """
     batch, m, k = x.shape
     n = w_packed.shape[1]
@@ -262,11 +412,29 @@ def bmm_a16wfp4(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,
         return y
     if k == 0:
         return y.zero_()
+    ds = use_dot_scaled(x.device) if dot_scaled is None else dot_scaled
+    if not ds and m <= GEMV_MAX_M and use_gemv(gemv):
+        if config is not None and len(config) != 4:
+            raise ValueError(f"the GEMV kernel runs (M = {m}): config must be (BLOCK_M, BLOCK_N, "
+                             f"BLOCK_K, num_warps), got {config}")
+        bm, bn, bk, warps = config or gemv_config(m, n, k)
+        if bm < m or bm & (bm - 1):
+            raise ValueError(f"GEMV BLOCK_M must be a power of two >= M = {m}, got {bm}")
+        bk = min(bk, max(32, triton.next_power_of_2(k)))
+        _bmm_a16wfp4_gemv_kernel[(triton.cdiv(n, bn), batch)](
+            x, w_packed, w_scale, y, m, n, k,
+            *x.stride(), *w_packed.stride(), *w_scale.stride(), *y.stride(),
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, K_TILES=triton.cdiv(k, bk), X_PAIRS=gemv_x_pairs(x),
+            INTERP=interpreting(), num_warps=warps, num_stages=1,
+        )
+        return y
+    if config is not None and len(config) != 5:
+        raise ValueError(f"the tl.dot kernel runs: config must be (BLOCK_M, BLOCK_N, BLOCK_K, "
+                         f"num_warps, num_stages), got {config}")
     bm, bn, bk, warps, stages = config or bmm_config(m, n, k)
     # BLOCK_K beyond K's power of two only wastes work; and an (untuned) BLOCK_K = 4 K config
     # once faulted on the H200 under Triton 3.6 (docs/PERF.md, query section): never launch one.
     bk = min(bk, max(32, triton.next_power_of_2(k)))
-    ds = use_dot_scaled(x.device) if dot_scaled is None else dot_scaled
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), batch)
     _bmm_a16wfp4_kernel[grid](
         x, w_packed, w_scale, y, m, n, k,
@@ -311,6 +479,30 @@ def _specs():
                     num_warps=warps, num_stages=stages,
                     # dot_scaled is the gfx950 path; the decode path (either form) every target's.
                     targets=("gfx950",) if ds else ("gfx950", "gfx942", "sm90")))
+    # the dot-free GEMV kernel (KIMI_OPS_MXFP4_GEMV=1 / gemv=True): every config gemv_config returns
+    # for these shapes at M 1 .. GEMV_MAX_M (BLOCK_M 1, 2, 4, 8), with x read as uint32 pairs (the
+    # model's case: q_nope / o transposed, K contiguous) and as strided halves ("_xs"). Like the
+    # entries above, the strides are plain i32 here; the JIT also specializes an int equal to 1 (a
+    # constant) and one divisible by 16, and the GEMV's layouts depend on that (contiguous, aligned
+    # weight rows: vectorized loads, each thread a K strip), so its PTX at run time differs from
+    # this generic compile (fewer shuffles, one shared-memory round trip instead of 3-17).
+    gsig = {a: t for a, t in sig.items() if a not in ("DOT_SCALED", "NIBBLE_SPLIT")}
+    gsig["X_PAIRS"] = "constexpr"
+    gseen = set()
+    for n, k in ((512, 128), (128, 512)):
+        for m in range(1, GEMV_MAX_M + 1):
+            bm, bn, bk, warps = gemv_config(m, n, k)
+            for pairs in (True, False):
+                key = (bm, bn, bk, -(-k // bk), warps, pairs)
+                if key in gseen:
+                    continue
+                gseen.add(key)
+                specs.append({
+                    "name": f"bmm_a16wfp4_gemv_m{bm}n{bn}k{bk}t{-(-k // bk)}w{warps}" + ("" if pairs else "_xs"),
+                    "kernel": _bmm_a16wfp4_gemv_kernel, "signature": dict(gsig),
+                    "constexprs": {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "K_TILES": -(-k // bk),
+                                   "X_PAIRS": pairs, "INTERP": False},
+                    "num_warps": warps, "num_stages": 1, "targets": ("gfx950", "gfx942", "sm90")})
     return specs
 
 
