@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Benchmark bmm_a16wfp4 and mla_query (M1a) on Kimi-K3 TP8 shapes against torch's bf16 bmm.
 
-    python scripts/bench_query.py [--out query_table.md] [--sweep]
+    python scripts/bench_query.py [--out query_table.md] [--sweep | --variants]
 
 Shapes: 12 heads; W_UK [12, 512 out, 128 in] (x = q_nope.transpose(0, 1), read in place),
 W_UV [12, 128 out, 512 in] (x = o.transpose(0, 1)); T (rows) in 1, 8, 64, 256, 512.
@@ -137,6 +137,7 @@ def bench_bmm(kind, t, configs=None, dot_scaled=False, gemv_configs=None):
     res["sweep"] = {}
     if configs:
         res["sweep"].update(sweep_configs(configs, check, lambda cfg: graph_time_us(ours(cfg, gemv=False), nsets)))
+    if configs is not None:
         if not dot_scaled:   # the decode path's nibble split: the default config, then each swept one
             res["sweep"].update(sweep_configs(
                 [None, *configs], lambda cfg: check(cfg, True),
@@ -198,7 +199,7 @@ def bench_query(fmt, t, pad=None, configs=None):
 
     res["torch_m1a_us"] = graph_time_us(composite, nsets)
     res["config"] = KQ.query_config(t, H, L)
-    if configs:
+    if configs is not None:
         def check(cfg):
             gc = KQ.mla_query(qn, qp, p, s, pad, config=cfg) if mx else KQ.mla_query(qn, qp, wt, None, pad,
                                                                                      config=cfg)
@@ -214,6 +215,8 @@ def bench_query(fmt, t, pad=None, configs=None):
             res["sweep"].update(sweep_configs(
                 [None, *configs], check_split, lambda cfg: graph_time_us(ours(cfg, True), nsets),
                 split_label(res["config"])))
+    if not res.get("sweep"):
+        res.pop("sweep", None)
     del sets
     return res
 
@@ -243,18 +246,23 @@ def main():
     ap.add_argument("--out", default=None, help="markdown file for the table")
     ap.add_argument("--json", default=None)
     ap.add_argument("--sweep", action="store_true", help="also time alternative block configs")
+    ap.add_argument("--variants", action="store_true",
+                    help="at every T, only the experimental forms with their default configs: the nibble "
+                         "split, and (T <= 8) the GEMV kernel with its alternatives; no block-config sweep")
     args = ap.parse_args()
     torch.manual_seed(0)
     rows = []
     for t in TS:
         sweep_here = args.sweep and t in (1, 64, 512)
+        configs_bmm = BMM_SWEEP if sweep_here else ([] if args.variants else None)
+        configs_query = QUERY_SWEEP if sweep_here else ([] if args.variants else None)
         for kind in ("W_UK", "W_UV"):
             k = D if kind == "W_UK" else L
-            gemv_here = gemv_sweep(t, k) if args.sweep and t <= KM.GEMV_MAX_M else None
-            rows.append(bench_bmm(kind, t, BMM_SWEEP if sweep_here else None, gemv_configs=gemv_here))
+            gemv_here = gemv_sweep(t, k) if (args.sweep or args.variants) and t <= KM.GEMV_MAX_M else None
+            rows.append(bench_bmm(kind, t, configs_bmm, gemv_configs=gemv_here))
             print(rows[-1], flush=True)
         for fmt in ("bf16", "mxfp4"):
-            rows.append(bench_query(fmt, t, None, QUERY_SWEEP if sweep_here else None))
+            rows.append(bench_query(fmt, t, None, configs_query))
             print(rows[-1], flush=True)
         rows.append(bench_query("mxfp4", t, 16))
         print(rows[-1], flush=True)

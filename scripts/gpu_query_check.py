@@ -5,7 +5,8 @@
 
 1. pytest tests/test_mxfp4.py tests/test_query.py (the GPU grid, opcheck, CUDA graphs, and the
    CPU tests) -> pytest_query.log
-2. scripts/bench_query.py --sweep -> bench_query.md / bench_query.json / bench_query.log
+2. scripts/bench_query.py --variants (BENCH_QUERY_MODE=--sweep for the block-config sweep)
+   -> bench_query.md / bench_query.json / bench_query.log
 """
 import os
 import subprocess
@@ -38,7 +39,9 @@ subprocess.run(["nvidia-smi", "--query-gpu=name,clocks.sm,clocks.mem,temperature
 rc, lines = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "8",
                  "tests/test_mxfp4.py", "tests/test_query.py"], "pytest_query.log", 150)
 print("\n".join(lines[-15:]))
-rc2, lines = run([sys.executable, "scripts/bench_query.py", "--sweep", "--out", os.path.join(OUT, "bench_query.md"),
+# --variants: the session-4 forms (nibble split, GEMV) beside the defaults; --sweep for block configs
+rc2, lines = run([sys.executable, "scripts/bench_query.py", os.environ.get("BENCH_QUERY_MODE", "--variants"),
+                  "--out", os.path.join(OUT, "bench_query.md"),
                   "--json", os.path.join(OUT, "bench_query.json")], "bench_query.log", 420)
 print("\n".join(l for l in lines if l.startswith("|") or l.startswith("Device") or "Error" in l
                 or "error" in l.lower()[:80])[-8000:])
