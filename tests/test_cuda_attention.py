@@ -190,7 +190,7 @@ def test_private_partials(waves, ws, monkeypatch):
             assert not torch.isnan(o).any() and torch.equal(torch.isneginf(lse), ~fin)
             assert (o[~fin] == 0).all()
             assert ((o.double() - ro).norm() / ro.norm().clamp_min(1e-30)).item() <= 4e-3
-            assert (lse.double()[fin] - rl[fin]).abs().max().item() <= 1e-3
+            assert not fin.any() or (lse.double()[fin] - rl[fin]).abs().max().item() <= 1e-3
         o, lse = kimi_ops.mla_decode(q, kv, indptr, idx, qlen=qlen, scale=SCALE, kv_scale=0.5, num_splits=S)
         assert not torch.isnan(o).any() and ((o.double() - ro).norm() / ro.norm().clamp_min(1e-30)).item() <= 4e-3
 
