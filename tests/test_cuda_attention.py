@@ -235,3 +235,71 @@ def test_agrees_with_triton():
     fin = ~torch.isneginf(b[1])
     assert torch.equal(torch.isneginf(a[1]), ~fin)
     assert (a[1][fin] - b[1][fin]).abs().max().item() <= 1e-3
+
+
+class _RecordOps:
+    """Stands in for torch.ops.kimi_ops' private sm90 ops on the CPU: records each call's
+    arguments and returns partials / outputs of the right shapes (zeros)."""
+
+    def __init__(self):
+        self.split_calls, self.merge_calls = [], []
+
+    def _mla_decode_splitkv_sm90(self, q, kv, indptr, indices, seq_lens, qlen, qk_scale_log2, kv_scale,
+                                 num_splits, dcp_rank, dcp_world_size, rows, stages, balance, ws, zero_empty,
+                                 convert_mode):
+        self.split_calls.append(dict(num_splits=num_splits, rows=rows, stages=stages, balance=balance, ws=ws,
+                                     zero_empty=zero_empty, convert_mode=convert_mode))
+        T, H, _ = q.shape
+        return q.new_zeros(num_splits, T, H, 512), q.new_zeros(num_splits, T, H, dtype=torch.float32)
+
+    def _mla_merge_sm90(self, o_part, lse_part, pdl):
+        self.merge_calls.append(dict(pdl=pdl))
+        return o_part[0].clone(), lse_part[0].clone()
+
+
+@pytest.fixture
+def recorded_sm90(monkeypatch):
+    """The cuda backend's host code on CPU tensors, the kernels replaced by _RecordOps."""
+    import kimi_ops.hopper as hopper
+    rec = _RecordOps()
+    monkeypatch.setattr(hopper, "_ops", lambda: rec)
+    monkeypatch.setattr(hopper, "_multiprocessor_count", lambda device: 132)
+    for env in (hopper.WS_ENV, hopper.STAGES_ENV, hopper.BALANCE_WAVES_ENV, hopper.PDL_ENV, hopper.CONVERT_ENV):
+        monkeypatch.delenv(env, raising=False)
+    return hopper, rec
+
+
+def test_host_passes_the_switches(recorded_sm90, monkeypatch):
+    """What hopper.py hands the kernels: the defaults, then each switch."""
+    hopper, rec = recorded_sm90
+    q, kv, indptr, idx = make_inputs([300, 40], 1, 12)
+    args = (q, kv, indptr, idx, 1, SCALE, 0.5, 8)
+    hopper.mla_merge(*hopper.mla_decode_splitkv(*args))
+    one_wave = hopper.one_wave_splits(2, 1, 12, idx.shape[0])
+    assert rec.split_calls[-1] == dict(num_splits=8, rows=16, stages=2, balance=2 * one_wave, ws=False,
+                                       zero_empty=True, convert_mode=0)
+    assert rec.merge_calls[-1] == dict(pdl=False)
+    monkeypatch.setenv(hopper.WS_ENV, "1")
+    monkeypatch.setenv(hopper.BALANCE_WAVES_ENV, "2")
+    monkeypatch.setenv(hopper.PDL_ENV, "1")
+    monkeypatch.setenv(hopper.CONVERT_ENV, "3")
+    hopper.mla_merge(*hopper.mla_decode_splitkv(*args, zero_empty=False))
+    ws_wave = hopper.one_wave_splits(2, 1, 12, idx.shape[0])   # one CTA a SM now
+    assert rec.split_calls[-1] == dict(num_splits=8, rows=16, stages=hopper.WS_STAGES, balance=2 * 2 * ws_wave,
+                                       ws=True, zero_empty=False, convert_mode=0)   # CONVERT: not for WS
+    assert rec.merge_calls[-1] == dict(pdl=True)
+    monkeypatch.setenv(hopper.WS_ENV, "0")
+    hopper.mla_decode_splitkv(*args)
+    assert rec.split_calls[-1]["convert_mode"] == 3 and rec.split_calls[-1]["stages"] == 2
+
+
+def test_mla_decode_keeps_its_partials_private(recorded_sm90, monkeypatch):
+    """mla_decode lets empty splits skip their o (its merge never reads it); the public
+    mla_decode_splitkv does not (its contract: o = 0 for an empty split)."""
+    hopper, rec = recorded_sm90
+    monkeypatch.setattr(dispatch, "implementation", lambda op, device: getattr(hopper, op))
+    q, kv, indptr, idx = make_inputs([300, 40], 1, 12)
+    kimi_ops.mla_decode(q, kv, indptr, idx, qlen=1, scale=SCALE, kv_scale=0.5, num_splits=4)
+    assert rec.split_calls[-1]["zero_empty"] is False and len(rec.merge_calls) == 1
+    kimi_ops.mla_decode_splitkv(q, kv, indptr, idx, qlen=1, scale=SCALE, kv_scale=0.5, num_splits=4)
+    assert rec.split_calls[-1]["zero_empty"] is True
