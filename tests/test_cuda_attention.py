@@ -196,7 +196,7 @@ def test_private_partials(waves, ws, monkeypatch):
 
 
 @sm90
-@pytest.mark.parametrize("pdl", ["0", "1"])
+@pytest.mark.parametrize("pdl", ["0", "1"], ids=["no_pdl", "pdl"])
 def test_merge(pdl, monkeypatch):
     import kimi_ops.hopper as hopper
     import kimi_ops.kernels.attention as triton_kernels
@@ -210,7 +210,7 @@ def test_merge(pdl, monkeypatch):
 
 
 @sm90
-@pytest.mark.parametrize("pdl", ["0", "1"])
+@pytest.mark.parametrize("pdl", ["0", "1"], ids=["no_pdl", "pdl"])
 def test_public_ops_and_cuda_graph(pdl, monkeypatch):
     """mla_decode through the dispatcher (auto -> cuda), captured in a CUDA graph, replayed after
     the lengths, indices and q changed in place: equal to eager and to the oracle; also with the
