@@ -21,7 +21,7 @@ namespace kimi_ops {
 
 // PTX prmt.b32 in its default mode: result byte i is byte (nibble_i & 7) of {y, x} (x = bytes
 // 0..3), or, when nibble_i & 8, that byte's sign bit replicated over all eight bits.
-KIMI_OPS_HOST_DEVICE uint32_t prmt_signed(uint32_t x, uint32_t y, uint32_t selector) {
+KIMI_OPS_HOST_DEVICE uint32_t prmt(uint32_t x, uint32_t y, uint32_t selector) {
 #ifdef __CUDA_ARCH__
   uint32_t d;
   asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(d) : "r"(x), "r"(y), "r"(selector));
@@ -45,7 +45,7 @@ KIMI_OPS_HOST_DEVICE uint32_t prmt_signed(uint32_t x, uint32_t y, uint32_t selec
 // After << 7 each half holds sign (bit 15), the byte's own sign bit (14, masked off) and the
 // magnitude (13..7); the sign bytes' other bits land in the other half's masked bits 16..22.
 KIMI_OPS_HOST_DEVICE uint32_t e4m3x2_to_f16x2_scaled(uint32_t x, uint32_t y, uint32_t selector) {
-  return (prmt_signed(x, y, selector) << 7) & 0xBF80BF80u;
+  return (prmt(x, y, selector) << 7) & 0xBF80BF80u;
 }
 
 // selectors: bytes (0, 1) and (2, 3) of one word; byte j (0..3) of two words (x low, y high)

@@ -127,12 +127,6 @@ __device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t two_bytes) {
   return out;
 }
 
-__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
-  uint32_t d;
-  asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
-  return d;
-}
-
 __device__ __forceinline__ void mma_f16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
@@ -252,6 +246,24 @@ __device__ __forceinline__ void stage_query_rows(const SplitKVParams& p, __half*
     }
     if (lane == 0) row_fac[r] = ldexpf(p.qk_scale_log2, (int_k ? 8 : 0) - k);
   }
+}
+
+// The thread's two query rows, r0 and r0 + 8 (request-relative): each row's token limit (the
+// tokens it sees, capped at the split's end), the online-softmax state, and O = 0.
+__device__ __forceinline__ void init_row_state(const SplitKVParams& p, const CtaWork& w, int r0, int (&lim)[2],
+                                               float (&m_run)[2], float (&l_run)[2], float (&acc)[16][4]) {
+  const int rows_per_req = p.qlen * p.heads;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = r0 + 8 * h;
+    lim[h] = r < rows_per_req
+                 ? min(visible_tokens(w.n, w.n_global, p.qlen, r / p.heads, p.dcp_rank, p.dcp_world), w.hi)
+                 : 0;
+    m_run[h] = -INFINITY;
+    l_run[h] = 0.f;
+  }
+#pragma unroll
+  for (int j = 0; j < 16; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
 }
 
 // S = Q K^T over the warp's 16 tokens of a tile: s[nt] holds (row g / g+8, token nt*8 + 2c + {0,1}).
@@ -413,7 +425,7 @@ __global__ void __launch_bounds__(128 * MT, 1) splitkv_kernel(const SplitKVParam
   const int row0 = blockIdx.x * kRows;  // first row of this CTA within its request
   griddep_launch_dependents();
   const CtaWork work = cta_work(p, kRows);
-  const int start = work.start, n = work.n, n_global = work.n_global;
+  const int start = work.start;
   const int lo = work.lo, hi = work.hi, ntiles = work.ntiles, valid_rows = work.valid_rows;
   const int64_t flat0 = work.flat0;
   if (ntiles == 0) {  // an empty split: the slot goes to the next CTA at once
@@ -465,16 +477,7 @@ __global__ void __launch_bounds__(128 * MT, 1) splitkv_kernel(const SplitKVParam
   int lim[2];
   float m_run[2], l_run[2];
   float acc[16][4];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int r = row0 + mg * 16 + g + 8 * h;
-    lim[h] = r < rows_per_req ? min(visible_tokens(n, n_global, p.qlen, r / p.heads, p.dcp_rank, p.dcp_world), hi)
-                              : 0;
-    m_run[h] = -INFINITY;
-    l_run[h] = 0.f;
-  }
-#pragma unroll
-  for (int j = 0; j < 16; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+  init_row_state(p, work, row0 + mg * 16 + g, lim, m_run, l_run, acc);
 
   __syncthreads();  // Q and row_fac in smem
   const float row_fac[2] = {sm.row_fac[mg * 16 + g], sm.row_fac[mg * 16 + g + 8]};
@@ -598,7 +601,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) splitkv_ws_kernel(const SplitKV
   const int row0 = blockIdx.x * kRows;
   griddep_launch_dependents();
   const CtaWork work = cta_work(p, kRows);
-  const int start = work.start, n = work.n, n_global = work.n_global;
+  const int start = work.start;
   const int lo = work.lo, hi = work.hi, ntiles = work.ntiles, valid_rows = work.valid_rows;
   const int64_t flat0 = work.flat0;
   if (ntiles == 0) {
@@ -660,16 +663,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) splitkv_ws_kernel(const SplitKV
   int lim[2];
   float m_run[2], l_run[2];
   float acc[16][4];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int r = row0 + g + 8 * h;
-    lim[h] = r < rows_per_req ? min(visible_tokens(n, n_global, p.qlen, r / p.heads, p.dcp_rank, p.dcp_world), hi)
-                              : 0;
-    m_run[h] = -INFINITY;
-    l_run[h] = 0.f;
-  }
-#pragma unroll
-  for (int j = 0; j < 16; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+  init_row_state(p, work, row0 + g, lim, m_run, l_run, acc);
   named_barrier(1, kConsumerThreads);  // Q and row_fac in smem
   const float row_fac[2] = {sm.row_fac[g], sm.row_fac[g + 8]};
   const __half* q_lane = &sm.q[(lane & 15) * kQStride + (lane >> 4) * 8];
@@ -988,7 +982,7 @@ std::tuple<at::Tensor, at::Tensor> mla_merge_sm90(const at::Tensor& o_part, cons
   config.attrs = &attribute;
   config.numAttrs = pdl ? 1 : 0;
   C10_CUDA_CHECK(cudaLaunchKernelEx(&config, merge_kernel, reinterpret_cast<const __nv_bfloat16*>(o_part.data_ptr()),
-                                    static_cast<const float*>(lse_part.data_ptr<float>()),
+                                    lse_part.data_ptr<float>(),
                                     reinterpret_cast<__nv_bfloat16*>(o.data_ptr()), lse.data_ptr<float>(),
                                     static_cast<int>(rows), static_cast<int>(S), kLatent / col_blocks));
   return {o, lse};
