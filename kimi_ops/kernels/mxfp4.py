@@ -108,6 +108,17 @@ def _mxfp4_decode_split(packed, scale):
 
 
 @triton.jit
+def _load_mxfp4_split(w_rows, s_rows, kp, mask, stride_k, stride_s):
+    """Load and decode (nibble split) the packed weight columns kp (any shape broadcasting with
+    the row pointers w_rows / s_rows) -> (w_even, w_odd) float32: the packed bytes at
+    ``w_rows + kp * stride_k`` and each column's E8M0 byte at ``s_rows + (kp // 16) * stride_s``
+    (one scale per 16 packed columns = 32 elements); masked-off columns decode to 0."""
+    packed = tl.load(w_rows + kp * stride_k, mask=mask, other=0)
+    scale = tl.load(s_rows + (kp // 16) * stride_s, mask=mask, other=0)
+    return _mxfp4_decode_split(packed, scale)
+
+
+@triton.jit
 def _round_e4m3(v):
     """Round float32 to 3 mantissa bits, to nearest even (exact E4M3 for |v| in [2^-6, 448])."""
     b = v.to(tl.uint32, bitcast=True)
@@ -208,9 +219,7 @@ def _bmm_a16wfp4_kernel(
             x_msk = mask_m[:, None] & mask_kp
             xe = tl.load(x_even, mask=x_msk, other=0.0)
             xo = tl.load(x_even + stride_xk, mask=x_msk, other=0.0)
-            wp = tl.load(w_base + kp[None, :] * stride_wk, mask=mask_n[:, None] & mask_kp, other=0)
-            wse = tl.load(s_base + (kp // 16)[None, :] * stride_sk, mask=mask_n[:, None] & mask_kp, other=0)
-            we, wo = _mxfp4_decode_split(wp, wse)
+            we, wo = _load_mxfp4_split(w_base, s_base, kp[None, :], mask_n[:, None] & mask_kp, stride_wk, stride_sk)
             acc = tl.dot(_dot_operand(xe, INTERP), tl.trans(_dot_operand(we, INTERP)), acc)
             acc = tl.dot(_dot_operand(xo, INTERP), tl.trans(_dot_operand(wo, INTERP)), acc)
         else:
@@ -261,10 +270,7 @@ def _gemv_chunk(part, x_b, w_rows, s_rows, k0, m3, n3, M, N, K, stride_xm, strid
         re, ro = _gemv_x_row(x_b + mi * stride_xm, kp, mask_k & (mi < M), stride_xk, X_PAIRS)
         xe = tl.where(m3 == mi, re, xe)
         xo = tl.where(m3 == mi, ro, xo)
-    w_mask = (n3 < N) & mask_k
-    wp = tl.load(w_rows + kp * stride_wk, mask=w_mask, other=0)
-    ws = tl.load(s_rows + (kp // 16) * stride_sk, mask=w_mask, other=0)   # the E8M0 byte of each column
-    we, wo = _mxfp4_decode_split(wp, ws)
+    we, wo = _load_mxfp4_split(w_rows, s_rows, kp, (n3 < N) & mask_k, stride_wk, stride_sk)
     return part + xe * we + xo * wo
 
 

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from . import interpreting
-from .mxfp4 import (_dot_mxfp4_scaled, _dot_operand, _mxfp4_decode, _mxfp4_decode_split, _to_bf16,
+from .mxfp4 import (_dot_mxfp4_scaled, _dot_operand, _load_mxfp4_split, _mxfp4_decode, _to_bf16,
                     use_dot_scaled, use_nibble_split)
 
 
@@ -63,12 +63,9 @@ def _mla_query_kernel(
             q_msk = mask_m[:, None] & mask_dp
             qe = tl.load(q_even, mask=q_msk, other=0.0)
             qo = tl.load(q_even + stride_qnd, mask=q_msk, other=0.0)
-            w_msk = mask_n[:, None] & mask_dp
-            wp = tl.load(w_ptr + h64 * stride_wh + offs_n[:, None] * stride_w1 + offs_dp[None, :] * stride_w2,
-                         mask=w_msk, other=0)
-            wse = tl.load(s_ptr + h64 * stride_sh + offs_n[:, None] * stride_sl + (offs_dp // 16)[None, :] * stride_sd,
-                          mask=w_msk, other=0)
-            we, wo = _mxfp4_decode_split(wp, wse)
+            we, wo = _load_mxfp4_split(w_ptr + h64 * stride_wh + offs_n[:, None] * stride_w1,
+                                       s_ptr + h64 * stride_sh + offs_n[:, None] * stride_sl, offs_dp[None, :],
+                                       mask_n[:, None] & mask_dp, stride_w2, stride_sd)
             acc = tl.dot(_dot_operand(qe, INTERP), tl.trans(_dot_operand(we, INTERP)))
             acc = tl.dot(_dot_operand(qo, INTERP), tl.trans(_dot_operand(wo, INTERP)), acc)
         else:
