@@ -31,27 +31,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 
-from kimi_ops.runtime import DecodeMetadata, MLAConfig, MLADecodeLayer, allocate_blocks  # noqa: E402
+from bench_layer import decode_set  # noqa: E402
 
-BLOCK = 64
-
-
-def make_set(config, weights, batch, context, qlen, seed, device, group=None, world=1, rank=0):
-    """One input set: a layer (random weights), a cache with random rows for this rank's tokens,
-    the metadata of ``batch`` requests of ``context`` tokens (global), and a hidden state."""
-    layer = MLADecodeLayer(config, weights=weights, device=device, seed=seed + rank, dcp_group=group)
-    local_max = -(-(context + qlen) // world) + BLOCK
-    block_table, num_blocks = allocate_blocks(batch, local_max, BLOCK, seed=seed, device=device)
-    gen = torch.Generator(device=device).manual_seed(seed + 100 + rank)
-    cache = layer.new_kv_cache(num_blocks, BLOCK)
-    for b in range(num_blocks):  # block by block: no float32 copy of the whole cache
-        cache[b] = (torch.randn(BLOCK, 576, device=device, generator=gen) / layer.kv_scale).to(cache.dtype)
-    md = DecodeMetadata.allocate(batch, batch * local_max, qlen=qlen, block_size=BLOCK,
-                                 max_blocks=block_table.shape[1], device=device,
-                                 dcp_world_size=world, dcp_rank=rank)
-    md.update_(torch.full((batch,), context + qlen, dtype=torch.int32, device=device), block_table)
-    hidden = torch.randn(batch * qlen, config.hidden_size, device=device, generator=gen).to(torch.bfloat16)
-    return layer, cache, md, hidden
+from kimi_ops.runtime import MLAConfig  # noqa: E402
 
 
 def time_steps(sets, reps, barrier, use_graph):
@@ -84,12 +66,13 @@ def _rank_main(rank, world, init_file, opts, results):
         with torch.no_grad():
             for batch in opts["batches"]:
                 args = (config, opts["weights"], batch, opts["context"], opts["qlen"])
-                sets = [make_set(*args, seed, device, dist.group.WORLD, world, rank) for seed in (0, 1)]
+                sets = [decode_set(*args, seed + 16 * rank, device, dcp_group=dist.group.WORLD, dcp_world=world,
+                                   dcp_rank=rank) for seed in (0, 1)]
                 dcp_s = time_steps(sets, opts["reps"], dist.barrier, use_gpu)
                 del sets
                 one_s = None
                 if rank == 0:
-                    sets = [make_set(*args, seed, device) for seed in (0, 1)]
+                    sets = [decode_set(*args, seed, device) for seed in (0, 1)]
                     one_s = time_steps(sets, opts["reps"], None, use_gpu)
                     del sets
                 if use_gpu:

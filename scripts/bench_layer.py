@@ -123,17 +123,28 @@ def profile(runners, log, iters: int = 20) -> None:
         log(f"    {us:8.1f} us  x{count:<2} {key[:90]}")
 
 
-def make_set(cfg, weights, batch, context, qlen, seed, block_size=64, margin=256):
-    layer = MLADecodeLayer(cfg, weights=weights, device="cuda", seed=seed)
-    max_len = context + margin
-    bt, nblocks = allocate_blocks(batch, max_len, block_size, seed=seed, device="cuda")
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    cache = (torch.randn(nblocks, block_size, 576, device="cuda", generator=gen) / layer.kv_scale
+def decode_set(cfg, weights, batch, context, qlen, seed, device="cuda", block_size=64, margin=256,
+               dcp_group=None, dcp_world=1, dcp_rank=0):
+    """One input set of a decode step: a layer with random weights, a cache of random rows,
+    the metadata of ``batch`` requests of ``context`` tokens (global positions; under DCP the
+    cache holds rank ``dcp_rank``'s share, p % dcp_world == dcp_rank), a hidden state.
+    Returns (layer, cache, md, hidden)."""
+    layer = MLADecodeLayer(cfg, weights=weights, device=device, seed=seed, dcp_group=dcp_group)
+    max_len = -(-context // dcp_world) + margin      # tokens a request on this rank
+    bt, nblocks = allocate_blocks(batch, max_len, block_size, seed=seed, device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    cache = (torch.randn(nblocks, block_size, 576, device=device, generator=gen) / layer.kv_scale
              ).to(torch.float8_e4m3fn)
     md = DecodeMetadata.allocate(batch, batch * max_len, qlen=qlen, block_size=block_size,
-                                 max_blocks=bt.shape[1], device="cuda")
-    md.update_(torch.full((batch,), context, dtype=torch.int32, device="cuda"), bt)
-    hidden = torch.randn(batch * qlen, cfg.hidden_size, device="cuda", generator=gen).to(torch.bfloat16)
+                                 max_blocks=bt.shape[1], device=device, dcp_world_size=dcp_world,
+                                 dcp_rank=dcp_rank)
+    md.update_(torch.full((batch,), context, dtype=torch.int32, device=device), bt)
+    hidden = torch.randn(batch * qlen, cfg.hidden_size, device=device, generator=gen).to(torch.bfloat16)
+    return layer, cache, md, hidden
+
+
+def make_set(cfg, weights, batch, context, qlen, seed):
+    layer, cache, md, hidden = decode_set(cfg, weights, batch, context, qlen, seed)
     return dict(layer=layer, cache=cache, md=md, hidden=hidden, plain_in=PlainInputs(md, context),
                 plain_w=plain_weights(layer))
 
