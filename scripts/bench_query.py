@@ -9,14 +9,15 @@ Peer: torch.bmm on the dequantized bf16 weights (stored [H, K, N], as vLLM keeps
 same activations. Timing: a CUDA graph of R back-to-back calls over R rotating input sets
 (R such that the sets span >= 128 MB, several times the L2), replayed; time per call =
 median replay / R. Floor = (weight bytes + activation bytes in + out) / 4.31 TB/s
-(DESIGN.md's measured HBM read ceiling). With --sweep, the MXFP4 decode path is also timed in
-its nibble-split form (``nibble_split=True``: no join / reshape in the decode) for the default
-config and each swept one: sweep entries "split default (...)" and "split (...)"; and at T <= 8
-(kimi_ops.kernels.mxfp4.GEMV_MAX_M) the dot-free GEMV kernel (``gemv=True``) with its default
-``gemv_config`` and a few alternatives: entries "gemv default (BLOCK_M, BLOCK_N, BLOCK_K, warps)"
-and "gemv (...)" (BLOCK_K as launched: clamped to K). The main "ours" column is the library's
-default path (``KIMI_OPS_MXFP4_GEMV`` unset: the tl.dot kernel); the decode sweep entries force
-``gemv=False``.
+(DESIGN.md's measured HBM read ceiling). The main "ours" column is the library's default path
+(kimi_ops.kernels.mxfp4.use_gemv: the GEMV kernel at T = 1, and at T <= 8 when K >= 512, else
+the tl.dot kernel; ``KIMI_OPS_MXFP4_GEMV=0/1`` forces either); the row's op says "(gemv)" and its
+config is the GEMV's 4-tuple when the GEMV ran. With --sweep or --variants, at T <= 8
+(GEMV_MAX_M) both bmm kernels are also timed forced: "dot default (BLOCK_M, BLOCK_N, BLOCK_K,
+warps, stages)" (the tl.dot kernel, ``gemv=False``, at ``bmm_config``), "gemv default (BLOCK_M,
+BLOCK_N, BLOCK_K, warps)" (``gemv=True`` at ``gemv_config``) and "gemv (...)" alternatives
+(BLOCK_K as launched: clamped to K). --sweep also times the tl.dot kernel's swept block configs
+(``gemv=False``) and mla_query's at T = 1, 64, 512.
 """
 from __future__ import annotations
 
@@ -31,11 +32,11 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from graph_timing import time_graph  # noqa: E402
+from graph_timing import time_graph
 
-from kimi_ops.kernels import mxfp4 as KM  # noqa: E402
-from kimi_ops.kernels import query as KQ  # noqa: E402
-from kimi_ops.reference import mxfp4 as ref  # noqa: E402
+from kimi_ops.kernels import mxfp4 as KM
+from kimi_ops.kernels import query as KQ
+from kimi_ops.reference import mxfp4 as ref
 
 HBM = 4.31e12
 H, D, L, P = 12, 128, 512, 64
@@ -55,14 +56,9 @@ def sweep_configs(configs, check, time_us, label=str):
         try:
             check(cfg)
             sweep[label(cfg)] = time_us(cfg)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 (a failing config is recorded, the sweep goes on)
             sweep[label(cfg)] = f"error: {type(exc).__name__} {exc}"[:200]
     return sweep
-
-
-def split_label(default):
-    """Sweep keys of the nibble-split runs: "split default (...)" for None, "split (...)" else."""
-    return lambda cfg: f"split default {default}" if cfg is None else f"split {cfg}"
 
 
 def gemv_label(default):
@@ -70,14 +66,15 @@ def gemv_label(default):
     return lambda cfg: f"gemv default {default}" if cfg is None else f"gemv {cfg}"
 
 
-def gemv_sweep(t, k):
-    """Alternative GEMV configs at T rows, K: one chunk of K = 512 at 8 warps (every load issued up
-    front, x through shared memory), 256 at 8 warps, BLOCK_N 8 (twice the programs), BLOCK_N 32 at
-    8 warps; BLOCK_K clamped to K as the launcher does, duplicates and the default dropped."""
-    bm = KM.gemv_config(t, 1, k)[0]
-    default = KM.gemv_config(t, 1, k)
+def gemv_sweep(t, n, k):
+    """Alternative GEMV configs at T rows, N, K: BLOCK_K 128 at 4 warps (x's row tile a cheap load),
+    one chunk of K = 512 at 8 warps (every load issued up front, x through shared memory), 256 at
+    8 warps, BLOCK_N 8 (twice the programs), BLOCK_N 32 at 8 warps; BLOCK_K clamped to K as the
+    launcher does, duplicates and the default dropped."""
+    default = KM.gemv_config(t, n, k)
+    bm = default[0]
     out = []
-    for bn, bk, warps in ((16, 512, 8), (16, 256, 8), (8, 128, 4), (32, 128, 8)):
+    for bn, bk, warps in ((16, 128, 4), (16, 512, 8), (16, 256, 8), (8, 128, 4), (32, 128, 8)):
         cfg = (bm, bn, min(bk, max(32, 1 << (k - 1).bit_length())), warps)
         if cfg != default and cfg not in out:
             out.append(cfg)
@@ -105,11 +102,10 @@ def bench_bmm(kind, t, configs=None, dot_scaled=False, gemv_configs=None):
            "torch_floor_us": (H * n * k * 2 + act_bytes) / HBM * 1e6, "nsets": nsets}
     outs = [None] * nsets
 
-    def ours(cfg, nibble_split=None, gemv=None):
+    def ours(cfg, gemv=None):
         def f(i):
             x, p, s, _ = sets[i]
-            outs[i] = KM.bmm_a16wfp4(x, p, s, config=cfg, dot_scaled=dot_scaled, nibble_split=nibble_split,
-                                     gemv=gemv)
+            outs[i] = KM.bmm_a16wfp4(x, p, s, config=cfg, dot_scaled=dot_scaled, gemv=gemv)
         return f
 
     def peer(i):
@@ -123,26 +119,24 @@ def bench_bmm(kind, t, configs=None, dot_scaled=False, gemv_configs=None):
     res["rel_err"] = float((y - r).norm() / r.norm())
     res["ours_us"] = graph_time_us(ours(None), nsets)
     res["torch_us"] = graph_time_us(peer, nsets)
-    default_gemv = not dot_scaled and t <= KM.GEMV_MAX_M and KM.use_gemv()
+    default_gemv = not dot_scaled and KM.use_gemv(t, n, k)
     res["config"] = KM.gemv_config(t, n, k) if default_gemv else KM.bmm_config(t, n, k)
     if default_gemv:
         res["op"] += " (gemv)"
 
-    def check(cfg, nibble_split=None, gemv=False):
-        yc = KM.bmm_a16wfp4(x, p, s, config=cfg, dot_scaled=dot_scaled, nibble_split=nibble_split,
-                            gemv=gemv).double()
+    def check(cfg, gemv=False):
+        yc = KM.bmm_a16wfp4(x, p, s, config=cfg, dot_scaled=dot_scaled, gemv=gemv).double()
         ec = float((yc - r).norm() / r.norm())
         assert ec < 4e-3, ec
 
     res["sweep"] = {}
+    if configs is not None and not dot_scaled and t <= KM.GEMV_MAX_M:
+        # the tl.dot kernel forced at its default config (where the default may be the GEMV)
+        res["sweep"].update(sweep_configs(
+            [None], check, lambda cfg: graph_time_us(ours(cfg, gemv=False), nsets),
+            lambda cfg: f"dot default {KM.bmm_config(t, n, k)}"))
     if configs:
         res["sweep"].update(sweep_configs(configs, check, lambda cfg: graph_time_us(ours(cfg, gemv=False), nsets)))
-    if configs is not None:
-        if not dot_scaled:   # the decode path's nibble split: the default config, then each swept one
-            res["sweep"].update(sweep_configs(
-                [None, *configs], lambda cfg: check(cfg, True),
-                lambda cfg: graph_time_us(ours(cfg, True, gemv=False), nsets),
-                split_label(KM.bmm_config(t, n, k))))
     if gemv_configs is not None and not dot_scaled and t <= KM.GEMV_MAX_M:
         # the dot-free GEMV kernel: its default config, then each alternative
         res["sweep"].update(sweep_configs(
@@ -150,7 +144,7 @@ def bench_bmm(kind, t, configs=None, dot_scaled=False, gemv_configs=None):
             lambda cfg: graph_time_us(ours(cfg, gemv=True), nsets), gemv_label(KM.gemv_config(t, n, k))))
     if not res["sweep"]:
         del res["sweep"]
-    del sets
+    sets.clear()   # frees the inputs (the closures above still name the list)
     return res
 
 
@@ -172,10 +166,10 @@ def bench_query(fmt, t, pad=None, configs=None):
            "torch_floor_us": (H * D * L * 2 + H * t * D * 2 + H * t * L * 2) / HBM * 1e6, "nsets": nsets}
     outs = [None] * nsets
 
-    def ours(cfg, nibble_split=None):
+    def ours(cfg):
         def f(i):
             qn, qp, p, s, wt = sets[i]
-            outs[i] = (KQ.mla_query(qn, qp, p, s, pad, config=cfg, nibble_split=nibble_split) if mx
+            outs[i] = (KQ.mla_query(qn, qp, p, s, pad, config=cfg) if mx
                        else KQ.mla_query(qn, qp, wt, None, pad, config=cfg))
         return f
 
@@ -206,18 +200,9 @@ def bench_query(fmt, t, pad=None, configs=None):
             assert torch.equal(gc, got)
 
         res["sweep"] = sweep_configs(configs, check, lambda cfg: graph_time_us(ours(cfg), nsets))
-        if mx:   # the decode's nibble split (another summation order: checked against the reference)
-            def check_split(cfg):
-                gc = KQ.mla_query(qn, qp, p, s, pad, config=cfg, nibble_split=True).double()
-                ec = float((gc - r).norm() / r.norm())
-                assert ec < 4e-3, ec
-
-            res["sweep"].update(sweep_configs(
-                [None, *configs], check_split, lambda cfg: graph_time_us(ours(cfg, True), nsets),
-                split_label(res["config"])))
     if not res.get("sweep"):
         res.pop("sweep", None)
-    del sets
+    sets.clear()   # frees the inputs (the closures above still name the list)
     return res
 
 
@@ -228,8 +213,8 @@ QUERY_SWEEP = [(16, 32, 4), (16, 64, 4), (32, 64, 4), (64, 64, 4), (128, 64, 4),
 
 
 def table(rows):
-    lines = ["| op | T | ours (us) | best swept (us) | torch bf16 bmm (us) | torch M1a bmm+cat (us) | floor (us) "
-             "| ours / floor | torch bmm / ours | rel err |",
+    lines = [("| op | T | ours (us) | best swept (us) | torch bf16 bmm (us) | torch M1a bmm+cat (us) | floor (us) "
+              "| ours / floor | torch bmm / ours | rel err |"),
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         sw = [v for v in r.get("sweep", {}).values() if isinstance(v, float)]
@@ -247,8 +232,8 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("--sweep", action="store_true", help="also time alternative block configs")
     ap.add_argument("--variants", action="store_true",
-                    help="at every T, only the experimental forms with their default configs: the nibble "
-                         "split, and (T <= 8) the GEMV kernel with its alternatives; no block-config sweep")
+                    help="at T <= 8, both bmm kernels forced (the tl.dot kernel at its default config, the "
+                         "GEMV at its default and alternatives) beside the library default; no block-config sweep")
     args = ap.parse_args()
     torch.manual_seed(0)
     rows = []
@@ -258,7 +243,8 @@ def main():
         configs_query = QUERY_SWEEP if sweep_here else ([] if args.variants else None)
         for kind in ("W_UK", "W_UV"):
             k = D if kind == "W_UK" else L
-            gemv_here = gemv_sweep(t, k) if (args.sweep or args.variants) and t <= KM.GEMV_MAX_M else None
+            n = L if kind == "W_UK" else D
+            gemv_here = gemv_sweep(t, n, k) if (args.sweep or args.variants) and t <= KM.GEMV_MAX_M else None
             rows.append(bench_bmm(kind, t, configs_bmm, gemv_configs=gemv_here))
             print(rows[-1], flush=True)
         for fmt in ("bf16", "mxfp4"):

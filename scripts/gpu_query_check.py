@@ -24,7 +24,7 @@ def run(cmd, log, timeout):
     t0 = time.time()
     with open(os.path.join(OUT, log), "w") as f:
         try:
-            r = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
+            r = subprocess.run(cmd, check=False, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
             rc = r.returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
@@ -39,10 +39,10 @@ subprocess.run(["nvidia-smi", "--query-gpu=name,clocks.sm,clocks.mem,temperature
 rc, lines = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "8",
                  "tests/test_mxfp4.py", "tests/test_query.py"], "pytest_query.log", 150)
 print("\n".join(lines[-15:]))
-# --variants: the session-4 forms (nibble split, GEMV) beside the defaults; --sweep for block configs
+# --variants: at T <= 8 both bmm kernels forced (tl.dot, GEMV + alternatives) beside the default; --sweep for block configs
 rc2, lines = run([sys.executable, "scripts/bench_query.py", os.environ.get("BENCH_QUERY_MODE", "--variants"),
                   "--out", os.path.join(OUT, "bench_query.md"),
                   "--json", os.path.join(OUT, "bench_query.json")], "bench_query.log", 420)
-print("\n".join(l for l in lines if l.startswith("|") or l.startswith("Device") or "Error" in l
+print("\n".join(l for l in lines if l.startswith(("|", "Device")) or "Error" in l
                 or "error" in l.lower()[:80])[-8000:])
 sys.exit(0 if rc == 0 and rc2 == 0 else 1)

@@ -23,8 +23,8 @@ import triton.language as tl
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from kimi_ops.kernels.mxfp4 import _mxfp4_decode, _mxfp4_decode_split
-from kimi_ops.reference import mxfp4 as ref  # noqa: E402
+from kimi_ops.kernels.mxfp4 import _mxfp4_decode, _mxfp4_decode_even_odd
+from kimi_ops.reference import mxfp4 as ref
 
 HAS_CUDA = torch.cuda.is_available()
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
@@ -276,7 +276,7 @@ def test_reference_bmm_matches_float64():
 # ----------------------------------------------------------------------------------------------
 # the Triton kernel: shared checks (run in the interpreter subprocess and on the GPU)
 
-def check_bmm(b, m, n, k, *, device="cpu", dot_scaled=None, nibble_split=None, config=None, strided=False,
+def check_bmm(b, m, n, k, *, device="cpu", dot_scaled=None, config=None, strided=False,
               nan_block=False, seed=0, gemv=None):
     from kimi_ops.kernels import mxfp4 as K
 
@@ -297,8 +297,7 @@ def check_bmm(b, m, n, k, *, device="cpu", dot_scaled=None, nibble_split=None, c
     if nan_block:
         s[0, n - 1, 0] = 255
     want = oracle_bmm(x, p, s)
-    y = K.bmm_a16wfp4(x, p.to(device), s.to(device), dot_scaled=dot_scaled, nibble_split=nibble_split,
-                      config=config, gemv=gemv)
+    y = K.bmm_a16wfp4(x, p.to(device), s.to(device), dot_scaled=dot_scaled, config=config, gemv=gemv)
     assert y.shape == (b, m, n) and y.dtype == torch.bfloat16 and y.is_contiguous()
     if nan_block:
         assert torch.isnan(y[0, :, n - 1]).all().item()
@@ -306,7 +305,7 @@ def check_bmm(b, m, n, k, *, device="cpu", dot_scaled=None, nibble_split=None, c
         y[0, :, n - 1] = 0
         want[0, :, n - 1] = 0
     err = rel_err(y, want)
-    assert err < 4e-3, (b, m, n, k, dot_scaled, nibble_split, gemv, config, strided, err)
+    assert err < 4e-3, (b, m, n, k, dot_scaled, gemv, config, strided, err)
     # same function as the reference (float32 math on the same weights, one bf16 rounding)
     r = ref.bmm_a16wfp4(x.cpu(), p, s)
     if nan_block:
@@ -317,19 +316,20 @@ def check_bmm(b, m, n, k, *, device="cpu", dot_scaled=None, nibble_split=None, c
 
 @triton.jit
 def _decode_both_kernel(p_ptr, s_ptr, joined_ptr, even_ptr, odd_ptr, BN: tl.constexpr, BK: tl.constexpr):
-    """One tile [BN, BK] (contiguous packed [BN, BK/2], scales [BN, BK/32]) through both decodes."""
+    """One tile [BN, BK] (contiguous packed [BN, BK/2], scales [BN, BK/32]) through both decodes
+    (the tl.dot kernel's joined one, the GEMV's even / odd one)."""
     rows = tl.arange(0, BN)[:, None]
     cp = tl.arange(0, BK // 2)[None, :]
     wp = tl.load(p_ptr + rows * (BK // 2) + cp)
     ws = tl.load(s_ptr + rows * (BK // 32) + tl.arange(0, BK // 32)[None, :])
     tl.store(joined_ptr + rows * BK + tl.arange(0, BK)[None, :], _mxfp4_decode(wp, ws, BN, BK))
-    we, wo = _mxfp4_decode_split(wp, tl.load(s_ptr + rows * (BK // 32) + cp // 16))
+    we, wo = _mxfp4_decode_even_odd(wp, tl.load(s_ptr + rows * (BK // 32) + cp // 16))
     tl.store(even_ptr + rows * (BK // 2) + cp, we)
     tl.store(odd_ptr + rows * (BK // 2) + cp, wo)
 
 
-def check_decode_split(device="cpu"):
-    """The nibble-split decode against the spec table, exactly, for every E8M0 byte (0, 1: float32
+def check_decode_even_odd(device="cpu"):
+    """The GEMV's even / odd decode against the spec table, exactly, for every E8M0 byte (0, 1: float32
     subnormals; 253, 254 with large codes: inf in float32; 255: NaN) with each of the 16 E2M1 codes
     in both nibbles, and against the joined decode (equal values; -0.0 where it gives +0.0)."""
     bn, bk = 32, 512                                   # scales [32, 16]: each byte value twice
@@ -369,7 +369,7 @@ def run_interpreted(module: str, body: str, timeout: int = 300):
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     code = _INTERP.format(root=ROOT, tests=os.path.dirname(os.path.abspath(__file__)), module=module,
                           body=body)
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
+    r = subprocess.run([sys.executable, "-c", code], check=False, env=env, capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-3000:] + r.stderr[-6000:]
 
 
@@ -379,10 +379,10 @@ import triton
 # Triton 3.6's interpreter cannot run tl.dot_scaled (its format strings); 3.7+ can
 ds_paths = (False, True) if tuple(int(v) for v in triton.__version__.split(".")[:2]) >= (3, 7) else (False,)
 for ds in ds_paths:   # in-register decode + tl.dot; MXFP8 hi+lo x fp4 dot_scaled (gfx950's)
-    t.check_bmm(2, 1, 64, 128, dot_scaled=ds)                   # M = 1
+    t.check_bmm(2, 1, 64, 128, dot_scaled=ds, gemv=False)       # M = 1 (tl.dot kernel forced)
     t.check_bmm(2, 19, 48, 512, dot_scaled=ds, strided=True)    # K loop, N and M tails, strided x
 t.check_bmm(1, 3, 32, 96, dot_scaled=False, nan_block=True)     # K tail; NaN scale -> NaN column
-# through the op layer and the dispatcher
+# through the op layer and the dispatcher (M = 5, K = 128: the tl.dot kernel by default)
 import os, kimi_ops
 os.environ["KIMI_OPS_BACKEND"] = "triton"
 x = torch.randn(5, 2, 128).to(torch.bfloat16).transpose(0, 1)
@@ -394,49 +394,57 @@ if hasattr(torch, "float8_e8m0fnu"):
 """)
 
 
-def test_interp_bmm_a16wfp4_nibble_split():
-    run_interpreted("test_mxfp4", """
-t.check_decode_split()                                               # every scale byte and code, exact
-t.check_bmm(2, 1, 64, 128, nibble_split=True)                       # M = 1, K = 128
-t.check_bmm(2, 19, 48, 512, nibble_split=True, strided=True)        # K = 512 loop, odd M, N tail, x^T(0, 1)
-t.check_bmm(2, 7, 40, 160, nibble_split=True, strided="k", config=(16, 16, 32, 4, 1))   # 5 K tiles of 32,
-                                                                    # stride_xk != 1, N tail
-t.check_bmm(1, 3, 32, 96, nibble_split=True, nan_block=True, config=(16, 32, 64, 4, 1))  # K tail in tile 2;
-                                                                    # NaN scale -> NaN column
-t.check_bmm(2, 5, 32, 96, nibble_split=True, strided="nan_tail")   # K tail: x's NaN columns >= K unread
-# the environment variable (KIMI_OPS_MXFP4_NIBBLE_SPLIT=1), through the op layer
-import os, kimi_ops
-os.environ["KIMI_OPS_BACKEND"] = "triton"
-os.environ["KIMI_OPS_MXFP4_NIBBLE_SPLIT"] = "1"
-x = torch.randn(5, 2, 128).to(torch.bfloat16).transpose(0, 1)
-p, s = t.ref.mxfp4_quantize(torch.randn(2, 64, 128))
-assert t.rel_err(kimi_ops.bmm_a16wfp4(x, p, s), t.oracle_bmm(x, p, s)) < 4e-3
-""")
-
-
 def test_interp_bmm_a16wfp4_gemv():
     run_interpreted("test_mxfp4", """
 from kimi_ops.kernels import mxfp4 as K
+t.check_decode_even_odd()                                    # the GEMV's decode: every scale byte and code, exact
 # (BLOCK_M, BLOCK_K, K_TILES, X_PAIRS) of each case in the comments
 t.check_bmm(2, 1, 64, 128, gemv=True)                        # M = 1, K = 128: (1, 128, 1, pairs)
-t.check_bmm(2, 1, 40, 512, gemv=True, strided=True)          # M = 1, K = 512 (4 chunks), N tail, x^T(0, 1)
+t.check_bmm(2, 1, 40, 512, gemv=True, strided=True)          # M = 1, K = 512: (1, 512, 1, pairs), N tail, x^T(0, 1)
+t.check_bmm(2, 1, 40, 512, gemv=True, config=(1, 16, 128, 4))   # M = 1, K = 512 in 4 unrolled chunks
 t.check_bmm(2, 3, 48, 128, gemv=True, strided="k")           # M = 3 (M tail), N tail, stride_xk != 1: halves
 t.check_bmm(1, 3, 32, 512, gemv=True, strided="odd")         # K = 512, rows at odd elements: halves
-t.check_bmm(2, 8, 24, 512, gemv=True, strided=True)          # M = 8, K = 512, N tail
+t.check_bmm(2, 8, 24, 512, gemv=True, strided=True)          # M = 8, K = 512: (8, 512, 1, pairs), N tail
 t.check_bmm(1, 8, 40, 160, gemv=True)                        # K tail in chunk 2 (160 = 128 + 32)
 t.check_bmm(1, 5, 32, 96, gemv=True, strided="nan_tail")     # K tail in chunk 1: x's NaN columns >= K unread
 t.check_bmm(1, 3, 32, 96, gemv=True, nan_block=True)         # NaN scale -> NaN column
 t.check_bmm(1, 2, 24, 320, gemv=True, config=(4, 16, 32, 4))    # 10 chunks of 32: the runtime loop
 t.check_bmm(1, 7, 20, 64, gemv=True, config=(8, 8, 512, 2))     # BLOCK_K clamped to K, BLOCK_N 8
-# the environment variable (KIMI_OPS_MXFP4_GEMV=1), through the op layer; M = 9 falls back
+t.check_bmm(1, 2, 16, 1024, gemv=True)                       # K > 512: 2 chunks of 512
+
+
+class Spy:   # counts the GEMV kernel's launches and runs them
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+spy = K._bmm_a16wfp4_gemv_kernel = Spy(K._bmm_a16wfp4_gemv_kernel)
+# the default rule (no argument, KIMI_OPS_MXFP4_GEMV unset) through the op layer: the GEMV at M = 1
+# (W_UK-like K = 128 and W_UV-like K = 512) and at M = 8 with K = 512; the tl.dot kernel at M = 8,
+# K = 128 and at M = 9
 import os, kimi_ops
 os.environ["KIMI_OPS_BACKEND"] = "triton"
-os.environ["KIMI_OPS_MXFP4_GEMV"] = "1"
-x = torch.randn(5, 2, 128).to(torch.bfloat16).transpose(0, 1)
-p, s = t.ref.mxfp4_quantize(torch.randn(2, 64, 128))
-assert t.rel_err(kimi_ops.bmm_a16wfp4(x, p, s), t.oracle_bmm(x, p, s)) < 4e-3
-x9 = torch.randn(2, 9, 128).to(torch.bfloat16)
-assert t.rel_err(kimi_ops.bmm_a16wfp4(x9, p, s), t.oracle_bmm(x9, p, s)) < 4e-3
+os.environ.pop("KIMI_OPS_MXFP4_GEMV", None)
+p, s = t.ref.mxfp4_quantize(t.random_weights((2, 64, 128)))
+pv, sv = t.ref.mxfp4_quantize(t.random_weights((2, 48, 512)))
+for m, (pp, ss), gemv in ((1, (p, s), True), (1, (pv, sv), True), (8, (pv, sv), True), (8, (p, s), False),
+                          (9, (pv, sv), False)):
+    x = torch.randn(m, 2, pp.shape[2] * 2).to(torch.bfloat16).transpose(0, 1)    # x^T(0, 1), as the model's
+    before = spy.launches
+    assert t.rel_err(kimi_ops.bmm_a16wfp4(x, pp, ss), t.oracle_bmm(x, pp, ss)) < 4e-3, (m, pp.shape)
+    assert spy.launches - before == int(gemv), (m, pp.shape)
+# the environment variable forces either kernel
+x = torch.randn(2, 1, 128).to(torch.bfloat16)
+for env, gemv in (("0", False), ("1", True)):
+    os.environ["KIMI_OPS_MXFP4_GEMV"] = env
+    before = spy.launches
+    assert t.rel_err(kimi_ops.bmm_a16wfp4(x, p, s), t.oracle_bmm(x, p, s)) < 4e-3
+    assert spy.launches - before == int(gemv), env
+del os.environ["KIMI_OPS_MXFP4_GEMV"]
 # same values as the tl.dot kernel up to summation order (one bf16 rounding of an f32 sum each)
 x = torch.randn(3, 4, 256).to(torch.bfloat16)
 p, s = t.ref.mxfp4_quantize(t.random_weights((3, 48, 256)))
@@ -456,69 +464,78 @@ class _RecordLaunch:
         return lambda *args, **kwargs: self.kwargs.append(kwargs)
 
 
-@pytest.mark.parametrize("env,arg,dot_scaled,want", [
-    (None, None, False, False), ("0", None, False, False), ("true", None, False, False),
-    ("1", None, False, True), (" 1 ", None, False, True), ("1", False, False, False),
-    ("0", True, False, True), (None, True, False, True), ("1", None, True, False), (None, True, True, False),
+@pytest.mark.parametrize("env,arg,m,k,dot_scaled,want", [
+    # the default rule (gemv_wins): M = 1 always, 2 <= M <= 8 only at K >= 512
+    (None, None, 1, 128, False, True), (None, None, 1, 512, False, True), (None, None, 2, 128, False, False),
+    (None, None, 8, 128, False, False), (None, None, 2, 512, False, True), (None, None, 8, 512, False, True),
+    (None, None, 8, 1024, False, True), (None, None, 9, 512, False, False), (None, None, 64, 128, False, False),
+    ("true", None, 1, 128, False, True), ("", None, 8, 128, False, False),     # other values: the rule
+    # KIMI_OPS_MXFP4_GEMV=0 / 1 force (M <= GEMV_MAX_M), the argument overrides the environment
+    ("0", None, 1, 128, False, False), (" 0 ", None, 8, 512, False, False), ("1", None, 8, 128, False, True),
+    ("1", None, 9, 128, False, False), ("1", False, 1, 128, False, False), ("0", True, 8, 128, False, True),
+    (None, False, 1, 512, False, False), (None, True, 8, 128, False, True), (None, True, 9, 512, False, False),
+    # the dot_scaled path (gfx950's) never runs the GEMV
+    (None, None, 1, 128, True, False), ("1", None, 1, 128, True, False), (None, True, 3, 512, True, False),
 ])
-def test_nibble_split_host_choice(monkeypatch, env, arg, dot_scaled, want):
-    from kimi_ops.kernels import mxfp4 as K
-    from kimi_ops.kernels import query as Q
-
-    if env is None:
-        monkeypatch.delenv("KIMI_OPS_MXFP4_NIBBLE_SPLIT", raising=False)
-    else:
-        monkeypatch.setenv("KIMI_OPS_MXFP4_NIBBLE_SPLIT", env)
-    rec_b, rec_q = _RecordLaunch(), _RecordLaunch()
-    monkeypatch.setattr(K, "_bmm_a16wfp4_kernel", rec_b)
-    monkeypatch.setattr(Q, "_mla_query_kernel", rec_q)
-    p, s = ref.mxfp4_quantize(torch.randn(2, 64, 128))
-    K.bmm_a16wfp4(torch.randn(2, 3, 128).to(torch.bfloat16), p, s, dot_scaled=dot_scaled, nibble_split=arg)
-    assert rec_b.kwargs[-1]["NIBBLE_SPLIT"] is want and rec_b.kwargs[-1]["DOT_SCALED"] is dot_scaled
-    qn, qp = torch.randn(3, 2, 128).to(torch.bfloat16), torch.randn(3, 2, 64).to(torch.bfloat16)
-    Q.mla_query(qn, qp, p, s, dot_scaled=dot_scaled, nibble_split=arg)
-    assert rec_q.kwargs[-1]["NIBBLE_SPLIT"] is want and rec_q.kwargs[-1]["DOT_SCALED"] is dot_scaled
-    Q.mla_query(qn, qp, torch.randn(2, 128, 64).to(torch.bfloat16), None, nibble_split=arg)   # bf16 W_UK
-    assert rec_q.kwargs[-1]["NIBBLE_SPLIT"] is False
-
-
-@pytest.mark.parametrize("env,arg,m,dot_scaled,want", [
-    (None, None, 1, False, False), ("0", None, 1, False, False), ("true", None, 1, False, False),
-    ("1", None, 1, False, True), (" 1 ", None, 8, False, True), ("1", None, 9, False, False),
-    ("1", False, 1, False, False), ("0", True, 1, False, True), (None, True, 8, False, True),
-    (None, True, 9, False, False), (None, True, 64, False, False), ("1", None, 1, True, False),
-    (None, True, 3, True, False),
-])
-def test_gemv_host_choice(monkeypatch, env, arg, m, dot_scaled, want):
+def test_gemv_host_choice(monkeypatch, env, arg, m, k, dot_scaled, want):
     from kimi_ops.kernels import mxfp4 as K
 
     if env is None:
         monkeypatch.delenv("KIMI_OPS_MXFP4_GEMV", raising=False)
     else:
         monkeypatch.setenv("KIMI_OPS_MXFP4_GEMV", env)
+    monkeypatch.setattr(torch.version, "hip", None)
     rec_d, rec_g = _RecordLaunch(), _RecordLaunch()
     monkeypatch.setattr(K, "_bmm_a16wfp4_kernel", rec_d)
     monkeypatch.setattr(K, "_bmm_a16wfp4_gemv_kernel", rec_g)
-    p, s = ref.mxfp4_quantize(torch.randn(2, 64, 128))
-    K.bmm_a16wfp4(torch.randn(2, m, 128).to(torch.bfloat16), p, s, dot_scaled=dot_scaled, gemv=arg)
+    p, s = ref.mxfp4_quantize(torch.randn(2, 64, k))
+    K.bmm_a16wfp4(torch.randn(2, m, k).to(torch.bfloat16), p, s, dot_scaled=dot_scaled, gemv=arg)
     assert (len(rec_g.kwargs), len(rec_d.kwargs)) == ((1, 0) if want else (0, 1))
     if want:
         kw = rec_g.kwargs[0]
-        assert (kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"], kw["num_warps"]) == K.gemv_config(m, 64, 128)
-        assert kw["BLOCK_M"] >= m and kw["K_TILES"] == 1 and kw["X_PAIRS"] is True
+        assert (kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"], kw["num_warps"]) == K.gemv_config(m, 64, k)
+        assert kw["BLOCK_M"] >= m and kw["K_TILES"] == -(-k // kw["BLOCK_K"]) and kw["X_PAIRS"] is True
     else:
         assert rec_d.kwargs[0]["DOT_SCALED"] is dot_scaled
+
+
+def test_gemv_rule_and_configs():
+    """gemv_wins / gemv_config against the H200 measurements they encode (Kimi-K3 TP8, 12 heads)."""
+    from kimi_ops.kernels import mxfp4 as K
+
+    if torch.version.hip is None:
+        assert K.gemv_wins(1, 512, 128) and K.gemv_wins(1, 128, 512)          # W_UK, W_UV at T = 1
+        assert not K.gemv_wins(8, 512, 128) and K.gemv_wins(8, 128, 512)      # T = 8: W_UV only
+    assert not K.gemv_wins(9, 128, 512) and not K.gemv_wins(64, 128, 512)
+    assert K.gemv_config(1, 512, 128) == (1, 16, 128, 4)     # W_UK T = 1: 2.58 us
+    assert K.gemv_config(1, 128, 512) == (1, 16, 512, 8)     # W_UV T = 1: 3.09 us
+    assert K.gemv_config(8, 128, 512) == (8, 16, 512, 8)     # W_UV T = 8: 4.82 us
+
+
+def test_gemv_rule_off_on_rocm(monkeypatch):
+    from kimi_ops.kernels import mxfp4 as K
+
+    monkeypatch.setattr(torch.version, "hip", "6.4")
+    monkeypatch.delenv("KIMI_OPS_MXFP4_GEMV", raising=False)
+    assert not K.gemv_wins(1, 512, 128) and not K.use_gemv(1, 512, 128)
+    assert K.use_gemv(1, 512, 128, gemv=True)
+    monkeypatch.setenv("KIMI_OPS_MXFP4_GEMV", "1")
+    assert K.use_gemv(1, 512, 128)
 
 
 def test_gemv_config_and_launch_args(monkeypatch):
     from kimi_ops.kernels import mxfp4 as K
 
     for m in range(1, K.GEMV_MAX_M + 1):
-        for n, k in ((512, 128), (128, 512), (40, 96), (8, 32)):
+        for n, k in ((512, 128), (128, 512), (40, 96), (8, 32), (64, 160), (64, 4096)):
             bm, bn, bk, warps = K.gemv_config(m, n, k)
             assert bm >= m and bm & (bm - 1) == 0 and bm <= 8
-            assert 32 <= bk <= 128 and bk & (bk - 1) == 0 and bk // 2 < 32 * warps
-            assert bm * bn * bk // 2 <= 8192
+            assert 32 <= bk <= 512 and bk & (bk - 1) == 0
+            if k >= 512:      # one chunk of 512 at 8 warps (W_UV)
+                assert (bk, warps) == (512, 8)
+            else:             # BLOCK_K <= 128 at 4 warps: the x row tile has fewer elements than the CTA threads
+                assert bk <= 128 and warps == 4 and bk // 2 < 32 * warps
+            assert bm * bn * bk // 2 // (32 * warps) <= 128          # partial sums per thread
     rec = _RecordLaunch()
     monkeypatch.setattr(K, "_bmm_a16wfp4_gemv_kernel", rec)
     p, s = ref.mxfp4_quantize(torch.randn(3, 64, 160))
@@ -557,14 +574,11 @@ def test_cross_compile_specs_cover_launches():
     for spec in K.CROSS_COMPILE_SPECS:
         assert set(spec["signature"]) == set(spec["kernel"].arg_names)
         assert set(spec["constexprs"]) == {k for k, v in spec["signature"].items() if v == "constexpr"}
-    for spec in dot_specs:
-        assert not (spec["constexprs"]["NIBBLE_SPLIT"] and spec["constexprs"]["DOT_SCALED"])
     launched = {K.bmm_config(m, n, k) for n, k in ((512, 128), (128, 512)) for m in (1, 8, 64, 256, 512)}
-    for ds, ns in ((False, False), (False, True), (True, False)):
+    for ds in (False, True):
         covered = {(s["constexprs"]["BLOCK_M"], s["constexprs"]["BLOCK_N"], s["constexprs"]["BLOCK_K"],
-                    s["num_warps"], s["num_stages"]) for s in dot_specs
-                   if (s["constexprs"]["DOT_SCALED"], s["constexprs"]["NIBBLE_SPLIT"]) == (ds, ns)}
-        assert launched <= covered, (ds, ns)
+                    s["num_warps"], s["num_stages"]) for s in dot_specs if s["constexprs"]["DOT_SCALED"] is ds}
+        assert launched <= covered, ds
     # the GEMV kernel: every config gemv_config gives for M <= GEMV_MAX_M, x as pairs and as halves
     launched = {(*K.gemv_config(m, n, k), -(-k // K.gemv_config(m, n, k)[2])) for n, k in ((512, 128), (128, 512))
                 for m in range(1, K.GEMV_MAX_M + 1)}
@@ -580,18 +594,15 @@ def test_cross_compile_specs_cover_launches():
 # GPU
 
 @requires_cuda
-@pytest.mark.parametrize("nibble_split,gemv", [(False, False), (True, False), (False, True)],
-                         ids=["decode", "nsplit", "gemv"])
+@pytest.mark.parametrize("gemv", [False, True, None], ids=["dot", "gemv", "default"])
 @pytest.mark.parametrize("m", [1, 8, 64, 256, 512])
 @pytest.mark.parametrize("n,k", [(512, 128), (128, 512)])
-def test_gpu_bmm_grid(m, n, k, nibble_split, gemv):
-    # the split is the decode path's, the GEMV needs dot_scaled off (None: the host's choice); with
-    # gemv=True, M > GEMV_MAX_M checks the fallback to the tl.dot kernel
-    ds = False if (nibble_split or gemv) else None
-    check_bmm(12, m, n, k, device="cuda", dot_scaled=ds, nibble_split=nibble_split, gemv=gemv,
-              strided=(n == 512), seed=m)
-    check_bmm(12, m, n, k, device="cuda", dot_scaled=ds, nibble_split=nibble_split, gemv=gemv, strided=False,
-              seed=m + 1)
+def test_gpu_bmm_grid(m, n, k, gemv):
+    # the GEMV needs dot_scaled off (None: the host's choice); with gemv=True, M > GEMV_MAX_M checks
+    # the fallback to the tl.dot kernel; gemv=None is the library's default (gemv_wins)
+    ds = False if gemv else None
+    check_bmm(12, m, n, k, device="cuda", dot_scaled=ds, gemv=gemv, strided=(n == 512), seed=m)
+    check_bmm(12, m, n, k, device="cuda", dot_scaled=ds, gemv=gemv, strided=False, seed=m + 1)
 
 
 @requires_cuda
@@ -601,22 +612,16 @@ def test_gpu_bmm_dot_scaled_and_nan():
 
 
 @requires_cuda
-def test_gpu_bmm_nibble_split_edges():
-    check_decode_split(device="cuda")
-    check_bmm(3, 7, 64, 96, device="cuda", dot_scaled=False, nibble_split=True, nan_block=True)
-    check_bmm(2, 7, 40, 160, device="cuda", dot_scaled=False, nibble_split=True, strided="k",
-              config=(16, 16, 32, 4, 1))
-
-
-@requires_cuda
 def test_gpu_bmm_gemv_edges():
+    check_decode_even_odd(device="cuda")
     for m in (1, 3, 8):
         check_bmm(12, m, 128, 512, device="cuda", dot_scaled=False, gemv=True, strided="k", seed=m)
         check_bmm(12, m, 512, 128, device="cuda", dot_scaled=False, gemv=True, strided="odd", seed=m)
     check_bmm(3, 7, 64, 96, device="cuda", dot_scaled=False, gemv=True, nan_block=True)
     check_bmm(2, 5, 40, 160, device="cuda", dot_scaled=False, gemv=True, strided="nan_tail")
     check_bmm(2, 2, 24, 320, device="cuda", dot_scaled=False, gemv=True, config=(4, 16, 32, 4))   # runtime loop
-    for cfg in ((8, 16, 512, 8), (8, 16, 256, 8), (8, 8, 128, 4), (8, 32, 128, 8)):   # bench_query's sweep
+    check_bmm(2, 2, 64, 1024, device="cuda", dot_scaled=False, gemv=True)                          # 2 chunks of 512
+    for cfg in ((8, 16, 128, 4), (8, 16, 256, 8), (8, 8, 128, 4), (8, 32, 128, 8)):   # bench_query's sweep
         check_bmm(12, 8, 128, 512, device="cuda", dot_scaled=False, gemv=True, strided=True, config=cfg)
 
 
@@ -630,13 +635,15 @@ def test_gpu_quantize_matches_cpu():
 
 
 @requires_cuda
-@pytest.mark.parametrize("nibble_split_env,gemv_env,m", [("0", "0", 16), ("1", "0", 16), ("0", "1", 1),
-                                                         ("0", "1", 8)])
-def test_gpu_opcheck_and_graph(monkeypatch, nibble_split_env, gemv_env, m):
+@pytest.mark.parametrize("gemv_env,m", [(None, 1), (None, 8), (None, 16), ("0", 1), ("1", 8)])
+def test_gpu_opcheck_and_graph(monkeypatch, gemv_env, m):
+    # W_UK's shape: the default runs the GEMV at M = 1 and the tl.dot kernel at M = 8, 16
     import kimi_ops  # noqa: F401
 
-    monkeypatch.setenv("KIMI_OPS_MXFP4_NIBBLE_SPLIT", nibble_split_env)
-    monkeypatch.setenv("KIMI_OPS_MXFP4_GEMV", gemv_env)
+    if gemv_env is None:
+        monkeypatch.delenv("KIMI_OPS_MXFP4_GEMV", raising=False)
+    else:
+        monkeypatch.setenv("KIMI_OPS_MXFP4_GEMV", gemv_env)
 
     x = torch.randn(12, m, 128, device="cuda", dtype=torch.bfloat16)
     p, s = ref.mxfp4_quantize(torch.randn(12, 512, 128, device="cuda"))

@@ -18,8 +18,15 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(TESTS))
 sys.path.insert(0, TESTS)
 
-from kimi_ops.reference import mxfp4 as ref  # noqa: E402
-from test_mxfp4 import oracle_dequantize, random_weights, rel_err, requires_cuda, run_interpreted  # noqa: E402
+from test_mxfp4 import (
+    oracle_dequantize,
+    random_weights,
+    rel_err,
+    requires_cuda,
+    run_interpreted,
+)
+
+from kimi_ops.reference import mxfp4 as ref
 
 
 def make_query_inputs(t, h, *, d=128, latent=512, p=64, mxfp4=False, strided=False, seed=0, device="cpu"):
@@ -62,13 +69,13 @@ def oracle_query(q_nope, q_pe, w_uk, w_uk_scale, pad_heads):
 
 
 def check_query(t, h, *, pad=None, mxfp4=False, strided=False, d=128, latent=512, p=64, impl="triton",
-                device="cpu", dot_scaled=None, nibble_split=None, seed=0):
+                device="cpu", dot_scaled=None, seed=0):
     q_nope, q_pe, w_uk, w_uk_scale = make_query_inputs(t, h, d=d, latent=latent, p=p, mxfp4=mxfp4,
                                                        strided=strided, seed=seed, device=device)
     if impl == "triton":
         from kimi_ops.kernels import query as Q
 
-        out = Q.mla_query(q_nope, q_pe, w_uk, w_uk_scale, pad, dot_scaled=dot_scaled, nibble_split=nibble_split)
+        out = Q.mla_query(q_nope, q_pe, w_uk, w_uk_scale, pad, dot_scaled=dot_scaled)
     else:
         out = ref.mla_query(q_nope, q_pe, w_uk, w_uk_scale, pad)
     hp = h if pad is None else pad
@@ -76,7 +83,7 @@ def check_query(t, h, *, pad=None, mxfp4=False, strided=False, d=128, latent=512
     out = out.cpu()
     want = oracle_query(q_nope, q_pe, w_uk, w_uk_scale, pad)
     err = rel_err(out[:, :h, :latent], want[:, :h, :latent])
-    assert err < 4e-3, (t, h, pad, mxfp4, strided, impl, dot_scaled, nibble_split, err)
+    assert err < 4e-3, (t, h, pad, mxfp4, strided, impl, dot_scaled, err)
     assert torch.equal(out[:, :h, latent:], q_pe.cpu()), "q_pe part must be copied bit for bit"
     if hp > h:
         assert out[:, h:].eq(0).all() and not torch.signbit(out[:, h:]).any(), "pad rows must be +0"
@@ -115,32 +122,14 @@ if tuple(int(v) for v in triton.__version__.split(".")[:2]) >= (3, 7):   # 3.6's
     t.check_query(2, 2, pad=3, mxfp4=True, dot_scaled=True, seed=2)   # gfx950's MXFP8 hi+lo dot_scaled
 t.check_query(5, 3, pad=None, mxfp4=False, d=64, latent=96, p=32, seed=3)   # generic dims, L tail
 t.check_query(4, 1, pad=2, mxfp4=True, d=96, latent=64, p=16, seed=4)      # D tail (not 2^k)
+t.check_query(4, 1, pad=2, mxfp4=True, d=96, latent=64, p=16, strided="d", seed=4)   # stride_qnd = 2, NaN in
+                                                                            # the unowned columns
+t.check_query(5, 2, pad=None, mxfp4=True, strided="t", seed=8)            # q_nope.transpose(0, 1)
 # the op layer, dispatched to Triton on CPU tensors
 import os, kimi_ops
 os.environ["KIMI_OPS_BACKEND"] = "triton"
 qn, qp, w, s = t.make_query_inputs(3, 2, mxfp4=True, seed=5)
 assert torch.equal(kimi_ops.mla_query(qn, qp, w, s, pad_heads=4), t.ref.mla_query(qn, qp, w, s, 4))
-""")
-
-
-def test_interp_mla_query_nibble_split():
-    run_interpreted("test_query", """
-t.check_query(17, 2, pad=4, mxfp4=True, seed=1, nibble_split=True)          # row tail, pad heads, D = 128
-t.check_query(6, 3, pad=None, mxfp4=True, strided=True, seed=6, nibble_split=True)   # q views of [T, H, D + P]
-t.check_query(5, 2, pad=None, mxfp4=True, strided="t", seed=8, nibble_split=True)    # q_nope.transpose(0, 1)
-t.check_query(4, 1, pad=2, mxfp4=True, d=96, latent=64, p=16, strided="d", seed=4,
-              nibble_split=True)   # D tail (not 2^k), stride_qnd = 2, NaN in the unowned columns
-t.check_query(3, 2, mxfp4=True, d=512, latent=96, p=16, seed=7, nibble_split=True)   # D = 512, L tail
-t.check_query(3, 2, pad=4, mxfp4=False, seed=9, nibble_split=True)           # bf16 W_UK: ignored
-# the environment variable, through the op layer
-import os, kimi_ops
-os.environ["KIMI_OPS_BACKEND"] = "triton"
-os.environ["KIMI_OPS_MXFP4_NIBBLE_SPLIT"] = "1"
-qn, qp, w, s = t.make_query_inputs(3, 2, mxfp4=True, seed=5)
-out = kimi_ops.mla_query(qn, qp, w, s, pad_heads=4)
-want = t.oracle_query(qn, qp, w, s, 4)
-assert t.rel_err(out[:, :2, :512], want[:, :2, :512]) < 4e-3 and torch.equal(out[:, :2, 512:], qp)
-assert out[:, 2:].eq(0).all()
 """)
 
 
@@ -152,13 +141,12 @@ def test_cross_compile_specs_cover_launches():
     for spec in Q.CROSS_COMPILE_SPECS:
         assert set(spec["signature"]) == set(Q._mla_query_kernel.arg_names)
         assert set(spec["constexprs"]) == {k for k, v in spec["signature"].items() if v == "constexpr"}
-        c = spec["constexprs"]
-        assert not (c["NIBBLE_SPLIT"] and (c["DOT_SCALED"] or not c["MXFP4"]))
+        assert not (spec["constexprs"]["DOT_SCALED"] and not spec["constexprs"]["MXFP4"])
     launched = {Q.query_config(t, 12, 512) for t in (1, 8, 16, 32, 64, 128, 256, 512)}
-    for path in ((False, False, False), (True, False, False), (True, False, True), (True, True, False)):
+    for path in ((False, False), (True, False), (True, True)):
         covered = {(s["constexprs"]["BLOCK_M"], s["constexprs"]["BLOCK_N"], s["num_warps"])
                    for s in Q.CROSS_COMPILE_SPECS
-                   if (s["constexprs"]["MXFP4"], s["constexprs"]["DOT_SCALED"], s["constexprs"]["NIBBLE_SPLIT"]) == path}
+                   if (s["constexprs"]["MXFP4"], s["constexprs"]["DOT_SCALED"]) == path}
         assert launched <= covered, path
 
 
@@ -173,14 +161,11 @@ def _poison_allocator():
 @requires_cuda
 @pytest.mark.parametrize("t", [1, 8, 64, 256, 512])
 @pytest.mark.parametrize("h", [12, 16])
-@pytest.mark.parametrize("mxfp4,nibble_split", [(False, False), (True, False), (True, True)],
-                         ids=["bf16", "mxfp4", "mxfp4-split"])
+@pytest.mark.parametrize("mxfp4", [False, True], ids=["bf16", "mxfp4"])
 @pytest.mark.parametrize("pad", [None, 16, 128])
-def test_gpu_query_grid(t, h, mxfp4, nibble_split, pad):
+def test_gpu_query_grid(t, h, mxfp4, pad):
     _poison_allocator()
-    ds = False if nibble_split else None      # the split is the decode path's (None: the host's choice)
-    check_query(t, h, pad=pad, mxfp4=mxfp4, strided=(t % 2 == 0), device="cuda", seed=t + h, dot_scaled=ds,
-                nibble_split=nibble_split)
+    check_query(t, h, pad=pad, mxfp4=mxfp4, strided=(t % 2 == 0), device="cuda", seed=t + h)
 
 
 @requires_cuda
@@ -189,18 +174,17 @@ def test_gpu_query_dot_scaled_path():
 
 
 @requires_cuda
-def test_gpu_query_nibble_split_edges():
+def test_gpu_query_edges():
+    # the decode path on q_nope^T(0, 1), a D tail with stride 2 (NaN in the unowned columns), D = 512
     for kw in ({"strided": "t", "seed": 8}, {"d": 96, "latent": 64, "p": 16, "strided": "d", "seed": 4},
                {"d": 512, "latent": 96, "p": 16, "seed": 7}):
-        check_query(5, 3, pad=4, mxfp4=True, device="cuda", dot_scaled=False, nibble_split=True, **kw)
+        check_query(5, 3, pad=4, mxfp4=True, device="cuda", dot_scaled=False, **kw)
 
 
 @requires_cuda
-@pytest.mark.parametrize("mxfp4,nibble_split_env", [(False, "0"), (True, "0"), (True, "1")])
-def test_gpu_query_opcheck_and_graph(monkeypatch, mxfp4, nibble_split_env):
+@pytest.mark.parametrize("mxfp4", [False, True])
+def test_gpu_query_opcheck_and_graph(mxfp4):
     import kimi_ops  # noqa: F401
-
-    monkeypatch.setenv("KIMI_OPS_MXFP4_NIBBLE_SPLIT", nibble_split_env)
 
     q_nope, q_pe, w_uk, w_uk_scale = make_query_inputs(8, 12, mxfp4=mxfp4, device="cuda")
     torch.library.opcheck(torch.ops.kimi_ops.mla_query, (q_nope, q_pe, w_uk, w_uk_scale), {"pad_heads": 16})

@@ -23,36 +23,31 @@ has ``2|v| = m`` when E = 0 else ``(2 + m) << (E - 1)``, an integer 0..12; the b
 value is ``2|v| * 2^(s - 128)`` with the scale byte s built as float32 bits (s = 0, 1 are
 the float32 subnormals 2^-128, 2^-127; s = 0xFF is NaN, as in the reference).
 
-Nibble split (``NIBBLE_SPLIT``, decode path only; **off by default until measured on the
-H200**): :func:`_mxfp4_decode` interleaves the two nibbles of a byte with ``tl.join`` and
-applies the per-32 scale through a reshape, and on sm_90 both are layout conversions (shared
-memory round trips). With ``nibble_split=True`` (or ``KIMI_OPS_MXFP4_NIBBLE_SPLIT=1`` in the
-environment when the argument is None; any other value, or unset, is off) the packed tile
-``[BN, BK/2]`` is decoded instead into ``w_even`` (low nibbles: K elements 2j) and ``w_odd``
-(high nibbles: elements 2j + 1), both ``[BN, BK/2]``, by elementwise integer ops only; the
-scale byte is loaded per element through a pointer tile (column ``(k0/2 + j) // 16`` of
-``w_scale``; repeated addresses are broadcast loads), the activations as their even and odd K
-columns (two ``[BM, BK/2]`` strided loads), and ``acc = x_even @ w_even^T + x_odd @ w_odd^T``
-(f32). Same values as the joined decode (code 8 decodes to -0.0, the spec's value, where the
-joined decode gives +0.0: no product-sum changes). ``dot_scaled=True`` ignores it.
-
-GEMV kernel for small M (``_bmm_a16wfp4_gemv_kernel``; **off by default until measured on the
-H200**): at M = T <= 8 rows the MMA is mostly padding (sm_90's mma.sync has m16) and the H200
-numbers point at the decode-to-MMA-operand layout conversions (W_UV, K = 512: 5.5 us against
-cuBLAS's 3.6 us at T = 1, growing with K even in one K tile). With ``gemv=True`` (or
-``KIMI_OPS_MXFP4_GEMV=1`` when the argument is None; anything else, or unset: off) and
-M <= ``GEMV_MAX_M`` = 8 and the dot_scaled path not picked, one program per (BLOCK_N output
+GEMV kernel for small M (``_bmm_a16wfp4_gemv_kernel``): at M = T <= 8 rows the MMA is mostly
+padding (sm_90's mma.sync has m16) and the decode-to-MMA-operand layout conversions cost (W_UV,
+K = 512: 5.46 us on the H200 at T = 1 against cuBLAS's 3.58). One program per (BLOCK_N output
 rows, batch) covers every M row (BLOCK_M = M's power of two) and loops over K in BLOCK_K chunks
-(unrolled up to 8 chunks): the packed tile ``[1, BN, BK/2]`` is decoded by the nibble split into
-float32 ``w_even`` / ``w_odd``, x's even and odd K columns ``[BM, 1, BK/2]`` are loaded row by
-row (one uint32 load a pair when K is contiguous and rows are 4-byte aligned, else two strided
-loads), and ``x_even * w_even + x_odd * w_odd`` is added, broadcast to ``[BM, BN, BK/2]``, into a
-float32 partial sum in registers (FMAs), reduced over K once at the end with ``tl.sum``: no
-``tl.dot``, so no MMA operand layouts. On sm_90 as the JIT compiles the model's launches the PTX
-has no mma, one shared-memory round trip (the output's layout for the store: 1 ld.shared,
-1-2 st.shared) and 3-24 shuffles, against 21-30 ld.shared for the tl.dot kernel (see
-:func:`gemv_config` for the block sizes). Results equal the tl.dot kernel's up to the f32
-summation order.
+(unrolled up to 8 chunks): the packed tile ``[1, BN, BK/2]`` is decoded by
+:func:`_mxfp4_decode_even_odd` into float32 ``w_even`` (low nibbles: K elements 2j) and ``w_odd``
+(high nibbles: 2j + 1) by elementwise integer ops (no ``tl.join`` / reshape; the scale byte is
+loaded per packed column, column ``kp // 16`` of ``w_scale``), x's even and odd K columns
+``[BM, 1, BK/2]`` are loaded row by row (one uint32 load a pair when K is contiguous and rows
+are 4-byte aligned, else two strided loads), and ``x_even * w_even + x_odd * w_odd`` is added,
+broadcast to ``[BM, BN, BK/2]``, into a float32 partial sum in registers (FMAs), reduced over K
+once at the end with ``tl.sum``: no ``tl.dot``, so no MMA operand layouts. Results equal the
+tl.dot kernel's up to the f32 summation order (code 8 decodes to -0.0 here, +0.0 in the joined
+decode: no sum changes).
+
+Which kernel runs (:func:`use_gemv`): the GEMV when the dot_scaled path is not picked, M <=
+``GEMV_MAX_M`` = 8 and ``gemv=True``, or ``gemv`` None and ``KIMI_OPS_MXFP4_GEMV=1``, or both
+unset and :func:`gemv_wins` (M = 1 always, M <= 8 at K >= 512, on NVIDIA and the interpreter,
+not on ROCm, where it has not run; the H200 numbers are there); ``gemv=False`` /
+``KIMI_OPS_MXFP4_GEMV=0`` keep the tl.dot kernel. Block sizes: :func:`gemv_config`.
+
+(A "nibble split" form of the tl.dot kernel's decode, the same even / odd decode fed to two
+``tl.dot`` over BK/2, was removed after its first H200 run: wrong at M = 64, K = 512 (rel err
+0.86, and an illegal memory access in the benchmark) and slower than the joined decode
+everywhere it ran.)
 """
 import os
 
@@ -98,7 +93,7 @@ def _e2m1_twice(c):
 
 
 @triton.jit
-def _mxfp4_decode_split(packed, scale):
+def _mxfp4_decode_even_odd(packed, scale):
     """packed [BN, BK/2] uint8 + scale [BN, BK/2] uint8 (the E8M0 byte of each packed column,
     loaded at element granularity) -> (w_even, w_odd) float32 [BN, BK/2]: the low nibbles
     (K elements 2j) and the high nibbles (2j + 1), exact, with no join or reshape."""
@@ -108,14 +103,14 @@ def _mxfp4_decode_split(packed, scale):
 
 
 @triton.jit
-def _load_mxfp4_split(w_rows, s_rows, kp, mask, stride_k, stride_s):
-    """Load and decode (nibble split) the packed weight columns kp (any shape broadcasting with
-    the row pointers w_rows / s_rows) -> (w_even, w_odd) float32: the packed bytes at
+def _load_mxfp4_even_odd(w_rows, s_rows, kp, mask, stride_k, stride_s):
+    """Load and decode (even / odd halves) the packed weight columns kp (any shape broadcasting
+    with the row pointers w_rows / s_rows) -> (w_even, w_odd) float32: the packed bytes at
     ``w_rows + kp * stride_k`` and each column's E8M0 byte at ``s_rows + (kp // 16) * stride_s``
     (one scale per 16 packed columns = 32 elements); masked-off columns decode to 0."""
     packed = tl.load(w_rows + kp * stride_k, mask=mask, other=0)
     scale = tl.load(s_rows + (kp // 16) * stride_s, mask=mask, other=0)
-    return _mxfp4_decode_split(packed, scale)
+    return _mxfp4_decode_even_odd(packed, scale)
 
 
 @triton.jit
@@ -189,8 +184,7 @@ def _bmm_a16wfp4_kernel(
     stride_sb, stride_sn, stride_sk,
     stride_yb, stride_ym, stride_yn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    K_TILES: tl.constexpr, DOT_SCALED: tl.constexpr, NIBBLE_SPLIT: tl.constexpr,
-    INTERP: tl.constexpr,
+    K_TILES: tl.constexpr, DOT_SCALED: tl.constexpr, INTERP: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -210,30 +204,17 @@ def _bmm_a16wfp4_kernel(
     # runtime bound, and K is a fixed model dim anyway. K % 32 == 0; masks take the tail.
     for kt in range(K_TILES):
         k0 = kt * BLOCK_K
-        if NIBBLE_SPLIT and not DOT_SCALED:
-            # x's even / odd K columns (2 kp < K iff kp < K/2: K % 32 == 0), the scale byte of
-            # each packed column (kp // 16), two dots over BLOCK_K / 2
-            kp = k0 // 2 + offs_kp
-            mask_kp = kp[None, :] < K // 2
-            x_even = x_base + (2 * kp)[None, :] * stride_xk
-            x_msk = mask_m[:, None] & mask_kp
-            xe = tl.load(x_even, mask=x_msk, other=0.0)
-            xo = tl.load(x_even + stride_xk, mask=x_msk, other=0.0)
-            we, wo = _load_mxfp4_split(w_base, s_base, kp[None, :], mask_n[:, None] & mask_kp, stride_wk, stride_sk)
-            acc = tl.dot(_dot_operand(xe, INTERP), tl.trans(_dot_operand(we, INTERP)), acc)
-            acc = tl.dot(_dot_operand(xo, INTERP), tl.trans(_dot_operand(wo, INTERP)), acc)
+        kx = k0 + offs_k
+        x = tl.load(x_base + kx[None, :] * stride_xk, mask=mask_m[:, None] & (kx[None, :] < K), other=0.0)
+        kp = k0 // 2 + offs_kp
+        wp = tl.load(w_base + kp[None, :] * stride_wk, mask=mask_n[:, None] & (kp[None, :] < K // 2), other=0)
+        ks = k0 // 32 + offs_ks
+        ws = tl.load(s_base + ks[None, :] * stride_sk, mask=mask_n[:, None] & (ks[None, :] < K // 32), other=0)
+        if DOT_SCALED:
+            acc = _dot_mxfp4_scaled(x, wp, ws, acc, BLOCK_M, BLOCK_K)
         else:
-            kx = k0 + offs_k
-            x = tl.load(x_base + kx[None, :] * stride_xk, mask=mask_m[:, None] & (kx[None, :] < K), other=0.0)
-            kp = k0 // 2 + offs_kp
-            wp = tl.load(w_base + kp[None, :] * stride_wk, mask=mask_n[:, None] & (kp[None, :] < K // 2), other=0)
-            ks = k0 // 32 + offs_ks
-            ws = tl.load(s_base + ks[None, :] * stride_sk, mask=mask_n[:, None] & (ks[None, :] < K // 32), other=0)
-            if DOT_SCALED:
-                acc = _dot_mxfp4_scaled(x, wp, ws, acc, BLOCK_M, BLOCK_K)
-            else:
-                w = _dot_operand(_mxfp4_decode(wp, ws, BLOCK_N, BLOCK_K), INTERP)
-                acc = tl.dot(_dot_operand(x, INTERP), tl.trans(w), acc)
+            w = _dot_operand(_mxfp4_decode(wp, ws, BLOCK_N, BLOCK_K), INTERP)
+            acc = tl.dot(_dot_operand(x, INTERP), tl.trans(w), acc)
     y = y_ptr + b * stride_yb + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
     tl.store(y, _to_bf16(acc, INTERP), mask=mask_m[:, None] & mask_n[None, :])
 
@@ -257,7 +238,7 @@ def _gemv_x_row(x_row, kp, mask, stride_xk, X_PAIRS: tl.constexpr):
 def _gemv_chunk(part, x_b, w_rows, s_rows, k0, m3, n3, M, N, K, stride_xm, stride_xk, stride_wk, stride_sk,
                 BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, X_PAIRS: tl.constexpr):
     """part [BM, BN, BK/2] + the products of K chunk [k0, k0 + BLOCK_K), elementwise: x's even and odd
-    columns [BM, 1, BK/2] against the nibble-split decode [1, BN, BK/2] (low nibbles: K elements
+    columns [BM, 1, BK/2] against the even / odd decode [1, BN, BK/2] (low nibbles: K elements
     2j, high: 2j + 1), broadcast. x is loaded row by row ([1, 1, BK/2] tiles put in place with
     where): a tile with fewer elements than the CTA has threads is a "cheap" load to Triton's
     layout passes, which then load it straight in the product's layout (each thread its own K
@@ -270,7 +251,7 @@ def _gemv_chunk(part, x_b, w_rows, s_rows, k0, m3, n3, M, N, K, stride_xm, strid
         re, ro = _gemv_x_row(x_b + mi * stride_xm, kp, mask_k & (mi < M), stride_xk, X_PAIRS)
         xe = tl.where(m3 == mi, re, xe)
         xo = tl.where(m3 == mi, ro, xo)
-    we, wo = _load_mxfp4_split(w_rows, s_rows, kp, (n3 < N) & mask_k, stride_wk, stride_sk)
+    we, wo = _load_mxfp4_even_odd(w_rows, s_rows, kp, (n3 < N) & mask_k, stride_wk, stride_sk)
     return part + xe * we + xo * wo
 
 
@@ -327,14 +308,6 @@ def use_dot_scaled(device: torch.device) -> bool:
     return _is_gfx950(device)
 
 
-def use_nibble_split(nibble_split: bool | None = None) -> bool:
-    """The decode path's nibble split: ``nibble_split`` when given, else
-    ``KIMI_OPS_MXFP4_NIBBLE_SPLIT=1`` (anything else, or unset: off, the default)."""
-    if nibble_split is not None:
-        return bool(nibble_split)
-    return os.environ.get("KIMI_OPS_MXFP4_NIBBLE_SPLIT", "").strip() == "1"
-
-
 def bmm_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) from shapes alone."""
     # measured on the H200 (docs/PERF.md, query section's sweep), Kimi-K3 TP8 shapes
@@ -355,35 +328,67 @@ def bmm_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
 GEMV_MAX_M = 8
 
 
-def use_gemv(gemv: bool | None = None) -> bool:
-    """The dot-free GEMV path (for M <= GEMV_MAX_M): ``gemv`` when given, else
-    ``KIMI_OPS_MXFP4_GEMV=1`` (anything else, or unset: off, the default)."""
+def gemv_wins(m: int, n: int, k: int) -> bool:
+    """The default choice (neither ``gemv`` nor ``KIMI_OPS_MXFP4_GEMV`` given): the GEMV kernel at
+    M = 1, and at 2 <= M <= GEMV_MAX_M when K >= 512; the tl.dot kernel otherwise, and always on
+    ROCm builds (the GEMV has not run on AMD; gfx950 takes the dot_scaled path anyway).
+
+    Measured on the H200 (Kimi-K3 TP8, 12 heads; us per call, CUDA-graph replays of 256 calls
+    over rotating inputs; scripts/bench_query.py --variants; GEMV config = gemv_config's 4-tuple
+    (BLOCK_M, BLOCK_N, BLOCK_K, num_warps)):
+
+    * W_UK (N 512, K 128), T = 1: tl.dot 3.55, GEMV (1, 16, 128, 4) 2.58, torch bf16 bmm 3.17.
+    * W_UV (N 128, K 512), T = 1: tl.dot 5.46, GEMV (1, 16, 512, 8) 3.09, torch 3.58.
+    * W_UK, T = 8: tl.dot 3.61, GEMV 5.09 at best ((8, 8, 128, 4); 5.36 at (8, 16, 128, 4)),
+      torch 3.29: the tl.dot kernel stays.
+    * W_UV, T = 8: tl.dot 5.39, GEMV (8, 16, 512, 8) 4.82, torch 3.63.
+
+    M = 2..7 were not timed: the rule assumes they side with M = 8 (the GEMV's work grows with M,
+    the tl.dot kernel's does not up to 16 rows). N does not enter: only these two (N, K) pairs
+    were timed, and K separates them (one K tile of 128 in the tl.dot kernel vs a 4-step loop).
+    """
+    if torch.version.hip is not None:
+        return False
+    return m == 1 or (m <= GEMV_MAX_M and k >= 512)
+
+
+def use_gemv(m: int, n: int, k: int, gemv: bool | None = None) -> bool:
+    """Whether bmm_a16wfp4 runs the GEMV kernel for an [M, K] x [N, K]^T product (when its
+    dot_scaled path is not picked): never at M > GEMV_MAX_M; else ``gemv`` when given, else
+    ``KIMI_OPS_MXFP4_GEMV=1`` / ``0`` (forced on / off), else (unset or any other value)
+    :func:`gemv_wins`."""
+    if m > GEMV_MAX_M:
+        return False
     if gemv is not None:
         return bool(gemv)
-    return os.environ.get("KIMI_OPS_MXFP4_GEMV", "").strip() == "1"
+    env = os.environ.get("KIMI_OPS_MXFP4_GEMV", "").strip()
+    if env in ("0", "1"):
+        return env == "1"
+    return gemv_wins(m, n, k)
 
 
 def gemv_config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) of the GEMV kernel from shapes alone (not yet timed).
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) of the GEMV kernel from shapes alone.
 
     * BLOCK_M: M's power of two (every row in one program).
     * BLOCK_N = 16: Kimi-K3 TP8's W_UV (N = 128) gets 8 x 12 heads = 96 programs, W_UK (N = 512)
       384, so most of the H200's 132 SMs have work at T <= 8, where the time is latency, not bytes.
-    * BLOCK_K = 128 (K's power of two if smaller) at 4 warps: an x row tile [1, 1, BLOCK_K/2] then
-      has fewer elements (64) than the CTA has threads (128), which Triton's layout passes take
-      as a cheap load and issue directly in the product's layout; at BLOCK_K/2 >= 32 * num_warps
-      x goes through shared memory instead (sm_90 PTX at M = 8, K = 512: 65 ld.shared and 65
-      barriers with BLOCK_K = 512 at 4 warps, 1 and 1 with 128). Partial sums per thread:
-      BLOCK_M * BLOCK_N * BLOCK_K/2 / 128 floats, 8 at M = 1 and 64 at M = 8 (ptxas: 32-175
-      registers, no spills, for the Kimi shapes).
-    * The cost of BLOCK_K < K (W_UV: 4 unrolled chunks): ptxas issues the later chunks' loads
-      after the first chunk's math (sm_90 SASS at M = 1: 6 of 16 loads before the first FMUL), so
-      up to a second DRAM round trip; one chunk of K = 512 at 8 warps issues every load first but
-      moves x through shared memory. bench_query.py --sweep times both.
+    * K >= 512: BLOCK_K = 512 at 8 warps (W_UV: one chunk). Every load is issued before the math,
+      though x's row tile (256 elements, one per thread) goes through shared memory. H200, W_UV:
+      T = 1 3.09 us, against 3.17 at (16, 256, 8 warps), 3.69 at (8, 128, 4), 4.14 at (16, 128, 4)
+      and 4.62 at (32, 128, 8); T = 8 4.82, against 5.08 at (8, 128, 4), 6.00 at (16, 256, 8) and
+      14.16 at (16, 128, 4). Partial sums: BLOCK_M * 16 * 256 / 256 threads = 16 to 128 floats.
+    * K < 512: BLOCK_K = 128 (K's power of two if smaller) at 4 warps: the x row tile (64
+      elements) has fewer elements than the CTA has threads, which Triton's layout passes take as
+      a cheap load and issue directly in the product's layout. H200, W_UK T = 1: 2.58 us, against
+      2.64 at 8 warps, 2.67 at BLOCK_N 8, 2.82 at (32, 128, 8). (At T = 8, where the tl.dot
+      kernel is the default, BLOCK_N 8 was 5.09 against 5.36.) More chunks than one: ptxas issues
+      the later chunks' loads after the first chunk's math, up to a second DRAM round trip.
     """
     bm = triton.next_power_of_2(max(1, m))
-    bk = min(128, max(32, triton.next_power_of_2(k)))
-    return bm, 16, bk, 4
+    if k >= 512:
+        return bm, 16, 512, 8
+    return bm, 16, min(128, max(32, triton.next_power_of_2(k))), 4
 
 
 def gemv_x_pairs(x: torch.Tensor) -> bool:
@@ -395,15 +400,14 @@ def gemv_x_pairs(x: torch.Tensor) -> bool:
 
 def bmm_a16wfp4(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,
                 *, config: tuple[int, ...] | None = None,
-                dot_scaled: bool | None = None, nibble_split: bool | None = None,
-                gemv: bool | None = None) -> torch.Tensor:
+                dot_scaled: bool | None = None, gemv: bool | None = None) -> torch.Tensor:
     """``y[b] = x[b] @ dequant(w)[b]^T`` -> bf16 ``[B, M, N]`` (inputs validated by the op layer).
 
-    ``dot_scaled`` overrides the host's choice of multiply (benchmarks, tests); ``nibble_split``
-    picks the decode path's nibble-split form (None: ``KIMI_OPS_MXFP4_NIBBLE_SPLIT``, default off;
-    ignored when the dot_scaled path runs); ``gemv`` the dot-free GEMV kernel (None:
-    ``KIMI_OPS_MXFP4_GEMV``, default off), which runs when on, M <= ``GEMV_MAX_M`` and the
-    dot_scaled path is not picked; otherwise the tl.dot kernel runs.
+    ``dot_scaled`` overrides the host's choice of multiply (benchmarks, tests). When the
+    dot_scaled path is not picked, ``gemv`` picks the dot-free GEMV kernel (True) or the tl.dot
+    kernel (False) for M <= ``GEMV_MAX_M``; None: :func:`use_gemv` (``KIMI_OPS_MXFP4_GEMV=0/1``
+    forces, else :func:`gemv_wins`: the GEMV at M = 1, and at M <= 8 when K >= 512). Above
+    ``GEMV_MAX_M`` the tl.dot kernel runs whatever ``gemv`` says.
 
     ``config`` is the config of the kernel that runs: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps,
     num_stages) for the tl.dot kernel (default :func:`bmm_config`), (BLOCK_M, BLOCK_N, BLOCK_K,
@@ -419,7 +423,7 @@ def bmm_a16wfp4(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,
     if k == 0:
         return y.zero_()
     ds = use_dot_scaled(x.device) if dot_scaled is None else dot_scaled
-    if not ds and m <= GEMV_MAX_M and use_gemv(gemv):
+    if not ds and use_gemv(m, n, k, gemv):
         if config is not None and len(config) != 4:
             raise ValueError(f"the GEMV kernel runs (M = {m}): config must be (BLOCK_M, BLOCK_N, "
                              f"BLOCK_K, num_warps), got {config}")
@@ -446,8 +450,7 @@ def bmm_a16wfp4(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,
         x, w_packed, w_scale, y, m, n, k,
         *x.stride(), *w_packed.stride(), *w_scale.stride(), *y.stride(),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, K_TILES=triton.cdiv(k, bk), DOT_SCALED=ds,
-        NIBBLE_SPLIT=(not ds) and use_nibble_split(nibble_split), INTERP=interpreting(),
-        num_warps=warps, num_stages=stages,
+        INTERP=interpreting(), num_warps=warps, num_stages=stages,
     )
     return y
 
@@ -461,38 +464,39 @@ def _specs():
     for name in ("x", "w", "s", "y"):
         for dim in ("b", "m" if name in ("x", "y") else "n", "k" if name != "y" else "n"):
             sig[f"stride_{name}{dim}"] = "i32"
-    for kk in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "K_TILES", "DOT_SCALED", "NIBBLE_SPLIT", "INTERP"):
+    for kk in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "K_TILES", "DOT_SCALED", "INTERP"):
         sig[kk] = "constexpr"
     specs = []
     # Kimi-K3 TP8: W_UK (N 512, K 128) and W_UV (N 128, K 512), M from 1 to 512.
     seen = set()
-    # (DOT_SCALED, NIBBLE_SPLIT): the decode path, its nibble split, gfx950's dot_scaled path
-    paths = ((False, False, "decode"), (False, True, "nsplit"), (True, False, "dotscaled"))
+    # (DOT_SCALED, kind): the decode path (also M <= 8 with gemv=False, and ROCm's gfx942 at
+    # every M), gfx950's dot_scaled path
+    paths = ((False, "decode"), (True, "dotscaled"))
     for n, k in ((512, 128), (128, 512)):
         for m in (1, 32, 64, 512):   # every config bmm_config returns for these shapes
             bm, bn, bk, warps, stages = bmm_config(m, n, k)
-            for ds, ns, kind in paths:
-                key = (bm, bn, bk, -(-k // bk), warps, stages, ds, ns)
+            for ds, kind in paths:
+                key = (bm, bn, bk, -(-k // bk), warps, stages, ds)
                 if key in seen:
                     continue
                 seen.add(key)
-                specs.append(dict(
-                    name=f"bmm_a16wfp4_{kind}_m{bm}n{bn}k{bk}t{-(-k // bk)}w{warps}s{stages}",
-                    kernel=_bmm_a16wfp4_kernel, signature=dict(sig),
-                    constexprs={"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "K_TILES": -(-k // bk),
-                                "DOT_SCALED": ds, "NIBBLE_SPLIT": ns,
-                                "INTERP": False},
-                    num_warps=warps, num_stages=stages,
-                    # dot_scaled is the gfx950 path; the decode path (either form) every target's.
-                    targets=("gfx950",) if ds else ("gfx950", "gfx942", "sm90")))
-    # the dot-free GEMV kernel (KIMI_OPS_MXFP4_GEMV=1 / gemv=True): every config gemv_config returns
+                specs.append({
+                    "name": f"bmm_a16wfp4_{kind}_m{bm}n{bn}k{bk}t{-(-k // bk)}w{warps}s{stages}",
+                    "kernel": _bmm_a16wfp4_kernel, "signature": dict(sig),
+                    "constexprs": {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "K_TILES": -(-k // bk),
+                                   "DOT_SCALED": ds, "INTERP": False},
+                    "num_warps": warps, "num_stages": stages,
+                    # dot_scaled is the gfx950 path; the decode path every target's.
+                    "targets": ("gfx950",) if ds else ("gfx950", "gfx942", "sm90")})
+    # the dot-free GEMV kernel (the default at M = 1, and at M <= 8 when K >= 512: gemv_wins; gemv=True
+    # or KIMI_OPS_MXFP4_GEMV=1 at any M <= 8): every config gemv_config returns
     # for these shapes at M 1 .. GEMV_MAX_M (BLOCK_M 1, 2, 4, 8), with x read as uint32 pairs (the
     # model's case: q_nope / o transposed, K contiguous) and as strided halves ("_xs"). Like the
     # entries above, the strides are plain i32 here; the JIT also specializes an int equal to 1 (a
     # constant) and one divisible by 16, and the GEMV's layouts depend on that (contiguous, aligned
     # weight rows: vectorized loads, each thread a K strip), so its PTX at run time differs from
     # this generic compile (fewer shuffles, one shared-memory round trip instead of 3-17).
-    gsig = {a: t for a, t in sig.items() if a not in ("DOT_SCALED", "NIBBLE_SPLIT")}
+    gsig = {a: t for a, t in sig.items() if a != "DOT_SCALED"}
     gsig["X_PAIRS"] = "constexpr"
     gseen = set()
     for n, k in ((512, 128), (128, 512)):

@@ -11,22 +11,19 @@ an MXFP4 tile to bf16 in registers (exactly, as :mod:`kimi_ops.kernels.mxfp4`), 
 also copy the rows' q_pe into columns ``L .. L + P``. **Pad heads** (``H <= h < H'``) are
 written as all zeros (latent and rope parts), by the same launch. D, L and P are generic (any
 D with D % 32 == 0 for MXFP4; any L, P), the block sizes are powers of two with masks.
-
-``nibble_split`` (MXFP4 decode path only; None: ``KIMI_OPS_MXFP4_NIBBLE_SPLIT=1`` on, else
-off; **off by default until measured on the H200**): as in :mod:`kimi_ops.kernels.mxfp4`, the
-W_UK tile ``[BLOCK_N, BLOCK_D/2]`` is decoded into its low / high nibbles (D elements 2j and
-2j + 1, each ``[BLOCK_N, BLOCK_D/2]``, scale bytes loaded per element) with no join / reshape
-layout conversion, q_nope is read as its even and odd D columns (two strided
-``[BLOCK_M, BLOCK_D/2]`` loads) and the latent part is ``q_even @ w_even^T + q_odd @ w_odd^T``
-(f32). Ignored for bf16 W_UK and when ``dot_scaled`` is on.
 """
 import torch
 import triton
 import triton.language as tl
 
 from . import interpreting
-from .mxfp4 import (_dot_mxfp4_scaled, _dot_operand, _load_mxfp4_split, _mxfp4_decode, _to_bf16,
-                    use_dot_scaled, use_nibble_split)
+from .mxfp4 import (
+    _dot_mxfp4_scaled,
+    _dot_operand,
+    _mxfp4_decode,
+    _to_bf16,
+    use_dot_scaled,
+)
 
 
 @triton.jit
@@ -39,7 +36,7 @@ def _mla_query_kernel(
     stride_sh, stride_sl, stride_sd,          # MXFP4 scales [H, L, D/32] (unused for bf16)
     stride_ot, stride_oh, stride_oc,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
-    MXFP4: tl.constexpr, DOT_SCALED: tl.constexpr, NIBBLE_SPLIT: tl.constexpr, INTERP: tl.constexpr,
+    MXFP4: tl.constexpr, DOT_SCALED: tl.constexpr, INTERP: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -53,43 +50,27 @@ def _mla_query_kernel(
     mask_p = mask_m[:, None] & (offs_p[None, :] < P)
     if h < H:
         h64 = h.to(tl.int64)
-        if MXFP4 and NIBBLE_SPLIT and not DOT_SCALED:
-            # q_nope's even / odd D columns (2j < D iff j < D/2: D % 32 == 0), the scale byte of
-            # each packed column (j // 16), two dots over BLOCK_D / 2
+        offs_d = tl.arange(0, BLOCK_D)
+        qn = tl.load(qn_ptr + offs_m[:, None].to(tl.int64) * stride_qnt + h64 * stride_qnh
+                     + offs_d[None, :] * stride_qnd,
+                     mask=mask_m[:, None] & (offs_d[None, :] < D), other=0.0)
+        if MXFP4:
             offs_dp = tl.arange(0, BLOCK_D // 2)
-            mask_dp = offs_dp[None, :] < D // 2
-            q_even = (qn_ptr + offs_m[:, None].to(tl.int64) * stride_qnt + h64 * stride_qnh
-                      + (2 * offs_dp)[None, :] * stride_qnd)
-            q_msk = mask_m[:, None] & mask_dp
-            qe = tl.load(q_even, mask=q_msk, other=0.0)
-            qo = tl.load(q_even + stride_qnd, mask=q_msk, other=0.0)
-            we, wo = _load_mxfp4_split(w_ptr + h64 * stride_wh + offs_n[:, None] * stride_w1,
-                                       s_ptr + h64 * stride_sh + offs_n[:, None] * stride_sl, offs_dp[None, :],
-                                       mask_n[:, None] & mask_dp, stride_w2, stride_sd)
-            acc = tl.dot(_dot_operand(qe, INTERP), tl.trans(_dot_operand(we, INTERP)))
-            acc = tl.dot(_dot_operand(qo, INTERP), tl.trans(_dot_operand(wo, INTERP)), acc)
-        else:
-            offs_d = tl.arange(0, BLOCK_D)
-            qn = tl.load(qn_ptr + offs_m[:, None].to(tl.int64) * stride_qnt + h64 * stride_qnh
-                         + offs_d[None, :] * stride_qnd,
-                         mask=mask_m[:, None] & (offs_d[None, :] < D), other=0.0)
-            if MXFP4:
-                offs_dp = tl.arange(0, BLOCK_D // 2)
-                offs_ds = tl.arange(0, BLOCK_D // 32)
-                wp = tl.load(w_ptr + h64 * stride_wh + offs_n[:, None] * stride_w1 + offs_dp[None, :] * stride_w2,
-                             mask=mask_n[:, None] & (offs_dp[None, :] < D // 2), other=0)
-                ws = tl.load(s_ptr + h64 * stride_sh + offs_n[:, None] * stride_sl + offs_ds[None, :] * stride_sd,
-                             mask=mask_n[:, None] & (offs_ds[None, :] < D // 32), other=0)
-                if DOT_SCALED:
-                    acc = _dot_mxfp4_scaled(qn, wp, ws, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32),
-                                            BLOCK_M, BLOCK_D)
-                else:
-                    w = tl.trans(_dot_operand(_mxfp4_decode(wp, ws, BLOCK_N, BLOCK_D), INTERP))   # [D, N]
-                    acc = tl.dot(_dot_operand(qn, INTERP), w)
+            offs_ds = tl.arange(0, BLOCK_D // 32)
+            wp = tl.load(w_ptr + h64 * stride_wh + offs_n[:, None] * stride_w1 + offs_dp[None, :] * stride_w2,
+                         mask=mask_n[:, None] & (offs_dp[None, :] < D // 2), other=0)
+            ws = tl.load(s_ptr + h64 * stride_sh + offs_n[:, None] * stride_sl + offs_ds[None, :] * stride_sd,
+                         mask=mask_n[:, None] & (offs_ds[None, :] < D // 32), other=0)
+            if DOT_SCALED:
+                acc = _dot_mxfp4_scaled(qn, wp, ws, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32),
+                                        BLOCK_M, BLOCK_D)
             else:
-                w = tl.load(w_ptr + h64 * stride_wh + offs_d[:, None] * stride_w1 + offs_n[None, :] * stride_w2,
-                            mask=(offs_d[:, None] < D) & mask_n[None, :], other=0.0)
-                acc = tl.dot(_dot_operand(qn, INTERP), _dot_operand(w, INTERP))
+                w = tl.trans(_dot_operand(_mxfp4_decode(wp, ws, BLOCK_N, BLOCK_D), INTERP))   # [D, N]
+                acc = tl.dot(_dot_operand(qn, INTERP), w)
+        else:
+            w = tl.load(w_ptr + h64 * stride_wh + offs_d[:, None] * stride_w1 + offs_n[None, :] * stride_w2,
+                        mask=(offs_d[:, None] < D) & mask_n[None, :], other=0.0)
+            acc = tl.dot(_dot_operand(qn, INTERP), _dot_operand(w, INTERP))
         tl.store(o_rows + offs_n[None, :] * stride_oc, _to_bf16(acc, INTERP),
                  mask=mask_m[:, None] & mask_n[None, :])
         if pid_n == 0:
@@ -116,14 +97,12 @@ def query_config(t: int, heads: int, latent: int) -> tuple[int, int, int]:
 def mla_query(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor,
               w_uk_scale: torch.Tensor | None = None, pad_heads: int | None = None,
               *, config: tuple[int, int, int] | None = None,
-              dot_scaled: bool | None = None, nibble_split: bool | None = None) -> torch.Tensor:
+              dot_scaled: bool | None = None) -> torch.Tensor:
     """M1a in one launch -> q ``[T, H', L + P]`` bf16 contiguous (inputs validated by the op
     layer; any strides). Pad heads (``pad_heads > H``) are all-zero rows. ``config``
     overrides the host's (BLOCK_M, BLOCK_N, num_warps) and ``dot_scaled`` the MXFP4 product's
     form (default :func:`kimi_ops.kernels.mxfp4.use_dot_scaled`: ``tl.dot_scaled`` on gfx950,
-    in-register decode + ``tl.dot`` elsewhere); ``nibble_split`` the decode's form (default
-    :func:`kimi_ops.kernels.mxfp4.use_nibble_split`: ``KIMI_OPS_MXFP4_NIBBLE_SPLIT``, off)
-    (benchmarks, tests)."""
+    in-register decode + ``tl.dot`` elsewhere) (benchmarks, tests)."""
     t, h, d = q_nope.shape
     p = q_pe.shape[2]
     mxfp4 = w_uk_scale is not None
@@ -147,8 +126,7 @@ def mla_query(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor,
         *q_nope.stride(), *q_pe.stride(), *w_uk.stride(), *s_strides, *out.stride(),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=max(32, triton.next_power_of_2(d)),
         BLOCK_P=max(16, triton.next_power_of_2(p)), MXFP4=mxfp4,
-        DOT_SCALED=ds, NIBBLE_SPLIT=mxfp4 and not ds and use_nibble_split(nibble_split),
-        INTERP=interpreting(),
+        DOT_SCALED=ds, INTERP=interpreting(),
         num_warps=warps, num_stages=1,
     )
     return out
@@ -167,24 +145,23 @@ def _specs():
         for name in ("qnt", "qnh", "qnd", "qpt", "qph", "qpd", "wh", "w1", "w2", "sh", "sl", "sd",
                      "ot", "oh", "oc"):
             sig[f"stride_{name}"] = "i32"
-        for kk in ("BLOCK_M", "BLOCK_N", "BLOCK_D", "BLOCK_P", "MXFP4", "DOT_SCALED", "NIBBLE_SPLIT", "INTERP"):
+        for kk in ("BLOCK_M", "BLOCK_N", "BLOCK_D", "BLOCK_P", "MXFP4", "DOT_SCALED", "INTERP"):
             sig[kk] = "constexpr"
-        # (DOT_SCALED, NIBBLE_SPLIT, kind): MXFP4's decode, its nibble split, gfx950's dot_scaled
-        paths = (((False, False, "mxfp4_decode"), (False, True, "mxfp4_nsplit"), (True, False, "mxfp4_dotscaled"))
-                 if mxfp4 else ((False, False, "bf16"),))
+        # (DOT_SCALED, kind): MXFP4's in-register decode, gfx950's dot_scaled
+        paths = ((False, "mxfp4_decode"), (True, "mxfp4_dotscaled")) if mxfp4 else ((False, "bf16"),)
         for t in (1, 32, 64, 512):
             bm, bn, warps = query_config(t, 12, 512)
-            for ds, ns, kind in paths:
+            for ds, kind in paths:
                 if (kind, bm, bn, warps) in seen:
                     continue
                 seen.add((kind, bm, bn, warps))
-                specs.append(dict(
-                    name=f"mla_query_{kind}_m{bm}n{bn}w{warps}",
-                    kernel=_mla_query_kernel, signature=dict(sig),
-                    constexprs={"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_D": 128, "BLOCK_P": 64,
-                                "MXFP4": mxfp4, "DOT_SCALED": ds, "NIBBLE_SPLIT": ns, "INTERP": False},
-                    num_warps=warps, num_stages=1,
-                    targets=("gfx950",) if ds else ("gfx950", "gfx942", "sm90")))
+                specs.append({
+                    "name": f"mla_query_{kind}_m{bm}n{bn}w{warps}",
+                    "kernel": _mla_query_kernel, "signature": dict(sig),
+                    "constexprs": {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_D": 128, "BLOCK_P": 64,
+                                   "MXFP4": mxfp4, "DOT_SCALED": ds, "INTERP": False},
+                    "num_warps": warps, "num_stages": 1,
+                    "targets": ("gfx950",) if ds else ("gfx950", "gfx942", "sm90")})
     return specs
 
 
