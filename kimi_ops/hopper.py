@@ -19,11 +19,9 @@ import torch
 
 LOG2E = 1.4426950408889634
 STAGES_ENV = "KIMI_OPS_SM90_STAGES"  # K-ring depth override (2..4; 32-row CTAs: 2..3), for tuning
-WS_ENV = "KIMI_OPS_SM90_WS"  # "1": 16-row CTAs on the warp-specialized kernel (experimental, off by default)
-WS_STAGES = 4  # the warp-specialized kernel's ring (kWsStages)
 BALANCE_WAVES_ENV = "KIMI_OPS_SM90_BALANCE_WAVES"  # waves of CTAs the balanced chunk length aims at (1..8)
-PDL_ENV = "KIMI_OPS_SM90_PDL"  # "1": the merge launches as a programmatic dependent (experimental)
-CONVERT_ENV = "KIMI_OPS_SM90_CONVERT"  # 0..3: fp8 -> f16 by integer ops for V (1), K (2), both (3)
+WORK_LIST_ENV = "KIMI_OPS_SM90_WORK_LIST"  # "0": mla_decode on the (split, request) grid instead
+MAX_GRID_Y = 65535
 
 
 def _ops():
@@ -58,32 +56,6 @@ def ring_stages(rows: int) -> int:
     return DEFAULT_STAGES[rows]
 
 
-def warp_specialized(rows: int) -> bool:
-    """With KIMI_OPS_SM90_WS=1 (and no forced ring depth), 16-row CTAs run splitkv_ws_kernel: a
-    producer warp, two consumer warpgroups, a 4-stage ring, one CTA a SM. Off by default until
-    it has been measured on the GPU (docs/PERF.md)."""
-    return rows == 16 and os.environ.get(WS_ENV, "0") == "1" and not os.environ.get(STAGES_ENV)
-
-
-def cta_stages(rows: int) -> int:
-    return WS_STAGES if warp_specialized(rows) else ring_stages(rows)
-
-
-def convert_mode(rows: int, stages: int, ws: bool) -> int:
-    """How splitkv_kernel turns the fp8 bytes into f16 operands (KIMI_OPS_SM90_CONVERT): 0 (the
-    default) the conversion instruction; 1 V, 2 K, 3 both by integer ops (csrc/fp8_bits.h),
-    which moves that work from the conversion pipe to the ALU (experimental; built for the
-    16-row, 2-stage CTAs only, every other CTA uses 0). The integer path reads the cache's NaN
-    bytes as +-480 instead of NaN."""
-    env = os.environ.get(CONVERT_ENV)
-    if not env or rows != 16 or stages != 2 or ws:
-        return 0
-    mode = int(env)
-    if not 0 <= mode <= 3:
-        raise ValueError(f"{CONVERT_ENV} must be 0..3, got {mode}")
-    return mode
-
-
 def balance_waves() -> int:
     """How many waves of CTA slots the balanced chunk length aims at (KIMI_OPS_SM90_BALANCE_WAVES,
     default 1). More waves cut a variable-length batch's long requests into more, shorter chunks
@@ -106,21 +78,75 @@ def mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: floa
     :func:`balance_waves` waves) rounded up to 64, at most S of them (later splits may be empty:
     o = 0, lse = -inf). The chunk length is computed on the device from kv_indptr, so a CUDA
     graph replayed on a new mix of lengths stays balanced. ``zero_empty=False`` lets an empty
-    split leave its o unwritten (for a caller whose merge never reads a -inf split's o, as
-    ``mla_decode``'s does); with one split o is always written."""
+    split leave its o unwritten (for a caller whose merge never reads a -inf split's o); with
+    one split o is always written."""
     if kv_rows.dtype != torch.float8_e4m3fn:
         from .kernels.attention import mla_decode_splitkv as triton_splitkv
         return triton_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits,
                               seq_lens, dcp_rank, dcp_world_size)
+    return _splitkv(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits, seq_lens,
+                    dcp_rank, dcp_world_size, balance_ctas(q, kv_indptr, kv_indices, qlen), zero_empty,
+                    work_list=False)
+
+
+def _splitkv(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits, seq_lens, dcp_rank,
+             dcp_world_size, balance, zero_empty, work_list):
     rows = rows_per_cta(qlen * q.shape[1])
-    num_requests = kv_indptr.shape[0] - 1
-    balance = balance_waves() * num_requests * one_wave_splits(
-        num_requests, qlen, q.shape[1], kv_indices.shape[0], _multiprocessor_count(q.device))
-    stages, ws = cta_stages(rows), warp_specialized(rows)
     return _ops()._mla_decode_splitkv_sm90(
         q, kv_rows, kv_indptr, kv_indices, seq_lens, qlen, float(scale) * float(kv_scale) * LOG2E,
-        float(kv_scale), num_splits, dcp_rank, dcp_world_size, rows, stages, balance, ws, zero_empty,
-        convert_mode(rows, stages, ws))
+        float(kv_scale), num_splits, dcp_rank, dcp_world_size, rows, ring_stages(rows), balance, zero_empty,
+        work_list)
+
+
+def balance_ctas(q, kv_indptr, kv_indices, qlen: int) -> int:
+    """CTAs the balanced chunk length aims at: :func:`balance_waves` x requests x
+    :func:`one_wave_splits` (a chunk holds at least all tokens / this many)."""
+    num_requests = kv_indptr.shape[0] - 1
+    return balance_waves() * num_requests * one_wave_splits(
+        num_requests, qlen, q.shape[1], kv_indices.shape[0], _multiprocessor_count(q.device))
+
+
+def work_list_items(num_requests: int, num_splits: int, balance: int) -> int:
+    """Work items the work-list grid launches (csrc: work_list_items): an upper bound on the
+    requests' used splits, < balance + requests, <= requests x num_splits."""
+    by_splits = num_requests * num_splits
+    return min(by_splits, balance + num_requests) if balance > 0 else by_splits
+
+
+def work_list_enabled() -> bool:
+    return os.environ.get(WORK_LIST_ENV, "1") != "0"
+
+
+def mla_decode(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: float, kv_scale: float,
+               num_splits, seq_lens=None, dcp_rank: int = 0, dcp_world_size: int = 1):
+    """M1c + M1b: q [T, H, 576] bf16, kv_rows [N, 576] fp8 -> (o [T, H, 512] bf16, lse [T, H] f32).
+
+    The split kernel runs on a work-list grid: one CTA per (row group, non-empty split), the
+    requests' splits in order, found on the device from kv_indptr (no CTA for an empty split);
+    the private partials are [W, qlen, H, 512] with W = :func:`work_list_items`, and the merge
+    finds each row's splits the same way. ``num_splits`` caps a request's splits (None: one per
+    128 tokens of the average request, at most 128; more only costs partials memory). With one
+    split, more than 65535 work items, a non-e4m3fn cache or KIMI_OPS_SM90_WORK_LIST=0, the
+    (split, request) grid runs instead, its empty splits' o unwritten."""
+    num_requests = kv_indptr.shape[0] - 1
+    if num_requests <= 0:
+        num_splits = 1
+    elif num_splits is None:
+        num_splits = (_split_cap(num_requests, kv_indices.shape[0]) if work_list_enabled() else
+                      suggest_num_splits(num_requests, qlen, q.shape[1], kv_indices.shape[0],
+                                         _multiprocessor_count(q.device)))
+    balance = balance_ctas(q, kv_indptr, kv_indices, qlen) if num_requests > 0 else 0
+    work_list = (kv_rows.dtype == torch.float8_e4m3fn and num_splits > 1 and work_list_enabled()
+                 and work_list_items(num_requests, num_splits, balance) <= MAX_GRID_Y)
+    if work_list:
+        o_part, lse_part = _splitkv(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits,
+                                    seq_lens, dcp_rank, dcp_world_size, balance, False, True)
+        return _ops()._mla_merge_sm90(o_part, lse_part, kv_indptr, num_splits, balance)
+    o_part, lse_part = mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits,
+                                          seq_lens, dcp_rank, dcp_world_size, zero_empty=False)
+    if num_splits == 1:
+        return o_part[0], lse_part[0]
+    return mla_merge(o_part, lse_part)
 
 
 def _multiprocessor_count(device) -> int:
@@ -129,12 +155,8 @@ def _multiprocessor_count(device) -> int:
 
 
 def mla_merge(o_part, lse_part):
-    """M1b. o_part [S, T, H, 512] bf16, lse_part [S, T, H] f32 -> (o [T, H, 512] bf16, lse [T, H] f32).
-
-    With KIMI_OPS_SM90_PDL=1 the merge is launched as a programmatic dependent of the kernel
-    before it on the stream (it waits for that grid's completion before reading; its launch
-    overlaps the split kernel's last wave). Off by default until measured."""
-    return _ops()._mla_merge_sm90(o_part, lse_part, os.environ.get(PDL_ENV, "0") == "1")
+    """M1b. o_part [S, T, H, 512] bf16, lse_part [S, T, H] f32 -> (o [T, H, 512] bf16, lse [T, H] f32)."""
+    return _ops()._mla_merge_sm90(o_part, lse_part, None, 0, 0)
 
 
 def one_wave_splits(num_requests: int, qlen: int, num_heads: int, num_tokens: int, num_sms: int = 132) -> int:
@@ -146,7 +168,7 @@ def one_wave_splits(num_requests: int, qlen: int, num_heads: int, num_tokens: in
     if num_requests <= 0:
         return 1
     return _one_wave_splits(num_requests, qlen, num_heads, num_tokens, num_sms,
-                            cta_stages(rows_per_cta(qlen * num_heads)))
+                            ring_stages(rows_per_cta(qlen * num_heads)))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -183,7 +205,7 @@ def suggest_num_splits(num_requests: int, qlen: int, num_heads: int, num_tokens:
     if num_requests <= 0:
         return 1
     slots, ctas_per_split = _slots_and_ctas_per_split(num_requests, qlen, num_heads, num_sms,
-                                                      cta_stages(rows_per_cta(qlen * num_heads)))
+                                                      ring_stages(rows_per_cta(qlen * num_heads)))
     by_bytes = int(0.025 * (num_tokens // num_requests) * 576 // (qlen * num_heads * 1024))
     by_ctas = 2 * slots // ctas_per_split
     waves = balance_waves()

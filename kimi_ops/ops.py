@@ -115,6 +115,10 @@ def _decode_real(q, kv_cache, kv_indptr, kv_indices, *, qlen, scale, kv_scale, n
                  seq_lens=None, dcp_rank=0, dcp_world_size=1):
     checks.check_decode_args("mla_decode", q, kv_cache, kv_indptr, kv_indices, qlen, num_splits,
                              seq_lens, dcp_rank, dcp_world_size)
+    if dispatch.backend_for("mla_decode_splitkv", q.device) == "cuda":
+        from .hopper import mla_decode as cuda_decode
+        return cuda_decode(q.contiguous(), _flat_rows(kv_cache), kv_indptr, kv_indices, qlen, scale, kv_scale,
+                           num_splits, seq_lens, dcp_rank, dcp_world_size)
     if num_splits is None:
         num_splits = dispatch.default_num_splits(
             kv_indptr.shape[0] - 1, q.shape[0], q.shape[1], kv_indices.shape[0], q.device)

@@ -9,10 +9,9 @@
 3. --time: CUDA-graph replays over rotating input sets for a few shapes, cuda vs triton backend.
    With --l2 the cache pool is 40k rows (23 MB), so every KV read hits L2: the time left is the
    kernel's own (compute and latency), the gap to the normal run is what HBM adds.
-4. --balance: the variable-length batch and a uniform one of 32 x 32k on the cuda backend, first
-   as before (one wave, suggested splits, empty splits write zeros), then over
-   KIMI_OPS_SM90_BALANCE_WAVES 1-2 x num_splits with empty splits' o unwritten (as mla_decode
-   runs); scripts/split_model.py predicts these ratios on the CPU.
+   The cuda rows time the backend's mla_decode (work-list grid; S=0: its default split cap).
+4. --balance: the variable-length batch and uniform ones through the cuda mla_decode, on the
+   (split, request) grid, then on the work-list grid over KIMI_OPS_SM90_BALANCE_WAVES 1-4.
 """
 import argparse
 import math
@@ -73,7 +72,10 @@ def random_cases(skip_triton=False):
                   f"-inf ok {e[2]} nan {e[3]}")
 
 
-def time_one(kern, H, qlen, lens, S, sets=8, reps=10, pool_rows=None, zero_empty=True):
+def time_one(kern, H, qlen, lens, S, sets=8, reps=10, pool_rows=None, whole=False):
+    """CUDA-graph replays over rotating sets. whole: the cuda backend's mla_decode (work-list grid
+    unless KIMI_OPS_SM90_WORK_LIST=0; S caps the splits, None: its default); else the
+    backend's mla_decode_splitkv (S splits) + mla_merge."""
     g = torch.Generator().manual_seed(2)
     R = len(lens)
     total = sum(lens)
@@ -94,7 +96,9 @@ def time_one(kern, H, qlen, lens, S, sets=8, reps=10, pool_rows=None, zero_empty
         inputs.append((q, idx))
 
     def run(q, idx):
-        op, lp = kern.mla_decode_splitkv(q, pool, indptr, idx, qlen, SCALE, 0.05, S, zero_empty=zero_empty)
+        if whole:
+            return kern.mla_decode(q, pool, indptr, idx, qlen, SCALE, 0.05, S)
+        op, lp = kern.mla_decode_splitkv(q, pool, indptr, idx, qlen, SCALE, 0.05, S)
         return kern.mla_merge(op, lp) if S > 1 else (op[0], lp[0])
 
     seconds, _ = time_graph([lambda q=q, idx=idx: run(q, idx) for q, idx in inputs], reps)
@@ -109,18 +113,20 @@ def varlen_batch():
 
 
 def balance_sweep():
-    """Per batch: the old behaviour (one wave, suggested S, empty splits write zeros), then
-    waves 1-2 x S with empty splits' o unwritten, as mla_decode now runs."""
-    for label, lens in (("H12 q1 b64 varlen", varlen_batch()), ("H12 q1 b32 32k", [32768] * 32)):
-        runs = [(1, None, True)] + [(w, S, False) for w in (1, 2) for S in (None, 32, 48, 64)]
-        for waves, S, zero_empty in runs:
+    """Per batch: mla_decode on the (split, request) grid (KIMI_OPS_SM90_WORK_LIST=0, suggested S,
+    empty splits' o unwritten), then on the work-list grid over balance waves 1-4."""
+    for label, lens in (("H12 q1 b64 varlen", varlen_batch()), ("H12 q1 b32 32k", [32768] * 32),
+                        ("H12 q1 b8 8k", [8192] * 8), ("H12 q2 b32 8k", [8192] * 32)):
+        qlen = 2 if "q2" in label else 1
+        for work_list, waves in [("0", 1), ("1", 1), ("1", 2), ("1", 3), ("1", 4)]:
+            os.environ[hopper.WORK_LIST_ENV] = work_list
             os.environ[hopper.BALANCE_WAVES_ENV] = str(waves)
-            suggested = hopper.suggest_num_splits(len(lens), 1, 12, sum(lens))
-            S = suggested if S is None else S
-            us, tb = time_one(hopper, 12, 1, lens, S, zero_empty=zero_empty)
-            print(f"balance {label:18s} waves {waves} S={S:3d}{'*' if S == suggested else ' '} "
-                  f"{'zeros' if zero_empty else 'skip '}: {us:8.1f} us  {tb:5.2f} TB/s  ({100 * tb / 4.31:.0f}% of HBM)")
+            us, tb = time_one(hopper, 12, qlen, lens, None, whole=True)
+            grid = "work list " if work_list == "1" else "split grid"
+            print(f"balance {label:18s} {grid} waves {waves}: {us:8.1f} us  {tb:5.2f} TB/s  "
+                  f"({100 * tb / 4.31:.0f}% of HBM)")
     os.environ.pop(hopper.BALANCE_WAVES_ENV)
+    os.environ.pop(hopper.WORK_LIST_ENV)
 
 
 def timing(skip_triton=False, pool_rows=None, only=None):
@@ -134,9 +140,11 @@ def timing(skip_triton=False, pool_rows=None, only=None):
         shapes = [sh for sh in shapes if any(key in sh[0] for key in only)]
     for label, H, qlen, lens in shapes:
         for name, kern in (("cuda", hopper), ("triton", triton_kernels))[:1 if skip_triton else 2]:
-            S = kern.suggest_num_splits(len(lens), qlen, H, sum(lens))
-            us, tb = time_one(kern, H, qlen, lens, S, pool_rows=pool_rows)
-            print(f"{name:6s} {label:18s} S={S:3d}: {us:8.1f} us  {tb:5.2f} TB/s  ({100 * tb / 4.31:.0f}% of HBM)")
+            whole = kern is hopper  # the cuda backend's mla_decode: its own split cap
+            S = None if whole else kern.suggest_num_splits(len(lens), qlen, H, sum(lens))
+            us, tb = time_one(kern, H, qlen, lens, S, pool_rows=pool_rows, whole=whole)
+            print(f"{name:6s} {label:18s} S={S or 0:3d}: {us:8.1f} us  {tb:5.2f} TB/s  "
+                  f"({100 * tb / 4.31:.0f}% of HBM)")
 
 
 def main():

@@ -6,7 +6,7 @@
 
 Every CTA shape (16, 32, 64 rows), empty splits, out-of-range indices, requests shorter than
 qlen, a causal tail inside the last tile, the balanced split sizing, DCP bounds, empty splits that
-leave o unwritten (zero_empty=False), and the merge.
+leave o unwritten (zero_empty=False), mla_decode's work-list grid and both merges.
 Prints the worst error against the float64 oracle (the sanitizer's report is the point).
 """
 import os
@@ -36,9 +36,16 @@ def main():
     o, _ = hopper.mla_merge(*hopper.mla_decode_splitkv(q, kv, indptr, idx, 1, SCALE, 0.5, 6, zero_empty=False))
     ro, _ = oracle(q, kv, indptr, idx, 1, SCALE, 0.5)
     worst = max(worst, ((o.double() - ro).norm() / ro.norm().clamp_min(1e-30)).item())
+    for lens, qlen, H, S in [([0, 1, 70, 130], 1, 12, 6), ([0] * 33 + [500, 7], 2, 12, None),
+                             ([300, 2], 1, 128, 3)]:  # mla_decode's work-list grid (a 2-step scan)
+        q, kv, indptr, idx = make_inputs(lens, qlen, H, device="cuda", gen=g)
+        o, _ = hopper.mla_decode(q, kv, indptr, idx, qlen, SCALE, 0.5, S)
+        ro, _ = oracle(q, kv, indptr, idx, qlen, SCALE, 0.5)
+        worst = max(worst, ((o.double() - ro).norm() / ro.norm().clamp_min(1e-30)).item())
     q, kv, indptr, idx = make_inputs([40, 0, 77], 2, 12, device="cuda", gen=g)
     seq_lens = torch.tensor([80, 3, 150], dtype=torch.int32, device="cuda")
     hopper.mla_decode_splitkv(q, kv, indptr, idx, 2, SCALE, 0.5, 2, seq_lens, 1, 2)
+    hopper.mla_decode(q, kv, indptr, idx, 2, SCALE, 0.5, 2, seq_lens, 1, 2)
     torch.cuda.synchronize()
     print(f"sanitize_cuda: worst rel L2 {worst:.2e}")
 

@@ -31,16 +31,13 @@ def test_private_op_schemas():
     assert [a.name for a in split.arguments] == [
         "q", "kv_cache", "kv_indptr", "kv_indices", "seq_lens", "qlen", "qk_scale_log2", "kv_scale",
         "num_splits", "dcp_rank", "dcp_world_size", "rows_per_cta", "stages", "balance_ctas",
-        "warp_specialized", "zero_empty", "convert_mode"]
-    assert [a.name for a in merge.arguments] == ["o_part", "lse_part", "pdl"]
+        "zero_empty", "work_list"]
+    assert [a.name for a in merge.arguments] == ["o_part", "lse_part", "work_indptr", "num_splits", "balance_ctas"]
 
 
-def test_split_heuristic_fills_one_wave(monkeypatch):
-    from kimi_ops.hopper import WS_ENV, one_wave_splits, suggest_num_splits
-    monkeypatch.setenv(WS_ENV, "1")  # 16-row CTAs warp-specialized: one CTA (two consumers) a SM
-    assert one_wave_splits(1, 1, 12, 65536) == 119             # 119 of 132 slots: >= 90% full
-    assert one_wave_splits(32, 1, 12, 32 * 8192) == 4          # 128 CTAs in 132 slots
-    monkeypatch.setenv(WS_ENV, "0")  # splitkv_kernel's 2-stage 16-row CTAs: two a SM
+def test_split_heuristic_fills_one_wave():
+    from kimi_ops.hopper import one_wave_splits, suggest_num_splits
+    # splitkv_kernel's 2-stage 16-row CTAs: two a SM
     assert one_wave_splits(1, 1, 12, 65536) == 128             # one long request: as many as allowed
     assert one_wave_splits(32, 1, 12, 32 * 8192) == 8          # 256 CTAs in 264 slots
     assert one_wave_splits(128, 8, 12, 128 * 8192) == 1        # already several waves
@@ -76,8 +73,7 @@ def test_auto_backend_is_cuda():
 
 def test_balance_waves(monkeypatch):
     """KIMI_OPS_SM90_BALANCE_WAVES scales the split suggestion (one-wave splits and headroom)."""
-    from kimi_ops.hopper import BALANCE_WAVES_ENV, WS_ENV, suggest_num_splits
-    monkeypatch.setenv(WS_ENV, "0")
+    from kimi_ops.hopper import BALANCE_WAVES_ENV, suggest_num_splits
     tokens = 64 * 12128  # bench_attention.py's variable-length batch, 64 requests
     monkeypatch.setenv(BALANCE_WAVES_ENV, "1")
     assert suggest_num_splits(64, 1, 12, tokens) == 4 + 8        # one wave + two waves of empty CTAs
@@ -89,49 +85,16 @@ def test_balance_waves(monkeypatch):
         suggest_num_splits(64, 1, 12, tokens)
 
 
-def test_convert_mode_applies_to_16_row_2_stage_ctas_only(monkeypatch):
-    from kimi_ops.hopper import CONVERT_ENV, convert_mode
-    monkeypatch.setenv(CONVERT_ENV, "3")
-    assert convert_mode(16, 2, False) == 3
-    assert convert_mode(16, 3, False) == 0 and convert_mode(32, 2, False) == 0 and convert_mode(16, 4, True) == 0
-    monkeypatch.setenv(CONVERT_ENV, "4")
-    with pytest.raises(ValueError, match="0..3"):
-        convert_mode(16, 2, False)
-
-
 @sm90
-@pytest.mark.parametrize("convert", ["1", "2", "3"])
-@pytest.mark.parametrize("H", [12, 16])
-def test_grid_integer_convert(H, convert, monkeypatch):
-    """The integer fp8 -> f16 variants of the 16-row, 2-stage CTAs over the grid's shapes that
-    use them (csrc/fp8_bits.h; its bit math is checked on the host by test_fp8_bits.py)."""
-    import kimi_ops.hopper as hopper
-    monkeypatch.setenv(hopper.CONVERT_ENV, convert)
-    monkeypatch.setenv(hopper.STAGES_ENV, "2")
-    monkeypatch.delenv(hopper.WS_ENV, raising=False)
-    qlens = [qlen for qlen in (1, 2, 3, 4, 8) if hopper.rows_per_cta(qlen * H) == 16]
-    worst = check_decode_grid(H, torch.Generator().manual_seed(H + 1), kernels=hopper, qlens=qlens, max_splits=64)
-    print(f"cuda H={H} convert={convert}: worst rel L2 {worst[0]:.2e}, worst |lse| {worst[1]:.2e}")
-
-
-@sm90
-@pytest.mark.parametrize("stages", ["2", "3", "4", "ws"])
+@pytest.mark.parametrize("stages", ["2", "3", "4"])
 @pytest.mark.parametrize("H", [12, 16, 96, 128])
 def test_grid(H, stages, monkeypatch):
-    """Every kernel variant over the grid: splitkv_kernel at each forced ring depth, and (ws) the
-    warp-specialized kernel on the shapes with 16-row CTAs."""
+    """splitkv_kernel at each forced ring depth over the grid (the (split, request) grid)."""
     import kimi_ops.hopper as hopper
-    if stages == "ws":
-        qlens = [qlen for qlen in (1, 2, 3, 4, 8) if hopper.rows_per_cta(qlen * H) == 16]
-    else:
-        qlens = [qlen for qlen in (1, 2, 3, 4, 8) if int(stages) <= hopper.MAX_STAGES[hopper.rows_per_cta(qlen * H)]]
+    qlens = [qlen for qlen in (1, 2, 3, 4, 8) if int(stages) <= hopper.MAX_STAGES[hopper.rows_per_cta(qlen * H)]]
     if not qlens:
         pytest.skip(f"no {stages} CTA serves {H} heads")
-    if stages == "ws":
-        monkeypatch.setenv(hopper.WS_ENV, "1")
-        monkeypatch.delenv(hopper.STAGES_ENV, raising=False)
-    else:
-        monkeypatch.setenv(hopper.STAGES_ENV, stages)
+    monkeypatch.setenv(hopper.STAGES_ENV, stages)
     worst = check_decode_grid(H, torch.Generator().manual_seed(H), kernels=hopper, qlens=qlens, max_splits=128)
     print(f"cuda H={H} stages={stages}: worst rel L2 {worst[0]:.2e}, worst |lse| {worst[1]:.2e}")
 
@@ -164,17 +127,59 @@ def test_kv_scale_and_extreme_queries():
         assert err.max().item() <= 4e-3, err.max().item()
 
 
+def check_work_list_decode(lens, qlen, H, S, gen, oob=0):
+    """hopper.mla_decode (work-list grid + its merge) against the oracle, its partials drawn from
+    an allocator block poisoned with NaN: a row the kernel or the merge misses shows as NaN."""
+    import kimi_ops.hopper as hopper
+    q, kv, indptr, idx = make_inputs(lens, qlen, H, device="cuda", gen=gen, oob=oob)
+    poison = torch.full((1 << 22,), float("nan"), dtype=torch.float32, device="cuda")
+    del poison  # the partials below reuse the block
+    o, lse = hopper.mla_decode(q, kv, indptr, idx, qlen, SCALE, 0.5, S)
+    ro, rl = oracle(q, kv, indptr, idx, qlen, SCALE, 0.5)
+    fin = ~torch.isneginf(rl)
+    assert not torch.isnan(o).any() and not torch.isnan(lse).any()
+    assert torch.equal(torch.isneginf(lse), ~fin) and (o[~fin] == 0).all()
+    err = ((o.double() - ro).norm() / ro.norm().clamp_min(1e-30)).item()
+    lerr = (lse.double()[fin] - rl[fin]).abs().max().item() if fin.any() else 0.0
+    assert err <= 4e-3 and lerr <= 1e-3, (lens[:8], qlen, H, S, err, lerr)
+    return err, lerr
+
+
 @sm90
-@pytest.mark.parametrize("ws", ["0", "1"])
+@pytest.mark.parametrize("waves", ["1", "2", "4"])
+@pytest.mark.parametrize("H", [12, 16, 96, 128])
+def test_work_list_grid(H, waves, monkeypatch):
+    """mla_decode's work-list grid over the grid's shapes, each balance depth: the items bound
+    by requests x splits (small S) and by balance + requests (S = None: the default cap),
+    requests past the scan's 32-request steps, empty requests among them."""
+    import kimi_ops.hopper as hopper
+    monkeypatch.setenv(hopper.BALANCE_WAVES_ENV, waves)
+    monkeypatch.delenv(hopper.WORK_LIST_ENV, raising=False)
+    g = torch.Generator().manual_seed(31 + H)
+    many = torch.randint(0, 700, (70,), generator=g).tolist()
+    many[31] = many[32] = many[69] = 0
+    worst = (0.0, 0.0)
+    for qlen in (1, 2, 4, 8) if H <= 16 else (1, 3):
+        for lens, S, oob in [([0, 1, 2, 7, 63, 64, 65, 300], 3, 0), ([4096, 17, 2500, 0], None, 2),
+                             ([5, 1, 0, 2], 9, 0), ([16384], None, 0), ([65536, 3, 9000], 2, 0),
+                             (many, None, 0), (many, 2, 0)]:
+            if H > 16 and len(lens) > 8:
+                continue
+            e = check_work_list_decode(lens, qlen, H, S, g, oob=oob)
+            worst = (max(worst[0], e[0]), max(worst[1], e[1]))
+    print(f"cuda work list H={H} waves={waves}: worst rel L2 {worst[0]:.2e}, worst |lse| {worst[1]:.2e}")
+
+
+@sm90
+@pytest.mark.parametrize("work_list", ["0", "1"])
 @pytest.mark.parametrize("waves", ["1", "2"])
-def test_private_partials(waves, ws, monkeypatch):
-    """zero_empty=False (mla_decode's private partials): empty splits leave o unwritten (here:
-    NaN from a poisoned allocator block) and say lse = -inf; both merges must skip them. Also the
-    balance over 1 and 2 waves, on both 16-row kernels."""
+def test_private_partials(waves, work_list, monkeypatch):
+    """zero_empty=False: empty splits leave o unwritten (NaN from a poisoned allocator block) and
+    say lse = -inf; both merges must skip them. Then mla_decode on either grid."""
     import kimi_ops.hopper as hopper
     import kimi_ops.kernels.attention as triton_kernels
     monkeypatch.setenv(hopper.BALANCE_WAVES_ENV, waves)
-    monkeypatch.setenv(hopper.WS_ENV, ws)
+    monkeypatch.setenv(hopper.WORK_LIST_ENV, work_list)
     monkeypatch.delenv(hopper.STAGES_ENV, raising=False)
     g = torch.Generator().manual_seed(29)
     for lens, qlen, S in [([0, 5, 3000, 70, 0], 1, 16), ([9000, 64, 1], 2, 40), ([0], 1, 3)]:
@@ -191,16 +196,13 @@ def test_private_partials(waves, ws, monkeypatch):
             assert (o[~fin] == 0).all()
             assert ((o.double() - ro).norm() / ro.norm().clamp_min(1e-30)).item() <= 4e-3
             assert not fin.any() or (lse.double()[fin] - rl[fin]).abs().max().item() <= 1e-3
-        o, lse = kimi_ops.mla_decode(q, kv, indptr, idx, qlen=qlen, scale=SCALE, kv_scale=0.5, num_splits=S)
-        assert not torch.isnan(o).any() and ((o.double() - ro).norm() / ro.norm().clamp_min(1e-30)).item() <= 4e-3
+        check_work_list_decode(lens, qlen, 12, S, g)
 
 
 @sm90
-@pytest.mark.parametrize("pdl", ["0", "1"], ids=["no_pdl", "pdl"])
-def test_merge(pdl, monkeypatch):
+def test_merge(monkeypatch):
     import kimi_ops.hopper as hopper
     import kimi_ops.kernels.attention as triton_kernels
-    monkeypatch.setenv(hopper.PDL_ENV, pdl)
     monkeypatch.setattr(triton_kernels, "mla_merge", hopper.mla_merge)  # check_merge calls it from there
     g = torch.Generator().manual_seed(5)
     # rows 12..1536: the kernel's column blocks of 64 (few rows) to 512 (> 1056 rows)
@@ -210,13 +212,13 @@ def test_merge(pdl, monkeypatch):
 
 
 @sm90
-@pytest.mark.parametrize("pdl", ["0", "1"], ids=["no_pdl", "pdl"])
-def test_public_ops_and_cuda_graph(pdl, monkeypatch):
+@pytest.mark.parametrize("work_list", ["0", "1"])
+def test_public_ops_and_cuda_graph(work_list, monkeypatch):
     """mla_decode through the dispatcher (auto -> cuda), captured in a CUDA graph, replayed after
-    the lengths, indices and q changed in place: equal to eager and to the oracle; also with the
-    merge launched as a programmatic dependent of the split kernel (captured as such)."""
+    the lengths, indices and q changed in place: equal to eager and to the oracle, on the
+    work-list grid (its items found on the device) and on the (split, request) grid."""
     import kimi_ops.hopper as hopper
-    monkeypatch.setenv(hopper.PDL_ENV, pdl)
+    monkeypatch.setenv(hopper.WORK_LIST_ENV, work_list)
     assert dispatch.backend_for("mla_decode_splitkv", torch.device("cuda")) == "cuda"
     check_graph_replay(lambda q, kv, indptr, idx, qlen, S: kimi_ops.mla_decode(
         q, kv, indptr, idx, qlen=qlen, scale=SCALE, kv_scale=0.5, num_splits=S))
@@ -245,15 +247,23 @@ class _RecordOps:
         self.split_calls, self.merge_calls = [], []
 
     def _mla_decode_splitkv_sm90(self, q, kv, indptr, indices, seq_lens, qlen, qk_scale_log2, kv_scale,
-                                 num_splits, dcp_rank, dcp_world_size, rows, stages, balance, ws, zero_empty,
-                                 convert_mode):
-        self.split_calls.append(dict(num_splits=num_splits, rows=rows, stages=stages, balance=balance, ws=ws,
-                                     zero_empty=zero_empty, convert_mode=convert_mode))
+                                 num_splits, dcp_rank, dcp_world_size, rows, stages, balance, zero_empty,
+                                 work_list):
+        self.split_calls.append(dict(num_splits=num_splits, rows=rows, stages=stages, balance=balance,
+                                     zero_empty=zero_empty, work_list=work_list))
         T, H, _ = q.shape
+        R = indptr.shape[0] - 1
+        if work_list:
+            W = kimi_ops.hopper.work_list_items(R, num_splits, balance)
+            return q.new_zeros(W, qlen, H, 512), q.new_zeros(W, qlen, H, dtype=torch.float32)
         return q.new_zeros(num_splits, T, H, 512), q.new_zeros(num_splits, T, H, dtype=torch.float32)
 
-    def _mla_merge_sm90(self, o_part, lse_part, pdl):
-        self.merge_calls.append(dict(pdl=pdl))
+    def _mla_merge_sm90(self, o_part, lse_part, work_indptr, num_splits, balance):
+        self.merge_calls.append(dict(work_list=work_indptr is not None, num_splits=num_splits, balance=balance,
+                                     items=o_part.shape[0]))
+        if work_indptr is not None:
+            T = (work_indptr.shape[0] - 1) * o_part.shape[1]
+            return o_part.new_zeros(T, o_part.shape[2], 512), lse_part.new_zeros(T, o_part.shape[2])
         return o_part[0].clone(), lse_part[0].clone()
 
 
@@ -264,7 +274,7 @@ def recorded_sm90(monkeypatch):
     rec = _RecordOps()
     monkeypatch.setattr(hopper, "_ops", lambda: rec)
     monkeypatch.setattr(hopper, "_multiprocessor_count", lambda device: 132)
-    for env in (hopper.WS_ENV, hopper.STAGES_ENV, hopper.BALANCE_WAVES_ENV, hopper.PDL_ENV, hopper.CONVERT_ENV):
+    for env in (hopper.STAGES_ENV, hopper.BALANCE_WAVES_ENV, hopper.WORK_LIST_ENV):
         monkeypatch.delenv(env, raising=False)
     return hopper, rec
 
@@ -276,30 +286,68 @@ def test_host_passes_the_switches(recorded_sm90, monkeypatch):
     args = (q, kv, indptr, idx, 1, SCALE, 0.5, 8)
     hopper.mla_merge(*hopper.mla_decode_splitkv(*args))
     one_wave = hopper.one_wave_splits(2, 1, 12, idx.shape[0])
-    assert rec.split_calls[-1] == dict(num_splits=8, rows=16, stages=2, balance=2 * one_wave, ws=False,
-                                       zero_empty=True, convert_mode=0)
-    assert rec.merge_calls[-1] == dict(pdl=False)
-    monkeypatch.setenv(hopper.WS_ENV, "1")
-    monkeypatch.setenv(hopper.BALANCE_WAVES_ENV, "2")
-    monkeypatch.setenv(hopper.PDL_ENV, "1")
-    monkeypatch.setenv(hopper.CONVERT_ENV, "3")
-    hopper.mla_merge(*hopper.mla_decode_splitkv(*args, zero_empty=False))
-    ws_wave = hopper.one_wave_splits(2, 1, 12, idx.shape[0])   # one CTA a SM now
-    assert rec.split_calls[-1] == dict(num_splits=8, rows=16, stages=hopper.WS_STAGES, balance=2 * 2 * ws_wave,
-                                       ws=True, zero_empty=False, convert_mode=0)   # CONVERT: not for WS
-    assert rec.merge_calls[-1] == dict(pdl=True)
-    monkeypatch.setenv(hopper.WS_ENV, "0")
-    hopper.mla_decode_splitkv(*args)
-    assert rec.split_calls[-1]["convert_mode"] == 3 and rec.split_calls[-1]["stages"] == 2
+    balance = hopper.balance_waves() * 2 * one_wave
+    assert rec.split_calls[-1] == dict(num_splits=8, rows=16, stages=2, balance=balance, zero_empty=True,
+                                       work_list=False)
+    assert rec.merge_calls[-1] == dict(work_list=False, num_splits=0, balance=0, items=8)
+    monkeypatch.setenv(hopper.BALANCE_WAVES_ENV, "3")
+    monkeypatch.setenv(hopper.STAGES_ENV, "4")
+    hopper.mla_decode_splitkv(*args, zero_empty=False)
+    assert rec.split_calls[-1] == dict(num_splits=8, rows=16, stages=4, balance=3 * 2 * one_wave, zero_empty=False,
+                                       work_list=False)
 
 
-def test_mla_decode_keeps_its_partials_private(recorded_sm90, monkeypatch):
-    """mla_decode lets empty splits skip their o (its merge never reads it); the public
-    mla_decode_splitkv does not (its contract: o = 0 for an empty split)."""
+def test_mla_decode_runs_the_work_list(recorded_sm90, monkeypatch):
+    """mla_decode (cuda backend): the work-list grid and its merge, given the same num_splits and
+    balance; one split, KIMI_OPS_SM90_WORK_LIST=0 or too many items: the (split, request) grid
+    with private partials. The public mla_decode_splitkv keeps its contract (o = 0 written)."""
     hopper, rec = recorded_sm90
+    monkeypatch.setattr(dispatch, "backend_for", lambda op, device: "cuda")
     monkeypatch.setattr(dispatch, "implementation", lambda op, device: getattr(hopper, op))
     q, kv, indptr, idx = make_inputs([300, 40], 1, 12)
+    o, lse = kimi_ops.mla_decode(q, kv, indptr, idx, qlen=1, scale=SCALE, kv_scale=0.5, num_splits=4)
+    assert o.shape == (2, 12, 512) and lse.shape == (2, 12)
+    split, merge = rec.split_calls[-1], rec.merge_calls[-1]
+    assert split["work_list"] is True and split["zero_empty"] is False and split["num_splits"] == 4
+    assert merge == dict(work_list=True, num_splits=4, balance=split["balance"],
+                         items=hopper.work_list_items(2, 4, split["balance"]))
+    kimi_ops.mla_decode(q, kv, indptr, idx, qlen=1, scale=SCALE, kv_scale=0.5)  # default: the cap
+    assert rec.split_calls[-1]["num_splits"] == hopper._split_cap(2, idx.shape[0])
+    calls = len(rec.merge_calls)
+    kimi_ops.mla_decode(q, kv, indptr, idx, qlen=1, scale=SCALE, kv_scale=0.5, num_splits=1)
+    assert rec.split_calls[-1]["work_list"] is False and len(rec.merge_calls) == calls
+    monkeypatch.setenv(hopper.WORK_LIST_ENV, "0")
     kimi_ops.mla_decode(q, kv, indptr, idx, qlen=1, scale=SCALE, kv_scale=0.5, num_splits=4)
-    assert rec.split_calls[-1]["zero_empty"] is False and len(rec.merge_calls) == 1
+    assert rec.split_calls[-1]["work_list"] is False and rec.split_calls[-1]["zero_empty"] is False
+    assert rec.merge_calls[-1]["work_list"] is False
+    monkeypatch.delenv(hopper.WORK_LIST_ENV)
+    monkeypatch.setattr(hopper, "MAX_GRID_Y", 3)
+    kimi_ops.mla_decode(q, kv, indptr, idx, qlen=1, scale=SCALE, kv_scale=0.5, num_splits=4)
+    assert rec.split_calls[-1]["work_list"] is False
     kimi_ops.mla_decode_splitkv(q, kv, indptr, idx, qlen=1, scale=SCALE, kv_scale=0.5, num_splits=4)
-    assert rec.split_calls[-1]["zero_empty"] is True
+    assert rec.split_calls[-1]["zero_empty"] is True and rec.split_calls[-1]["work_list"] is False
+
+
+def _used_splits(n, num_splits, balanced):
+    """csrc's used_splits / split_chunk, for the bound below."""
+    per_split = max(-(-n // num_splits), balanced) if n > 0 else 0
+    chunk = -(-per_split // 64) * 64
+    return -(-n // chunk) if chunk > 0 else 0
+
+
+def test_work_list_items_bound_the_used_splits():
+    """work_list_items (the grid the host launches and the partials it allocates) is never fewer
+    than the splits the device finds, for any mix of lengths and any balance."""
+    from kimi_ops.hopper import work_list_items
+    g = torch.Generator().manual_seed(3)
+    for trial in range(400):
+        R = int(torch.randint(1, 80, (1,), generator=g))
+        lens = torch.distributions.LogNormal(6.0, 2.5).sample((R,)).long().clamp(0, 1 << 20)
+        lens[torch.rand(R, generator=g) < 0.2] = 0
+        S = int(torch.randint(1, 129, (1,), generator=g))
+        balance = int(torch.randint(0, 2000, (1,), generator=g))
+        total = int(lens.sum())
+        balanced = -(-total // balance) if balance > 0 else 0
+        used = sum(_used_splits(int(n), S, balanced) for n in lens)
+        assert used <= work_list_items(R, S, balance), (R, S, balance, used)
+        assert all(_used_splits(int(n), S, balanced) <= S for n in lens)
