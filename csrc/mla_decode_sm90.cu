@@ -27,11 +27,12 @@
 // Split lengths are computed here from kv_indptr (cta_work): a long request of a mixed batch
 // takes more, equally long splits; a split with no token exits at once (writing lse = -inf, and
 // o = 0 unless the caller's partials are private: zero_empty).
-// Work-list grid (p.work_list, mla_decode's private partials): blockIdx.y is a work item, not a
-// split; the items are the requests' non-empty splits in request order (find_work_item), so no
-// CTA is launched for a split with no token. The partials are then
+// Work-list grid (mla_decode_sm90, p.work_list): blockIdx.y is a work item, not a split; the items
+// are the requests' non-empty splits in request order (find_work_item), so no CTA is launched
+// for a split with no token. A request of one split writes o / lse directly; the others' go to
 //   o_part [W, qlen*H, 512] bf16, lse_part [W, qlen*H] f32: item w's rows of its request
-// with W >= the items (an upper bound from shapes); merge_kernel finds a row's items from kv_indptr.
+// with W >= the items (an upper bound from shapes), and merge_kernel finds a row's items from
+// kv_indptr and work_first (each request's first item, written by its split 0).
 //
 // merge_kernel: one CTA of 4 warps per (query row, block of 64..512 output columns); thread t
 // reads 8 bytes of split rows t / (columns / 4), ... with 8 split rows a thread in flight.
@@ -84,6 +85,9 @@ struct SplitKVParams {
   bool zero_empty;   // false: an empty split writes only lse = -inf (its o is never read: the
                      // partials are private to mla_decode, whose merge skips -inf splits)
   bool work_list;    // blockIdx.y is a work item (find_work_item), the partials [W, qlen*H, ...]
+  __nv_bfloat16* o_final;  // work list: a request with one used split writes o / lse here, [T*H, 512]
+  float* lse_final;        //   and [T*H] (its rows skip the merge)
+  int* work_first;         // work list: [R], a request's first item (written by its split 0)
   float qk_scale_log2;  // scale * kv_scale * log2(e)
   float kv_scale;
 };
@@ -179,11 +183,12 @@ __device__ __forceinline__ int used_splits(int n, int num_splits, int balanced) 
   return chunk > 0 ? (n + chunk - 1) / chunk : 0;
 }
 
-// Work-list grid: the (request, split) of work item `item`, the items being the used splits of
-// request 0, then of request 1, ...; (num_requests, 0) past the last one. Warp-wide (every lane
-// of the calling warp, all 32 active, gets the answer): 32 requests a step, an inclusive scan of
-// their used splits. Device data only, so one grid of W >= the items serves every length mix.
-__device__ __forceinline__ int2 find_work_item(const int* indptr, int num_requests, int num_splits, int balanced,
+// Work-list grid: (request, split, the request's used splits) of work item `item`, the items
+// being the used splits of request 0, then of request 1, ...; request = num_requests past the
+// last one. Warp-wide (every lane of the calling warp, all 32 active, gets the answer): 32
+// requests a step, an inclusive scan of their used splits. Device data only, so one grid of
+// W >= the items serves every length mix.
+__device__ __forceinline__ int3 find_work_item(const int* indptr, int num_requests, int num_splits, int balanced,
                                                int item) {
   const int lane = threadIdx.x % 32;
   int before = 0;  // items of the requests scanned so far
@@ -199,54 +204,57 @@ __device__ __forceinline__ int2 find_work_item(const int* indptr, int num_reques
     const unsigned hit = __ballot_sync(0xffffffffu, item < before + upto);
     if (hit != 0u) {
       const int l = __ffs(hit) - 1;
-      return make_int2(r0 + l, item - before - __shfl_sync(0xffffffffu, upto - used, l));
+      const int first = before + __shfl_sync(0xffffffffu, upto - used, l);
+      return make_int3(r0 + l, item - first, __shfl_sync(0xffffffffu, used, l));
     }
     before += __shfl_sync(0xffffffffu, upto, 31);
   }
-  return make_int2(num_requests, 0);
+  return make_int3(num_requests, 0, 0);
 }
 
-// Work-list partials: the items before request `req` (its first item). Warp-wide, as above.
-__device__ __forceinline__ int first_work_item(const int* indptr, int req, int num_splits, int balanced) {
-  const int lane = threadIdx.x % 32;
-  int before = 0;
-  for (int r0 = 0; r0 < req; r0 += 32) {
-    const int r = r0 + lane;
-    int used = r < req ? used_splits(max(indptr[r + 1] - indptr[r], 0), num_splits, balanced) : 0;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) used += __shfl_xor_sync(0xffffffffu, used, o);
-    before += used;
-  }
-  return before;
-}
-
-// The tokens [lo, hi) of the listed n that CTA (row group, split, request) attends, and what its
-// rows need.
+// The tokens [lo, hi) of the listed n that CTA (row group, split, request) attends, what its
+// rows need, and where its o / lse rows go.
 struct CtaWork {
   bool exists;             // false: a work-list item past the last (the CTA does nothing)
   int start, n, n_global;  // the request's first index, listed tokens, global length
   int lo, hi, ntiles;      // the split's tokens and its 64-token tiles (0: an empty split)
   int valid_rows;          // the CTA's rows that exist (the last row group may be short)
   int64_t flat0;           // the CTA's first flat query row
-  int64_t part0;           // the CTA's first row in lse_part (x 512: in o_part)
+  int64_t out0;            // the CTA's first row in lse_part (x 512: o_part), or with `direct` in
+  bool direct;             //   lse_final / o_final (work list: the request has one split)
+  bool zero_o;             // an empty split must write o = 0 (the public partials, or the output)
+
+  __device__ __forceinline__ __nv_bfloat16* o_out(const SplitKVParams& p) const {
+    return (direct ? p.o_final : p.o_part) + out0 * kLatent;
+  }
+  __device__ __forceinline__ float* lse_out(const SplitKVParams& p) const {
+    return (direct ? p.lse_final : p.lse_part) + out0;
+  }
 };
 
 // Every thread of the CTA calls this (find_work_item is warp-wide).
 __device__ __forceinline__ CtaWork cta_work(const SplitKVParams& p, int rows_per_cta) {
   CtaWork w;
   const int balanced = balanced_tokens(p.indptr, p.num_requests, p.balance_ctas);
-  int split = blockIdx.y, req = blockIdx.z;
+  int split = blockIdx.y, req = blockIdx.z, used = 0;
   if (p.work_list) {
-    const int2 item = find_work_item(p.indptr, p.num_requests, p.num_splits, balanced, blockIdx.y);
-    req = item.x, split = item.y;
+    const int3 item = find_work_item(p.indptr, p.num_requests, p.num_splits, balanced, blockIdx.y);
+    req = item.x, split = item.y, used = item.z;
   }
   w.exists = req < p.num_requests;
   if (!w.exists) return w;
   const int rows_per_req = p.qlen * p.heads;
   const int row0 = blockIdx.x * rows_per_cta;
   w.flat0 = static_cast<int64_t>(req) * rows_per_req + row0;
-  w.part0 = p.work_list ? static_cast<int64_t>(blockIdx.y) * rows_per_req + row0
-                        : static_cast<int64_t>(split) * p.rows_total + w.flat0;
+  int64_t part0 = static_cast<int64_t>(split) * p.rows_total + w.flat0;  // [S, T*H] partials
+  w.zero_o = p.zero_empty;
+  if (p.work_list) {
+    if (split == 0 && blockIdx.x == 0 && threadIdx.x == 0) p.work_first[req] = blockIdx.y;
+    part0 = static_cast<int64_t>(blockIdx.y) * rows_per_req + row0;  // [W, qlen*H] partials
+    w.zero_o = used == 1;
+  }
+  w.direct = used == 1;
+  w.out0 = w.direct ? w.flat0 : part0;
   w.start = p.indptr[req];
   w.n = max(p.indptr[req + 1] - w.start, 0);
   w.n_global = p.seq_lens != nullptr ? p.seq_lens[req] : w.n;
@@ -260,13 +268,13 @@ __device__ __forceinline__ CtaWork cta_work(const SplitKVParams& p, int rows_per
   return w;
 }
 
-// An empty split's partials: lse = -inf, and o = 0 unless p.zero_empty is false.
+// An empty split's rows: lse = -inf, and o = 0 unless its o is never read (w.zero_o false).
 __device__ __forceinline__ void write_empty_split(const SplitKVParams& p, const CtaWork& w, int tid, int threads) {
-  if (p.zero_empty) {
-    uint4* o_out = reinterpret_cast<uint4*>(p.o_part + w.part0 * kLatent);
+  if (w.zero_o) {
+    uint4* o_out = reinterpret_cast<uint4*>(w.o_out(p));
     for (int i = tid; i < w.valid_rows * (kLatent / 8); i += threads) o_out[i] = make_uint4(0, 0, 0, 0);
   }
-  if (tid < w.valid_rows) p.lse_part[w.part0 + tid] = -INFINITY;
+  if (tid < w.valid_rows) w.lse_out(p)[tid] = -INFINITY;
 }
 
 // ---- per-tile pieces of splitkv_kernel ---------------------------------------------------------
@@ -559,7 +567,7 @@ __global__ void __launch_bounds__(128 * MT, 1) splitkv_kernel(const SplitKVParam
   __syncthreads();
   __nv_bfloat16* o_stage = reinterpret_cast<__nv_bfloat16*>(sm.kv[0]);  // [kRows][512]
   static_assert(kRows * kLatent * 2 <= STAGES * kTileN * kSmemRow, "O staging must fit the K ring");
-  float* lse_out = p.lse_part + work.part0;
+  float* lse_out = work.lse_out(p);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = mg * 16 + g + 8 * h;
@@ -578,7 +586,7 @@ __global__ void __launch_bounds__(128 * MT, 1) splitkv_kernel(const SplitKVParam
       lse_out[r] = l > 0.f ? (m_run[h] + log2f(l)) * kLn2 : -INFINITY;
   }
   __syncthreads();
-  uint4* o_out = reinterpret_cast<uint4*>(p.o_part + work.part0 * kLatent);
+  uint4* o_out = reinterpret_cast<uint4*>(work.o_out(p));
   const uint4* o_src = reinterpret_cast<const uint4*>(o_stage);
   for (int i = tid; i < valid_rows * (kLatent / 8); i += kThreads) o_out[i] = o_src[i];
 }
@@ -592,8 +600,9 @@ constexpr int kMergeUnroll = 8;
 // of split rows t / (cols / 4), + slots, ...: with 64 columns a CTA has 8 x 8 split rows in
 // flight, so a few rows with many splits (one request, long context) take ~1 round of latency.
 // Partials [S, rows, ...] (split s of row r at s * rows + r), or with work_indptr the work-list
-// partials [W, rows_per_req, ...] of splitkv_kernel (the row's request's used splits, from
-// kv_indptr with the split kernel's num_splits and balance_ctas).
+// partials [W, rows_per_req, ...] of splitkv_kernel: the row's request's used splits (from
+// kv_indptr with the split kernel's num_splits and balance_ctas) from its first item on
+// (work_first); a request with one used split was written to the output by the split kernel.
 struct MergeParams {
   const __nv_bfloat16* o_part;
   const float* lse_part;
@@ -601,6 +610,7 @@ struct MergeParams {
   float* lse;
   int rows, splits, cols;
   const int* work_indptr;  // nullptr: [S, rows] partials
+  const int* work_first;
   int num_requests, rows_per_req, balance_ctas;
 };
 
@@ -617,8 +627,8 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const MergeParams 
     const int req = row / p.rows_per_req;
     const int balanced = balanced_tokens(p.work_indptr, p.num_requests, p.balance_ctas);
     splits = used_splits(max(p.work_indptr[req + 1] - p.work_indptr[req], 0), p.splits, balanced);
-    part_row = static_cast<int64_t>(first_work_item(p.work_indptr, req, p.splits, balanced)) * p.rows_per_req +
-               row % p.rows_per_req;
+    if (splits == 1) return;  // written by the split kernel
+    part_row = splits > 1 ? static_cast<int64_t>(p.work_first[req]) * p.rows_per_req + row % p.rows_per_req : 0;
     part_stride = p.rows_per_req;
   }
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -716,18 +726,11 @@ int64_t work_list_items(int64_t num_requests, int64_t num_splits, int64_t balanc
   return balance_ctas > 0 ? std::min(by_splits, balance_ctas + num_requests) : by_splits;
 }
 
-}  // namespace
-
-// The rows of one CTA (16, 32 or 64) and the depth of its K ring: chosen on the host from qlen * H.
-// work_list: the grid's y is a work item (the partials [W, qlen, H, ...], W = work_list_items),
-// for mla_decode's merge, which must be given the same kv_indptr, num_splits and balance_ctas.
-std::tuple<at::Tensor, at::Tensor> mla_decode_splitkv_sm90(const at::Tensor& q, const at::Tensor& kv,
-                                                           const at::Tensor& indptr, const at::Tensor& indices,
-                                                           const std::optional<at::Tensor>& seq_lens, int64_t qlen,
-                                                           double qk_scale_log2, double kv_scale, int64_t num_splits,
-                                                           int64_t dcp_rank, int64_t dcp_world_size,
-                                                           int64_t rows_per_cta, int64_t stages,
-                                                           int64_t balance_ctas, bool zero_empty, bool work_list) {
+// The split kernel's arguments, checked; o_part / lse_part and the CTA shape filled in by the caller.
+SplitKVParams splitkv_params(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& indptr,
+                             const at::Tensor& indices, const std::optional<at::Tensor>& seq_lens, int64_t qlen,
+                             double qk_scale_log2, double kv_scale, int64_t num_splits, int64_t dcp_rank,
+                             int64_t dcp_world_size, int64_t rows_per_cta, int64_t stages, int64_t balance_ctas) {
   check_cuda_tensor(q, "q", at::kBFloat16);
   check_cuda_tensor(kv, "kv_cache", at::ScalarType::Float8_e4m3fn);
   check_cuda_tensor(indptr, "kv_indptr", at::kInt);
@@ -743,31 +746,18 @@ std::tuple<at::Tensor, at::Tensor> mla_decode_splitkv_sm90(const at::Tensor& q, 
   const int64_t T = q.size(0), H = q.size(1), R = T / qlen;
   TORCH_CHECK(indptr.numel() == R + 1, "kimi_ops._C: kv_indptr must have T / qlen + 1 entries");
   TORCH_CHECK(R <= 65535, "kimi_ops._C: at most 65535 requests");
-  const int64_t items = work_list ? work_list_items(R, num_splits, balance_ctas) : num_splits;
-  TORCH_CHECK(!work_list || (!zero_empty && items <= 65535),
-              "kimi_ops._C: the work-list grid takes private partials (zero_empty false) and at most 65535 items");
+  TORCH_CHECK((qlen * H + rows_per_cta - 1) / rows_per_cta <= 65535, "kimi_ops._C: too many query rows per request");
   if (seq_lens.has_value()) check_cuda_tensor(*seq_lens, "seq_lens", at::kInt);
-  const c10::cuda::CUDAGuard guard(q.device());
-  auto o_part = work_list ? at::empty({items, qlen, H, kLatent}, q.options())
-                          : at::empty({num_splits, T, H, kLatent}, q.options());
-  auto lse_part = work_list ? at::empty({items, qlen, H}, q.options().dtype(at::kFloat))
-                            : at::empty({num_splits, T, H}, q.options().dtype(at::kFloat));
-  if (T == 0 || H == 0) return {o_part, lse_part};
-
   SplitKVParams params{};
   params.q = reinterpret_cast<const __nv_bfloat16*>(q.data_ptr());
   params.kv = reinterpret_cast<const uint8_t*>(kv.data_ptr());
   params.indptr = indptr.data_ptr<int>();
   params.indices = indices.numel() > 0 ? indices.data_ptr<int>() : indptr.data_ptr<int>();
   params.seq_lens = seq_lens.has_value() ? seq_lens->data_ptr<int>() : nullptr;
-  params.o_part = reinterpret_cast<__nv_bfloat16*>(o_part.data_ptr());
-  params.lse_part = lse_part.data_ptr<float>();
   params.num_kv_rows = kv.size(0);
   params.rows_total = static_cast<int>(T * H);
   params.num_requests = static_cast<int>(R);
   params.balance_ctas = static_cast<int>(std::min<int64_t>(std::max<int64_t>(balance_ctas, 0), INT32_MAX));
-  params.zero_empty = zero_empty || (num_splits == 1 && !work_list);  // one split: o_part[0] is the output
-  params.work_list = work_list;
   params.heads = static_cast<int>(H);
   params.qlen = static_cast<int>(qlen);
   params.num_splits = static_cast<int>(num_splits);
@@ -775,10 +765,10 @@ std::tuple<at::Tensor, at::Tensor> mla_decode_splitkv_sm90(const at::Tensor& q, 
   params.dcp_world = static_cast<int>(dcp_world_size);
   params.qk_scale_log2 = static_cast<float>(qk_scale_log2);
   params.kv_scale = static_cast<float>(kv_scale);
+  return params;
+}
 
-  const int64_t groups = (qlen * H + rows_per_cta - 1) / rows_per_cta;
-  TORCH_CHECK(groups <= INT32_MAX, "kimi_ops._C: too many query rows per request");
-  const dim3 grid(static_cast<unsigned>(groups), static_cast<unsigned>(items), static_cast<unsigned>(work_list ? 1 : R));
+void launch_splitkv(const SplitKVParams& params, int64_t rows_per_cta, int64_t stages, dim3 grid) {
   auto stream = c10::cuda::getCurrentCUDAStream();
   switch (rows_per_cta * 10 + stages) {
     case 162: launch_splitkv<1, 2>(params, grid, stream); break;
@@ -789,44 +779,109 @@ std::tuple<at::Tensor, at::Tensor> mla_decode_splitkv_sm90(const at::Tensor& q, 
     case 642: launch_splitkv<4, 2>(params, grid, stream); break;
     default: launch_splitkv<4, 3>(params, grid, stream); break;
   }
+}
+
+// One CTA per (row, column block): up to 8 blocks of 64 columns while the grid stays within 16
+// CTAs a SM.
+void launch_merge(MergeParams params) {
+  int device = 0, sms = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  int col_blocks = 1;
+  while (col_blocks < 8 && static_cast<int64_t>(params.rows) * col_blocks * 2 <= 16 * static_cast<int64_t>(sms))
+    col_blocks *= 2;
+  params.cols = kLatent / col_blocks;
+  const dim3 grid(static_cast<unsigned>(params.rows), static_cast<unsigned>(col_blocks));
+  merge_kernel<<<grid, kMergeThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(params);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+// M1c: o_part [S, T, H, 512] bf16, lse_part [S, T, H] f32 (the public partials' layout).
+// zero_empty false: an empty split writes only lse = -inf (with one split o is always written).
+std::tuple<at::Tensor, at::Tensor> mla_decode_splitkv_sm90(const at::Tensor& q, const at::Tensor& kv,
+                                                           const at::Tensor& indptr, const at::Tensor& indices,
+                                                           const std::optional<at::Tensor>& seq_lens, int64_t qlen,
+                                                           double qk_scale_log2, double kv_scale, int64_t num_splits,
+                                                           int64_t dcp_rank, int64_t dcp_world_size,
+                                                           int64_t rows_per_cta, int64_t stages,
+                                                           int64_t balance_ctas, bool zero_empty) {
+  const c10::cuda::CUDAGuard guard(q.device());
+  SplitKVParams params = splitkv_params(q, kv, indptr, indices, seq_lens, qlen, qk_scale_log2, kv_scale, num_splits,
+                                        dcp_rank, dcp_world_size, rows_per_cta, stages, balance_ctas);
+  const int64_t T = q.size(0), H = q.size(1), R = T / qlen;
+  auto o_part = at::empty({num_splits, T, H, kLatent}, q.options());
+  auto lse_part = at::empty({num_splits, T, H}, q.options().dtype(at::kFloat));
+  if (T == 0 || H == 0) return {o_part, lse_part};
+  params.o_part = reinterpret_cast<__nv_bfloat16*>(o_part.data_ptr());
+  params.lse_part = lse_part.data_ptr<float>();
+  params.zero_empty = zero_empty || num_splits == 1;  // one split: o_part[0] is the output
+  const int64_t groups = (qlen * H + rows_per_cta - 1) / rows_per_cta;
+  launch_splitkv(params, rows_per_cta, stages,
+                 dim3(static_cast<unsigned>(groups), static_cast<unsigned>(num_splits), static_cast<unsigned>(R)));
   return {o_part, lse_part};
 }
 
-// o_part [S, T, H, 512] / lse_part [S, T, H]; or, with work_indptr (mla_decode's kv_indptr), the
-// work-list partials [W, qlen, H, 512] / [W, qlen, H] of the split kernel run with num_splits and
-// balance_ctas (T = requests x qlen).
-std::tuple<at::Tensor, at::Tensor> mla_merge_sm90(const at::Tensor& o_part, const at::Tensor& lse_part,
-                                                  const std::optional<at::Tensor>& work_indptr, int64_t num_splits,
-                                                  int64_t balance_ctas) {
+// M1c + M1b on the work-list grid: (o [T, H, 512] bf16, lse [T, H] f32). One CTA per (row group,
+// work item), W = work_list_items of them; a request's splits of more than one go through private
+// partials [W, qlen, H, 512] and the merge, a request of one split is written to o directly.
+std::tuple<at::Tensor, at::Tensor> mla_decode_sm90(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& indptr,
+                                                   const at::Tensor& indices, const std::optional<at::Tensor>& seq_lens,
+                                                   int64_t qlen, double qk_scale_log2, double kv_scale,
+                                                   int64_t num_splits, int64_t dcp_rank, int64_t dcp_world_size,
+                                                   int64_t rows_per_cta, int64_t stages, int64_t balance_ctas) {
+  const c10::cuda::CUDAGuard guard(q.device());
+  SplitKVParams params = splitkv_params(q, kv, indptr, indices, seq_lens, qlen, qk_scale_log2, kv_scale, num_splits,
+                                        dcp_rank, dcp_world_size, rows_per_cta, stages, balance_ctas);
+  const int64_t T = q.size(0), H = q.size(1), R = T / qlen;
+  const int64_t items = work_list_items(R, num_splits, balance_ctas);
+  TORCH_CHECK(items <= 65535, "kimi_ops._C: the work-list grid takes at most 65535 items, got ", items);
+  auto o = at::empty({T, H, kLatent}, q.options());
+  auto lse = at::empty({T, H}, q.options().dtype(at::kFloat));
+  if (T == 0 || H == 0) return {o, lse};
+  auto o_part = at::empty({items, qlen, H, kLatent}, q.options());
+  auto lse_part = at::empty({items, qlen, H}, q.options().dtype(at::kFloat));
+  auto work_first = at::empty({R}, indptr.options());
+  params.o_part = reinterpret_cast<__nv_bfloat16*>(o_part.data_ptr());
+  params.lse_part = lse_part.data_ptr<float>();
+  params.o_final = reinterpret_cast<__nv_bfloat16*>(o.data_ptr());
+  params.lse_final = lse.data_ptr<float>();
+  params.work_first = work_first.data_ptr<int>();
+  params.work_list = true;
+  params.zero_empty = false;
+  const int64_t groups = (qlen * H + rows_per_cta - 1) / rows_per_cta;
+  launch_splitkv(params, rows_per_cta, stages, dim3(static_cast<unsigned>(groups), static_cast<unsigned>(items), 1));
+  MergeParams merge{};
+  merge.o_part = params.o_part;
+  merge.lse_part = params.lse_part;
+  merge.o = params.o_final;
+  merge.lse = params.lse_final;
+  merge.rows = static_cast<int>(T * H);
+  merge.splits = static_cast<int>(num_splits);
+  merge.work_indptr = params.indptr;
+  merge.work_first = params.work_first;
+  merge.num_requests = static_cast<int>(R);
+  merge.rows_per_req = static_cast<int>(qlen * H);
+  merge.balance_ctas = params.balance_ctas;
+  launch_merge(merge);
+  return {o, lse};
+}
+
+// M1b: o_part [S, T, H, 512] / lse_part [S, T, H] -> (o [T, H, 512], lse [T, H]).
+std::tuple<at::Tensor, at::Tensor> mla_merge_sm90(const at::Tensor& o_part, const at::Tensor& lse_part) {
   check_cuda_tensor(o_part, "o_part", at::kBFloat16);
   check_cuda_tensor(lse_part, "lse_part", at::kFloat);
   TORCH_CHECK(o_part.dim() == 4 && o_part.size(3) == kLatent, "kimi_ops._C: o_part must be [S, T, H, 512]");
   TORCH_CHECK(lse_part.sizes() == o_part.sizes().slice(0, 3), "kimi_ops._C: lse_part must be [S, T, H]");
   const c10::cuda::CUDAGuard guard(o_part.device());
-  const bool work_list = work_indptr.has_value();
-  if (work_list) {
-    check_cuda_tensor(*work_indptr, "kv_indptr", at::kInt);
-    TORCH_CHECK(work_indptr->numel() >= 1 && num_splits >= 1, "kimi_ops._C: work-list merge needs kv_indptr and num_splits");
-  }
-  const int64_t H = o_part.size(2);
-  const int64_t R = work_list ? work_indptr->numel() - 1 : 0;
-  const int64_t T = work_list ? R * o_part.size(1) : o_part.size(1);
-  const int64_t S = work_list ? num_splits : o_part.size(0);
-  if (work_list)
-    TORCH_CHECK(o_part.size(0) >= work_list_items(R, num_splits, balance_ctas),
-                "kimi_ops._C: work-list partials hold fewer items than the split kernel may write");
+  const int64_t S = o_part.size(0), T = o_part.size(1), H = o_part.size(2);
   auto o = at::empty({T, H, kLatent}, o_part.options());
   auto lse = at::empty({T, H}, lse_part.options());
   const int64_t rows = T * H;
   TORCH_CHECK(rows <= INT32_MAX && S <= INT32_MAX, "kimi_ops._C: merge too large");
   if (rows == 0) return {o, lse};
   TORCH_CHECK(S >= 1, "kimi_ops._C: o_part must hold at least one split");
-  // Column blocks: up to 8 (64 columns each) while the grid stays within 16 CTAs a SM.
-  int device = 0, sms = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  int col_blocks = 1;
-  while (col_blocks < 8 && rows * col_blocks * 2 <= 16 * static_cast<int64_t>(sms)) col_blocks *= 2;
   MergeParams params{};
   params.o_part = reinterpret_cast<const __nv_bfloat16*>(o_part.data_ptr());
   params.lse_part = lse_part.data_ptr<float>();
@@ -834,14 +889,7 @@ std::tuple<at::Tensor, at::Tensor> mla_merge_sm90(const at::Tensor& o_part, cons
   params.lse = lse.data_ptr<float>();
   params.rows = static_cast<int>(rows);
   params.splits = static_cast<int>(S);
-  params.cols = kLatent / col_blocks;
-  params.work_indptr = work_list ? work_indptr->data_ptr<int>() : nullptr;
-  params.num_requests = static_cast<int>(R);
-  params.rows_per_req = static_cast<int>(work_list ? o_part.size(1) * H : 1);
-  params.balance_ctas = static_cast<int>(std::min<int64_t>(std::max<int64_t>(balance_ctas, 0), INT32_MAX));
-  const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>(col_blocks));
-  merge_kernel<<<grid, kMergeThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(params);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_merge(params);
   return {o, lse};
 }
 
@@ -851,14 +899,16 @@ TORCH_LIBRARY_FRAGMENT(kimi_ops, m) {
   m.def(
       "_mla_decode_splitkv_sm90(Tensor q, Tensor kv_cache, Tensor kv_indptr, Tensor kv_indices, "
       "Tensor? seq_lens, int qlen, float qk_scale_log2, float kv_scale, int num_splits, int dcp_rank, "
-      "int dcp_world_size, int rows_per_cta, int stages, int balance_ctas, bool zero_empty, bool work_list) "
-      "-> (Tensor, Tensor)");
+      "int dcp_world_size, int rows_per_cta, int stages, int balance_ctas, bool zero_empty) -> (Tensor, Tensor)");
   m.def(
-      "_mla_merge_sm90(Tensor o_part, Tensor lse_part, Tensor? work_indptr, int num_splits, int balance_ctas) "
-      "-> (Tensor, Tensor)");
+      "_mla_decode_sm90(Tensor q, Tensor kv_cache, Tensor kv_indptr, Tensor kv_indices, "
+      "Tensor? seq_lens, int qlen, float qk_scale_log2, float kv_scale, int num_splits, int dcp_rank, "
+      "int dcp_world_size, int rows_per_cta, int stages, int balance_ctas) -> (Tensor, Tensor)");
+  m.def("_mla_merge_sm90(Tensor o_part, Tensor lse_part) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(kimi_ops, CUDA, m) {
   m.impl("_mla_decode_splitkv_sm90", &kimi_ops::sm90::mla_decode_splitkv_sm90);
+  m.impl("_mla_decode_sm90", &kimi_ops::sm90::mla_decode_sm90);
   m.impl("_mla_merge_sm90", &kimi_ops::sm90::mla_merge_sm90);
 }

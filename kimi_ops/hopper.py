@@ -84,18 +84,11 @@ def mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: floa
         from .kernels.attention import mla_decode_splitkv as triton_splitkv
         return triton_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits,
                               seq_lens, dcp_rank, dcp_world_size)
-    return _splitkv(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits, seq_lens,
-                    dcp_rank, dcp_world_size, balance_ctas(q, kv_indptr, kv_indices, qlen), zero_empty,
-                    work_list=False)
-
-
-def _splitkv(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits, seq_lens, dcp_rank,
-             dcp_world_size, balance, zero_empty, work_list):
     rows = rows_per_cta(qlen * q.shape[1])
     return _ops()._mla_decode_splitkv_sm90(
         q, kv_rows, kv_indptr, kv_indices, seq_lens, qlen, float(scale) * float(kv_scale) * LOG2E,
-        float(kv_scale), num_splits, dcp_rank, dcp_world_size, rows, ring_stages(rows), balance, zero_empty,
-        work_list)
+        float(kv_scale), num_splits, dcp_rank, dcp_world_size, rows, ring_stages(rows),
+        balance_ctas(q, kv_indptr, kv_indices, qlen), zero_empty)
 
 
 def balance_ctas(q, kv_indptr, kv_indices, qlen: int) -> int:
@@ -121,13 +114,14 @@ def mla_decode(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: float, kv_sc
                num_splits, seq_lens=None, dcp_rank: int = 0, dcp_world_size: int = 1):
     """M1c + M1b: q [T, H, 576] bf16, kv_rows [N, 576] fp8 -> (o [T, H, 512] bf16, lse [T, H] f32).
 
-    The split kernel runs on a work-list grid: one CTA per (row group, non-empty split), the
-    requests' splits in order, found on the device from kv_indptr (no CTA for an empty split);
-    the private partials are [W, qlen, H, 512] with W = :func:`work_list_items`, and the merge
-    finds each row's splits the same way. ``num_splits`` caps a request's splits (None: one per
-    128 tokens of the average request, at most 128; more only costs partials memory). With one
-    split, more than 65535 work items, a non-e4m3fn cache or KIMI_OPS_SM90_WORK_LIST=0, the
-    (split, request) grid runs instead, its empty splits' o unwritten."""
+    The split kernel runs on a work-list grid (``_mla_decode_sm90``): one CTA per (row group,
+    non-empty split), the requests' splits in order, found on the device from kv_indptr, so no
+    CTA is spent on an empty split and a CUDA graph serves every mix of lengths. A request of
+    one split writes o / lse directly; the others go through private partials [W, qlen, H, 512]
+    (W = :func:`work_list_items`) and the merge. ``num_splits`` caps a request's splits (None:
+    one per 128 tokens of the average request, at most 128; more only costs partials memory).
+    With one split, more than 65535 work items, a non-e4m3fn cache or KIMI_OPS_SM90_WORK_LIST=0,
+    the (split, request) grid runs instead, its empty splits' o unwritten."""
     num_requests = kv_indptr.shape[0] - 1
     if num_requests <= 0:
         num_splits = 1
@@ -139,9 +133,10 @@ def mla_decode(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: float, kv_sc
     work_list = (kv_rows.dtype == torch.float8_e4m3fn and num_splits > 1 and work_list_enabled()
                  and work_list_items(num_requests, num_splits, balance) <= MAX_GRID_Y)
     if work_list:
-        o_part, lse_part = _splitkv(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits,
-                                    seq_lens, dcp_rank, dcp_world_size, balance, False, True)
-        return _ops()._mla_merge_sm90(o_part, lse_part, kv_indptr, num_splits, balance)
+        rows = rows_per_cta(qlen * q.shape[1])
+        return _ops()._mla_decode_sm90(
+            q, kv_rows, kv_indptr, kv_indices, seq_lens, qlen, float(scale) * float(kv_scale) * LOG2E,
+            float(kv_scale), num_splits, dcp_rank, dcp_world_size, rows, ring_stages(rows), balance)
     o_part, lse_part = mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits,
                                           seq_lens, dcp_rank, dcp_world_size, zero_empty=False)
     if num_splits == 1:
@@ -156,7 +151,7 @@ def _multiprocessor_count(device) -> int:
 
 def mla_merge(o_part, lse_part):
     """M1b. o_part [S, T, H, 512] bf16, lse_part [S, T, H] f32 -> (o [T, H, 512] bf16, lse [T, H] f32)."""
-    return _ops()._mla_merge_sm90(o_part, lse_part, None, 0, 0)
+    return _ops()._mla_merge_sm90(o_part, lse_part)
 
 
 def one_wave_splits(num_requests: int, qlen: int, num_heads: int, num_tokens: int, num_sms: int = 132) -> int:

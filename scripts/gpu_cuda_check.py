@@ -118,7 +118,7 @@ def balance_sweep():
     for label, lens in (("H12 q1 b64 varlen", varlen_batch()), ("H12 q1 b32 32k", [32768] * 32),
                         ("H12 q1 b8 8k", [8192] * 8), ("H12 q2 b32 8k", [8192] * 32)):
         qlen = 2 if "q2" in label else 1
-        for work_list, waves in [("0", 1), ("1", 1), ("1", 2), ("1", 3), ("1", 4)]:
+        for work_list, waves in [("0", 1), ("1", 1), ("1", 2), ("1", 3)]:
             os.environ[hopper.WORK_LIST_ENV] = work_list
             os.environ[hopper.BALANCE_WAVES_ENV] = str(waves)
             us, tb = time_one(hopper, 12, qlen, lens, None, whole=True)

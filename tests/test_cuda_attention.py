@@ -27,12 +27,13 @@ def test_private_op_schemas():
     import kimi_ops.hopper
     ops = kimi_ops.hopper._ops()
     split = ops._mla_decode_splitkv_sm90.default._schema
+    decode = ops._mla_decode_sm90.default._schema
     merge = ops._mla_merge_sm90.default._schema
-    assert [a.name for a in split.arguments] == [
-        "q", "kv_cache", "kv_indptr", "kv_indices", "seq_lens", "qlen", "qk_scale_log2", "kv_scale",
-        "num_splits", "dcp_rank", "dcp_world_size", "rows_per_cta", "stages", "balance_ctas",
-        "zero_empty", "work_list"]
-    assert [a.name for a in merge.arguments] == ["o_part", "lse_part", "work_indptr", "num_splits", "balance_ctas"]
+    common = ["q", "kv_cache", "kv_indptr", "kv_indices", "seq_lens", "qlen", "qk_scale_log2", "kv_scale",
+              "num_splits", "dcp_rank", "dcp_world_size", "rows_per_cta", "stages", "balance_ctas"]
+    assert [a.name for a in split.arguments] == common + ["zero_empty"]
+    assert [a.name for a in decode.arguments] == common
+    assert [a.name for a in merge.arguments] == ["o_part", "lse_part"]
 
 
 def test_split_heuristic_fills_one_wave():
@@ -244,26 +245,23 @@ class _RecordOps:
     arguments and returns partials / outputs of the right shapes (zeros)."""
 
     def __init__(self):
-        self.split_calls, self.merge_calls = [], []
+        self.split_calls, self.decode_calls, self.merge_calls = [], [], []
 
     def _mla_decode_splitkv_sm90(self, q, kv, indptr, indices, seq_lens, qlen, qk_scale_log2, kv_scale,
-                                 num_splits, dcp_rank, dcp_world_size, rows, stages, balance, zero_empty,
-                                 work_list):
+                                 num_splits, dcp_rank, dcp_world_size, rows, stages, balance, zero_empty):
         self.split_calls.append(dict(num_splits=num_splits, rows=rows, stages=stages, balance=balance,
-                                     zero_empty=zero_empty, work_list=work_list))
+                                     zero_empty=zero_empty))
         T, H, _ = q.shape
-        R = indptr.shape[0] - 1
-        if work_list:
-            W = kimi_ops.hopper.work_list_items(R, num_splits, balance)
-            return q.new_zeros(W, qlen, H, 512), q.new_zeros(W, qlen, H, dtype=torch.float32)
         return q.new_zeros(num_splits, T, H, 512), q.new_zeros(num_splits, T, H, dtype=torch.float32)
 
-    def _mla_merge_sm90(self, o_part, lse_part, work_indptr, num_splits, balance):
-        self.merge_calls.append(dict(work_list=work_indptr is not None, num_splits=num_splits, balance=balance,
-                                     items=o_part.shape[0]))
-        if work_indptr is not None:
-            T = (work_indptr.shape[0] - 1) * o_part.shape[1]
-            return o_part.new_zeros(T, o_part.shape[2], 512), lse_part.new_zeros(T, o_part.shape[2])
+    def _mla_decode_sm90(self, q, kv, indptr, indices, seq_lens, qlen, qk_scale_log2, kv_scale,
+                         num_splits, dcp_rank, dcp_world_size, rows, stages, balance):
+        self.decode_calls.append(dict(num_splits=num_splits, rows=rows, stages=stages, balance=balance))
+        T, H, _ = q.shape
+        return q.new_zeros(T, H, 512), q.new_zeros(T, H, dtype=torch.float32)
+
+    def _mla_merge_sm90(self, o_part, lse_part):
+        self.merge_calls.append(o_part.shape[0])
         return o_part[0].clone(), lse_part[0].clone()
 
 
@@ -287,45 +285,40 @@ def test_host_passes_the_switches(recorded_sm90, monkeypatch):
     hopper.mla_merge(*hopper.mla_decode_splitkv(*args))
     one_wave = hopper.one_wave_splits(2, 1, 12, idx.shape[0])
     balance = hopper.balance_waves() * 2 * one_wave
-    assert rec.split_calls[-1] == dict(num_splits=8, rows=16, stages=2, balance=balance, zero_empty=True,
-                                       work_list=False)
-    assert rec.merge_calls[-1] == dict(work_list=False, num_splits=0, balance=0, items=8)
+    assert rec.split_calls[-1] == dict(num_splits=8, rows=16, stages=2, balance=balance, zero_empty=True)
+    assert rec.merge_calls[-1] == 8
     monkeypatch.setenv(hopper.BALANCE_WAVES_ENV, "3")
     monkeypatch.setenv(hopper.STAGES_ENV, "4")
     hopper.mla_decode_splitkv(*args, zero_empty=False)
-    assert rec.split_calls[-1] == dict(num_splits=8, rows=16, stages=4, balance=3 * 2 * one_wave, zero_empty=False,
-                                       work_list=False)
+    assert rec.split_calls[-1] == dict(num_splits=8, rows=16, stages=4, balance=3 * 2 * one_wave, zero_empty=False)
 
 
 def test_mla_decode_runs_the_work_list(recorded_sm90, monkeypatch):
-    """mla_decode (cuda backend): the work-list grid and its merge, given the same num_splits and
-    balance; one split, KIMI_OPS_SM90_WORK_LIST=0 or too many items: the (split, request) grid
-    with private partials. The public mla_decode_splitkv keeps its contract (o = 0 written)."""
+    """mla_decode (cuda backend): the work-list op (split kernel + merge in one); with one split,
+    KIMI_OPS_SM90_WORK_LIST=0 or too many items: the (split, request) grid with private partials
+    and the merge. The public mla_decode_splitkv keeps its contract (o = 0 written)."""
     hopper, rec = recorded_sm90
     monkeypatch.setattr(dispatch, "backend_for", lambda op, device: "cuda")
     monkeypatch.setattr(dispatch, "implementation", lambda op, device: getattr(hopper, op))
-    q, kv, indptr, idx = make_inputs([300, 40], 1, 12)
+    q, kv, indptr, idx = make_inputs([3000, 400], 1, 12)
+    balance = hopper.balance_waves() * 2 * hopper.one_wave_splits(2, 1, 12, idx.shape[0])
     o, lse = kimi_ops.mla_decode(q, kv, indptr, idx, qlen=1, scale=SCALE, kv_scale=0.5, num_splits=4)
     assert o.shape == (2, 12, 512) and lse.shape == (2, 12)
-    split, merge = rec.split_calls[-1], rec.merge_calls[-1]
-    assert split["work_list"] is True and split["zero_empty"] is False and split["num_splits"] == 4
-    assert merge == dict(work_list=True, num_splits=4, balance=split["balance"],
-                         items=hopper.work_list_items(2, 4, split["balance"]))
+    assert rec.decode_calls[-1] == dict(num_splits=4, rows=16, stages=2, balance=balance)
+    assert not rec.split_calls and not rec.merge_calls
     kimi_ops.mla_decode(q, kv, indptr, idx, qlen=1, scale=SCALE, kv_scale=0.5)  # default: the cap
-    assert rec.split_calls[-1]["num_splits"] == hopper._split_cap(2, idx.shape[0])
-    calls = len(rec.merge_calls)
+    assert rec.decode_calls[-1]["num_splits"] == hopper._split_cap(2, idx.shape[0]) == 3400 // 2 // 128
     kimi_ops.mla_decode(q, kv, indptr, idx, qlen=1, scale=SCALE, kv_scale=0.5, num_splits=1)
-    assert rec.split_calls[-1]["work_list"] is False and len(rec.merge_calls) == calls
+    assert rec.split_calls[-1]["num_splits"] == 1 and not rec.merge_calls
     monkeypatch.setenv(hopper.WORK_LIST_ENV, "0")
     kimi_ops.mla_decode(q, kv, indptr, idx, qlen=1, scale=SCALE, kv_scale=0.5, num_splits=4)
-    assert rec.split_calls[-1]["work_list"] is False and rec.split_calls[-1]["zero_empty"] is False
-    assert rec.merge_calls[-1]["work_list"] is False
+    assert rec.split_calls[-1]["zero_empty"] is False and rec.merge_calls == [4]
     monkeypatch.delenv(hopper.WORK_LIST_ENV)
     monkeypatch.setattr(hopper, "MAX_GRID_Y", 3)
     kimi_ops.mla_decode(q, kv, indptr, idx, qlen=1, scale=SCALE, kv_scale=0.5, num_splits=4)
-    assert rec.split_calls[-1]["work_list"] is False
+    assert rec.merge_calls == [4, 4] and len(rec.decode_calls) == 2
     kimi_ops.mla_decode_splitkv(q, kv, indptr, idx, qlen=1, scale=SCALE, kv_scale=0.5, num_splits=4)
-    assert rec.split_calls[-1]["zero_empty"] is True and rec.split_calls[-1]["work_list"] is False
+    assert rec.split_calls[-1]["zero_empty"] is True
 
 
 def _used_splits(n, num_splits, balanced):
