@@ -2,8 +2,9 @@
 
 The ``cuda`` backend of :mod:`kimi_ops.dispatch`: ``mla_decode_splitkv`` (M1c) and
 ``mla_merge`` (M1b) as CUDA C++ kernels, registered as the private ops
-``torch.ops.kimi_ops._mla_decode_splitkv_sm90`` / ``_mla_merge_sm90`` (CUDA key). The
-public ops call these functions after their own host checks.
+``torch.ops.kimi_ops._mla_decode_splitkv_sm90`` / ``_mla_merge_sm90`` (CUDA key), and
+``mla_decode`` (M1c + M1b on the work-list grid) as ``_mla_decode_sm90``. The public ops
+call these functions after their own host checks.
 
 Numerics: the fp8 cache bytes become f16 exactly in registers; the bf16 query is scaled per
 row by 2^k into [2^14, 2^15) and held as f16 (exact); S and O accumulate in f32 on
