@@ -20,6 +20,7 @@ import torch
 
 LOG2E = 1.4426950408889634
 STAGES_ENV = "KIMI_OPS_SM90_STAGES"  # K-ring depth override (2..4; 32-row CTAs: 2..3), for tuning
+ROWS_ENV = "KIMI_OPS_SM90_ROWS"  # CTA rows override (16, 32, 64), for tuning
 BALANCE_WAVES_ENV = "KIMI_OPS_SM90_BALANCE_WAVES"  # waves of CTAs the balanced chunk length aims at (1..8)
 WORK_LIST_ENV = "KIMI_OPS_SM90_WORK_LIST"  # "0": mla_decode on the (split, request) grid instead
 MAX_GRID_Y = 65535
@@ -34,7 +35,14 @@ def rows_per_cta(rows_per_request: int) -> int:
     """Query rows one CTA takes: 16, 32 or 64 (4, 8 or 16 warps; an MMA's M is 16).
 
     Cost model: the padded rows computed plus half a 16-row tile for each CTA of a request (each
-    re-reads the request's KV, from L2 after the first); ties go to the bigger CTA."""
+    re-reads the request's KV, from L2 after the first); ties go to the bigger CTA.
+    KIMI_OPS_SM90_ROWS forces it."""
+    env = os.environ.get(ROWS_ENV)
+    if env:
+        if env not in ("16", "32", "64"):
+            raise ValueError(f"{ROWS_ENV} must be 16, 32 or 64, got {env}")
+        return int(env)
+
     def cost(rows):
         ctas = -(-rows_per_request // rows)
         return ctas * rows + 8 * ctas

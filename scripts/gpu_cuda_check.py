@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Quick GPU check of the Hopper kernels (kimi_ops._C) with diagnostics, then a short timing.
 
-    python scripts/gpu_cuda_check.py [--no-check] [--skip-triton] [--time [--l2]] [--balance]
+    python scripts/gpu_cuda_check.py [--no-check] [--skip-triton] [--time [--l2]] [--balance] [--rows]
 
 1. Structured cases that say *where* a wrong kernel goes wrong: one token (lse = s exactly,
    o = kv_scale * v: a column permutation shows as such), one query row, one 16-row block.
@@ -11,7 +11,9 @@
    kernel's own (compute and latency), the gap to the normal run is what HBM adds.
    The cuda rows time the backend's mla_decode (work-list grid; S=0: its default split cap).
 4. --balance: the variable-length batch and uniform ones through the cuda mla_decode, on the
-   (split, request) grid, then on the work-list grid over KIMI_OPS_SM90_BALANCE_WAVES 1-4.
+   (split, request) grid, then on the work-list grid over KIMI_OPS_SM90_BALANCE_WAVES 1-3.
+5. --rows: the cuda mla_decode at each CTA height (KIMI_OPS_SM90_ROWS) on 24-96-row shapes,
+   DCP2's per-rank shape (24 heads over half the tokens) beside the one-GPU one.
 """
 import argparse
 import math
@@ -129,6 +131,25 @@ def balance_sweep():
     os.environ.pop(hopper.WORK_LIST_ENV)
 
 
+def rows_sweep():
+    """The cuda mla_decode with each CTA height (KIMI_OPS_SM90_ROWS) on shapes of 24-96 rows a
+    request: DCP2's per-rank shape (a rank attends 12 x W heads over 1/W of the tokens) beside
+    the one-GPU shape of the same batch, and the compute-bound ones."""
+    shapes = [("H12 q1 b32 32k (DCP1)", 12, 1, [32768] * 32), ("H24 q1 b32 16k (DCP2)", 24, 1, [16384] * 32),
+              ("H12 q1 b8 32k (DCP1)", 12, 1, [32768] * 8), ("H24 q1 b8 16k (DCP2)", 24, 1, [16384] * 8),
+              ("H96 q1 b64 4k", 96, 1, [4096] * 64), ("H12 q8 b32 8k", 12, 8, [8192] * 32)]
+    for label, H, qlen, lens in shapes:
+        for rows in ("", "16", "32", "64"):
+            if rows and int(rows) > 2 * qlen * H:
+                continue
+            if rows:
+                os.environ[hopper.ROWS_ENV] = rows
+            us, tb = time_one(hopper, H, qlen, lens, None, whole=True)
+            os.environ.pop(hopper.ROWS_ENV, None)
+            print(f"rows {label:22s} {rows or 'default':7s} ({hopper.rows_per_cta(qlen * H) if not rows else rows}): "
+                  f"{us:8.1f} us  {tb:5.2f} TB/s")
+
+
 def timing(skip_triton=False, pool_rows=None, only=None):
     shapes = [("H12 q1 b8 8k", 12, 1, [8192] * 8), ("H12 q1 b32 8k", 12, 1, [8192] * 32),
               ("H12 q1 b32 32k", 12, 1, [32768] * 32), ("H12 q1 b128 8k", 12, 1, [8192] * 128),
@@ -153,6 +174,7 @@ def main():
     ap.add_argument("--skip-triton", action="store_true", help="check and time the cuda backend only")
     ap.add_argument("--l2", action="store_true", help="a 40k-row cache pool that stays in L2")
     ap.add_argument("--balance", action="store_true", help="sweep balance waves x splits (cuda)")
+    ap.add_argument("--rows", action="store_true", help="time each CTA height on 24-96-row shapes (cuda)")
     ap.add_argument("--no-check", action="store_true", help="skip the structured and random cases")
     ap.add_argument("--shapes", default="", help="--time only the shapes whose label contains one of "
                     "these comma-separated strings (e.g. 'b32 32k,varlen')")
@@ -164,6 +186,8 @@ def main():
         timing(args.skip_triton, 40_000 if args.l2 else None, [k for k in args.shapes.split(",") if k])
     if args.balance:
         balance_sweep()
+    if args.rows:
+        rows_sweep()
 
 
 if __name__ == "__main__":
