@@ -247,13 +247,12 @@ __device__ __forceinline__ CtaWork cta_work(const SplitKVParams& p, int rows_per
   const int row0 = blockIdx.x * rows_per_cta;
   w.flat0 = static_cast<int64_t>(req) * rows_per_req + row0;
   int64_t part0 = static_cast<int64_t>(split) * p.rows_total + w.flat0;  // [S, T*H] partials
-  w.zero_o = p.zero_empty;
   if (p.work_list) {
     if (split == 0 && blockIdx.x == 0 && threadIdx.x == 0) p.work_first[req] = blockIdx.y;
     part0 = static_cast<int64_t>(blockIdx.y) * rows_per_req + row0;  // [W, qlen*H] partials
-    w.zero_o = used == 1;
   }
   w.direct = used == 1;
+  w.zero_o = p.zero_empty || w.direct;
   w.out0 = w.direct ? w.flat0 : part0;
   w.start = p.indptr[req];
   w.n = max(p.indptr[req + 1] - w.start, 0);
@@ -726,7 +725,7 @@ int64_t work_list_items(int64_t num_requests, int64_t num_splits, int64_t balanc
   return balance_ctas > 0 ? std::min(by_splits, balance_ctas + num_requests) : by_splits;
 }
 
-// The split kernel's arguments, checked; o_part / lse_part and the CTA shape filled in by the caller.
+// The split kernel's arguments, checked; the outputs, zero_empty and work_list are the caller's to set.
 SplitKVParams splitkv_params(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& indptr,
                              const at::Tensor& indices, const std::optional<at::Tensor>& seq_lens, int64_t qlen,
                              double qk_scale_log2, double kv_scale, int64_t num_splits, int64_t dcp_rank,

@@ -93,11 +93,18 @@ def mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: floa
         from .kernels.attention import mla_decode_splitkv as triton_splitkv
         return triton_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits,
                               seq_lens, dcp_rank, dcp_world_size)
-    rows = rows_per_cta(qlen * q.shape[1])
+    balance = balance_ctas(q, kv_indptr, kv_indices, qlen)
     return _ops()._mla_decode_splitkv_sm90(
-        q, kv_rows, kv_indptr, kv_indices, seq_lens, qlen, float(scale) * float(kv_scale) * LOG2E,
-        float(kv_scale), num_splits, dcp_rank, dcp_world_size, rows, ring_stages(rows),
-        balance_ctas(q, kv_indptr, kv_indices, qlen), zero_empty)
+        *_kernel_args(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits, seq_lens, dcp_rank,
+                      dcp_world_size, balance), zero_empty)
+
+
+def _kernel_args(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits, seq_lens, dcp_rank,
+                 dcp_world_size, balance):
+    """The arguments _mla_decode_splitkv_sm90 and _mla_decode_sm90 share (the CTA shape from qlen x H)."""
+    rows = rows_per_cta(qlen * q.shape[1])
+    return (q, kv_rows, kv_indptr, kv_indices, seq_lens, qlen, float(scale) * float(kv_scale) * LOG2E,
+            float(kv_scale), num_splits, dcp_rank, dcp_world_size, rows, ring_stages(rows), balance)
 
 
 def balance_ctas(q, kv_indptr, kv_indices, qlen: int) -> int:
@@ -142,10 +149,8 @@ def mla_decode(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: float, kv_sc
     work_list = (kv_rows.dtype == torch.float8_e4m3fn and num_splits > 1 and work_list_enabled()
                  and work_list_items(num_requests, num_splits, balance) <= MAX_GRID_Y)
     if work_list:
-        rows = rows_per_cta(qlen * q.shape[1])
-        return _ops()._mla_decode_sm90(
-            q, kv_rows, kv_indptr, kv_indices, seq_lens, qlen, float(scale) * float(kv_scale) * LOG2E,
-            float(kv_scale), num_splits, dcp_rank, dcp_world_size, rows, ring_stages(rows), balance)
+        return _ops()._mla_decode_sm90(*_kernel_args(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale,
+                                                     num_splits, seq_lens, dcp_rank, dcp_world_size, balance))
     o_part, lse_part = mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits,
                                           seq_lens, dcp_rank, dcp_world_size, zero_empty=False)
     if num_splits == 1:
