@@ -55,19 +55,22 @@ constexpr int kRowBytes = 576;      // fp8 cache row
 constexpr int kLatent = 512;        // kv_c columns (= V and O width)
 constexpr int kSmemRow = 592;       // smem row stride of a K tile: 576 + 16 (conflict-free ldmatrix / lds)
 constexpr int kTileN = 64;          // tokens per pipeline stage
-constexpr int kWarpsPerM = 4;       // warps sharing one 16-row m-tile
+constexpr int kTokenGroups = kTileN / 16;  // a tile's 16-token groups, one per QK warp (pair)
 constexpr int kQStride = 584;       // f16 per smem Q row: 576 + 8 (conflict-free ldmatrix)
 constexpr int kPStride = 72;        // f16 per smem P row: 64 + 8
 constexpr int kQExp = 14;           // query rows scaled so the row max is in [2^14, 2^15)
 constexpr float kLn2 = 0.6931471805599453f;
 
-template <int MT, int STAGES>
+// KSPLIT: warps that share one token group's QK, each over 576 / KSPLIT columns; an m-tile has
+// 4 * KSPLIT warps, and after the partial scores are exchanged (xs) each owns 16 / KSPLIT tokens.
+template <int MT, int STAGES, int KSPLIT>
 struct SplitKVSmem {
   uint8_t kv[STAGES][kTileN * kSmemRow];
   __half q[MT * 16 * kQStride];
   __half p[MT * 16 * kPStride];
-  float red[kWarpsPerM][MT * 16];
+  float red[kTokenGroups * KSPLIT][MT * 16];  // per warp of an m-tile: its tokens' row max, or l
   float row_fac[MT * 16];
+  float4 xs[KSPLIT > 1 ? MT * kTokenGroups * KSPLIT : 1][32];  // KSPLIT 2: partial scores for the pair
 };
 
 struct SplitKVParams {
@@ -120,12 +123,16 @@ __device__ __forceinline__ uint32_t lds32(const void* p) {
   return v;
 }
 
-// two e4m3 bytes (low byte -> low half) to f16x2, exact
-__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t two_bytes) {
-  uint32_t out;
-  asm("{\n .reg .b16 t;\n cvt.u16.u32 t, %1;\n cvt.rn.f16x2.e4m3x2 %0, t;\n}\n"
-      : "=r"(out)
-      : "r"(two_bytes));
+// four e4m3 bytes (byte i -> f16 i) to two f16x2, exact. The 32-bit word is split into its 16-bit
+// halves with mov, which ptxas turns into a half selector on F2FP (no shift or mask instruction).
+struct F16x4 {
+  uint32_t lo, hi;
+};
+__device__ __forceinline__ F16x4 e4m3x4_to_f16x4(uint32_t four_bytes) {
+  F16x4 out;
+  asm("{\n .reg .b16 a, b;\n mov.b32 {a, b}, %2;\n cvt.rn.f16x2.e4m3x2 %0, a;\n cvt.rn.f16x2.e4m3x2 %1, b;\n}\n"
+      : "=r"(out.lo), "=r"(out.hi)
+      : "r"(four_bytes));
   return out;
 }
 
@@ -317,8 +324,9 @@ __device__ __forceinline__ void stage_query_rows(const SplitKVParams& p, __half*
 
 // The thread's two query rows, r0 and r0 + 8 (request-relative): each row's token limit (the
 // tokens it sees, capped at the split's end), the online-softmax state, and O = 0.
+template <int NACC>
 __device__ __forceinline__ void init_row_state(const SplitKVParams& p, const CtaWork& w, int r0, int (&lim)[2],
-                                               float (&m_run)[2], float (&l_run)[2], float (&acc)[16][4]) {
+                                               float (&m_run)[2], float (&l_run)[2], float (&acc)[NACC][4]) {
   const int rows_per_req = p.qlen * p.heads;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -330,21 +338,24 @@ __device__ __forceinline__ void init_row_state(const SplitKVParams& p, const Cta
     l_run[h] = 0.f;
   }
 #pragma unroll
-  for (int j = 0; j < 16; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+  for (int j = 0; j < NACC; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
 }
 
-// S = Q K^T over the warp's 16 tokens of a tile: s[nt] holds (row g / g+8, token nt*8 + 2c + {0,1}).
-// Four independent accumulators per n-tile (k-step mod 4) keep the MMA chains short.
-__device__ __forceinline__ void tile_scores(float (&s)[2][4], const uint8_t* tile, const __half* q_lane, int wq,
-                                            int lane) {
+// S = Q K^T over the token group tg's 16 tokens of a tile and the NKC 32-byte column chunks from
+// kc0 (all 18: the whole row): s[nt] holds (row g / g+8, token nt*8 + 2c + {0,1}). Four
+// independent accumulators per n-tile (k-step mod 4) keep the MMA chains short.
+template <int NKC>
+__device__ __forceinline__ void tile_scores(float (&s)[2][4], const uint8_t* tile, const __half* q_lane, int tg,
+                                            int kc0, int lane) {
   float s4[4][2][4];
 #pragma unroll
   for (int i = 0; i < 4; ++i)
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) s4[i][nt][0] = s4[i][nt][1] = s4[i][nt][2] = s4[i][nt][3] = 0.f;
-  const uint8_t* k_lane = tile + (wq * 16 + (lane & 15)) * kSmemRow + (lane >> 4) * 16;
+  const uint8_t* k_lane = tile + (tg * 16 + (lane & 15)) * kSmemRow + (lane >> 4) * 16 + kc0 * 32;
+  q_lane += kc0 * 32;
 #pragma unroll
-  for (int kc = 0; kc < kRowBytes / 32; ++kc) {
+  for (int kc = 0; kc < NKC; ++kc) {
     uint32_t kw[4];  // (nt 0, k-step 2kc), (nt 1, 2kc), (nt 0, 2kc+1), (nt 1, 2kc+1)
     ldmatrix_x4(kw, k_lane + kc * 32);
 #pragma unroll
@@ -354,8 +365,8 @@ __device__ __forceinline__ void tile_scores(float (&s)[2][4], const uint8_t* til
       ldmatrix_x4(a, q_lane + ks * 16);
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
-        const uint32_t w = kw[2 * half + nt];
-        mma_f16(s4[ks % 4][nt], a, e4m3x2_to_f16x2(w & 0xffffu), e4m3x2_to_f16x2(w >> 16));
+        const F16x4 b = e4m3x4_to_f16x4(kw[2 * half + nt]);
+        mma_f16(s4[ks % 4][nt], a, b.lo, b.hi);
       }
     }
   }
@@ -367,13 +378,14 @@ __device__ __forceinline__ void tile_scores(float (&s)[2][4], const uint8_t* til
 
 // Scale and mask the warp's scores (token tok_base + nt*8 + 2c + e against each row's limit) and
 // publish its per-row max of the tile: red_rows[g], red_rows[g + 8] (the quad's max).
-__device__ __forceinline__ void tile_mask_and_max(float (&s)[2][4], const float (&row_fac)[2], const int (&lim)[2],
+template <int NT>
+__device__ __forceinline__ void tile_mask_and_max(float (&s)[NT][4], const float (&row_fac)[2], const int (&lim)[2],
                                                   int tok_base, int g, int c, float* red_rows) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float mx = -INFINITY;
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
+    for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int tok = tok_base + nt * 8 + 2 * c + e;
@@ -388,22 +400,23 @@ __device__ __forceinline__ void tile_mask_and_max(float (&s)[2][4], const float 
   }
 }
 
-// Online softmax step once every warp's row max is published (red[w * red_stride + row] for the 4
+// Online softmax step once every warp's row max is published (red[w * red_stride + row] for the KW
 // warps of the m-tile): s becomes P = 2^(s - m), alpha the rescale of the running O, and P (f16)
-// goes to p_rows (row, token within the tile).
-__device__ __forceinline__ void tile_softmax(float (&s)[2][4], float (&m_run)[2], float (&l_run)[2], float (&alpha)[2],
-                                             const float* red, int red_stride, __half* p_rows, int wq, int g, int c) {
+// goes to p_rows (row, token within the tile; the warp's tokens start at tok0).
+template <int NT, int KW>
+__device__ __forceinline__ void tile_softmax(float (&s)[NT][4], float (&m_run)[2], float (&l_run)[2], float (&alpha)[2],
+                                             const float* red, int red_stride, __half* p_rows, int tok0, int g, int c) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float mx = m_run[h];
 #pragma unroll
-    for (int w = 0; w < kWarpsPerM; ++w) mx = fmaxf(mx, red[w * red_stride + g + 8 * h]);
+    for (int w = 0; w < KW; ++w) mx = fmaxf(mx, red[w * red_stride + g + 8 * h]);
     const float m_safe = mx == -INFINITY ? 0.f : mx;
     alpha[h] = fast_exp2(m_run[h] - m_safe);
     m_run[h] = mx;
     float sum = 0.f;
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
+    for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const float pv = fast_exp2(s[nt][2 * h + e] - m_safe);
@@ -413,42 +426,45 @@ __device__ __forceinline__ void tile_softmax(float (&s)[2][4], float (&m_run)[2]
     l_run[h] = l_run[h] * alpha[h] + sum;
   }
 #pragma unroll
-  for (int nt = 0; nt < 2; ++nt)
+  for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
     for (int h = 0; h < 2; ++h)
-      *reinterpret_cast<uint32_t*>(&p_rows[(g + 8 * h) * kPStride + wq * 16 + nt * 8 + 2 * c]) =
+      *reinterpret_cast<uint32_t*>(&p_rows[(g + 8 * h) * kPStride + tok0 + nt * 8 + 2 * c]) =
           pack_half2(s[nt][2 * h], s[nt][2 * h + 1]);
 }
 
-// O = alpha O + P V over the tile's 64 tokens and the warp's 128 columns. acc[4*grp + j] column n
-// (0..7) is latent wq*128 + grp*32 + 4n + j. V^T's fragments come from the K tile's bytes: four
-// 32-bit loads of two token rows each, byte-permuted into (token, token+1) pairs.
-__device__ __forceinline__ void tile_pv(float (&acc)[16][4], const float (&alpha)[2], const uint8_t* tile,
-                                        const __half* p_lane, int wq, int g, int c) {
+// O = alpha O + P V over the tile's 64 tokens and the warp's NGRP * 32 columns from col0.
+// acc[4*grp + j] column n (0..7) is latent col0 + grp*32 + 4n + j. V^T's fragments come from the
+// K tile's bytes: four 32-bit loads of two token rows each, byte-permuted into (token, token+1) pairs.
+template <int NGRP>
+__device__ __forceinline__ void tile_pv(float (&acc)[NGRP * 4][4], const float (&alpha)[2], const uint8_t* tile,
+                                        const __half* p_lane, int col0, int g, int c) {
+  if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {  // most tiles keep every row max
 #pragma unroll
-  for (int j = 0; j < 16; ++j) {
-    acc[j][0] *= alpha[0];
-    acc[j][1] *= alpha[0];
-    acc[j][2] *= alpha[1];
-    acc[j][3] *= alpha[1];
+    for (int j = 0; j < NGRP * 4; ++j) {
+      acc[j][0] *= alpha[0];
+      acc[j][1] *= alpha[0];
+      acc[j][2] *= alpha[1];
+      acc[j][3] *= alpha[1];
+    }
   }
 #pragma unroll
   for (int kk = 0; kk < kTileN / 16; ++kk) {
     uint32_t pa[4];
     ldmatrix_x4(pa, p_lane + kk * 16);
-    const uint8_t* v0 = tile + (kk * 16 + 2 * c) * kSmemRow + wq * 128 + 4 * g;
+    const uint8_t* v0 = tile + (kk * 16 + 2 * c) * kSmemRow + col0 + 4 * g;
 #pragma unroll
-    for (int grp = 0; grp < 4; ++grp) {
+    for (int grp = 0; grp < NGRP; ++grp) {
       const uint32_t x0 = lds32(v0 + grp * 32);                 // token 2c,   latents 4g..4g+3
       const uint32_t x1 = lds32(v0 + kSmemRow + grp * 32);      // token 2c+1
       const uint32_t x2 = lds32(v0 + 8 * kSmemRow + grp * 32);  // token 2c+8
       const uint32_t x3 = lds32(v0 + 9 * kSmemRow + grp * 32);  // token 2c+9
       const uint32_t lo01 = prmt(x0, x1, 0x5140), hi01 = prmt(x0, x1, 0x7362);
       const uint32_t lo23 = prmt(x2, x3, 0x5140), hi23 = prmt(x2, x3, 0x7362);
-      const uint32_t b01[4] = {e4m3x2_to_f16x2(lo01 & 0xffffu), e4m3x2_to_f16x2(lo01 >> 16),
-                               e4m3x2_to_f16x2(hi01 & 0xffffu), e4m3x2_to_f16x2(hi01 >> 16)};
-      const uint32_t b23[4] = {e4m3x2_to_f16x2(lo23 & 0xffffu), e4m3x2_to_f16x2(lo23 >> 16),
-                               e4m3x2_to_f16x2(hi23 & 0xffffu), e4m3x2_to_f16x2(hi23 >> 16)};
+      const F16x4 l01 = e4m3x4_to_f16x4(lo01), h01 = e4m3x4_to_f16x4(hi01);
+      const F16x4 l23 = e4m3x4_to_f16x4(lo23), h23 = e4m3x4_to_f16x4(hi23);
+      const uint32_t b01[4] = {l01.lo, l01.hi, h01.lo, h01.hi};
+      const uint32_t b23[4] = {l23.lo, l23.hi, h23.lo, h23.hi};
 #pragma unroll
       for (int j = 0; j < 4; ++j) mma_f16(acc[grp * 4 + j], pa, b01[j], b23[j]);
     }
@@ -457,17 +473,27 @@ __device__ __forceinline__ void tile_pv(float (&acc)[16][4], const float (&alpha
 
 // ---- M1c ---------------------------------------------------------------------------------------
 
-template <int MT, int STAGES>
-__global__ void __launch_bounds__(128 * MT, 1) splitkv_kernel(const SplitKVParams p) {
+// Two CTAs a SM: KSPLIT 1 by shared memory (97 KB), KSPLIT 2 also by registers (<= 128).
+__device__ __forceinline__ void named_barrier(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+template <int MT, int STAGES, int KSPLIT>
+__global__ void __launch_bounds__(128 * MT * KSPLIT, KSPLIT) splitkv_kernel(const SplitKVParams p) {
+  static_assert(KSPLIT == 1 || (KSPLIT == 2 && MT <= 2), "a warp pair per token group: at most 8 pairs (barriers 1..8)");
   extern __shared__ __align__(128) uint8_t smem_raw[];
-  auto& sm = *reinterpret_cast<SplitKVSmem<MT, STAGES>*>(smem_raw);
+  auto& sm = *reinterpret_cast<SplitKVSmem<MT, STAGES, KSPLIT>*>(smem_raw);
   constexpr int kRows = MT * 16;
-  constexpr int kThreads = 128 * MT;
-  constexpr int kWarps = 4 * MT;
+  constexpr int kWarpsPerM = kTokenGroups * KSPLIT;  // warps of one 16-row m-tile
+  constexpr int kWarps = kWarpsPerM * MT;
+  constexpr int kThreads = 32 * kWarps;
   constexpr int kLoadRows = kTileN / kWarps;  // tokens of a tile each warp gathers
+  constexpr int kCols = kLatent / kWarpsPerM;  // PV: output columns a warp owns
+  constexpr int kNT = 2 / KSPLIT;              // 8-token n-tiles a warp owns after the QK exchange
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int mg = warp / kWarpsPerM, wq = warp % kWarpsPerM;  // m-tile; token / column quarter
+  const int mg = warp / kWarpsPerM, wq = warp % kWarpsPerM;  // m-tile; warp within it
+  const int tg = wq / KSPLIT, kpart = wq % KSPLIT;           // QK: token group, column part
   const int g = lane / 4, c = lane % 4;
   const int rows_per_req = p.qlen * p.heads;
   const int row0 = blockIdx.x * kRows;  // first row of this CTA within its request
@@ -481,34 +507,39 @@ __global__ void __launch_bounds__(128 * MT, 1) splitkv_kernel(const SplitKVParam
     return;
   }
 
-  // --- KV tile loader: warp w gathers tokens [kLoadRows*w, kLoadRows*(w+1)) of a tile; lane l <
-  // kLoadRows holds the index of token l, fetched one tile ahead so its latency hides behind a
-  // tile of compute.
+  // --- KV tile loader: warp w gathers tokens [kLoadRows*w, kLoadRows*(w+1)) of a tile, 8 lanes a
+  // token row: in pass m lane l copies 16-byte chunks l % 8, + 8, ... of row 4m + l / 8, so each
+  // copy instruction takes whole 128-byte lines of 4 rows (narrower pieces of more rows cost 45%
+  // of the HBM rate: measured). Each lane fetches its rows' indices one tile ahead (their latency
+  // hides behind a tile of compute) and computes their addresses once a tile.
+  constexpr int kPasses = kLoadRows / 4;
+  constexpr int kChunks = kRowBytes / 16;
+  static_assert(kLoadRows % 4 == 0, "a warp loads whole passes of 4 rows");
+  const int load_row = warp * kLoadRows + lane / 8, load_chunk = lane % 8;
   const int* idx_base = p.indices + start;
-  auto fetch_index = [&](int t) -> int {
-    const int j = lo + t * kTileN + warp * kLoadRows + lane;
-    return (lane < kLoadRows && t < ntiles && j < hi) ? idx_base[j] : -1;
-  };
-  int next_index = fetch_index(0);
-  auto load_tile = [&](int t) {
-    const int idx_mine = next_index;
-    next_index = fetch_index(t + 1);
-    uint8_t* dst = sm.kv[t % STAGES] + warp * kLoadRows * kSmemRow;
+  int next_index[kPasses];
+  auto fetch_indices = [&](int t) {
 #pragma unroll
-    for (int r = 0; r < kLoadRows; ++r) {  // the first 512 bytes of each row: one chunk a lane
-      const int idx = __shfl_sync(0xffffffffu, idx_mine, r);
-      const bool ok = idx >= 0 && idx < p.num_kv_rows;
-      const uint8_t* src = p.kv + (ok ? static_cast<int64_t>(idx) * kRowBytes + lane * 16 : 0);
-      cp_async_16(dst + r * kSmemRow + lane * 16, src, ok ? 16 : 0);
+    for (int m = 0; m < kPasses; ++m) {
+      const int j = lo + t * kTileN + load_row + 4 * m;
+      next_index[m] = (t < ntiles && j < hi) ? idx_base[j] : -1;
     }
+  };
+  fetch_indices(0);
+  auto load_tile = [&](int t) {
+    int idx[kPasses];
 #pragma unroll
-    for (int i = 0; i < (kLoadRows * 4 + 31) / 32; ++i) {  // the last 64 bytes: 4 chunks a row
-      const int e = i * 32 + lane;
-      const int r = min(e / 4, kLoadRows - 1), ch = 32 + e % 4;
-      const int idx = __shfl_sync(0xffffffffu, idx_mine, r);
-      const bool ok = idx >= 0 && idx < p.num_kv_rows;
-      const uint8_t* src = p.kv + (ok ? static_cast<int64_t>(idx) * kRowBytes + ch * 16 : 0);
-      if (e < kLoadRows * 4) cp_async_16(dst + r * kSmemRow + ch * 16, src, ok ? 16 : 0);
+    for (int m = 0; m < kPasses; ++m) idx[m] = next_index[m];
+    fetch_indices(t + 1);
+    uint8_t* dst = sm.kv[t % STAGES] + load_row * kSmemRow + load_chunk * 16;
+#pragma unroll
+    for (int m = 0; m < kPasses; ++m) {
+      const bool ok = idx[m] >= 0 && idx[m] < p.num_kv_rows;
+      const uint8_t* src = p.kv + (ok ? static_cast<int64_t>(idx[m]) * kRowBytes : 0) + load_chunk * 16;
+#pragma unroll
+      for (int k = 0; k < (kChunks + 7) / 8; ++k)
+        if (k < kChunks / 8 || load_chunk < kChunks % 8)
+          cp_async_16(dst + 4 * m * kSmemRow + k * 128, src + k * 128, ok ? 16 : 0);
     }
   };
   // the first tiles' loads go out before the query is staged
@@ -524,7 +555,7 @@ __global__ void __launch_bounds__(128 * MT, 1) splitkv_kernel(const SplitKVParam
   // --- per-thread row state: rows g and g+8 of the warp's m-tile
   int lim[2];
   float m_run[2], l_run[2];
-  float acc[16][4];
+  float acc[kCols / 8][4];
   init_row_state(p, work, row0 + mg * 16 + g, lim, m_run, l_run, acc);
 
   __syncthreads();  // Q and row_fac in smem
@@ -539,16 +570,31 @@ __global__ void __launch_bounds__(128 * MT, 1) splitkv_kernel(const SplitKVParam
     cp_async_commit();
 
     const uint8_t* tile = sm.kv[t % STAGES];
-    const int tok_base = lo + t * kTileN + wq * 16;  // request-relative token of this warp's first row
+    const int tok0 = tg * 16 + kpart * 8;  // the tile's first token this warp owns after QK
 
-    float s[2][4];
-    tile_scores(s, tile, q_lane, wq, lane);
-    tile_mask_and_max(s, row_fac, lim, tok_base, g, c, &sm.red[wq][mg * 16]);
+    float s2[2][4], s[kNT][4];
+    tile_scores<kRowBytes / 32 / KSPLIT>(s2, tile, q_lane, tg, kpart * (kRowBytes / 32 / KSPLIT), lane);
+    if constexpr (KSPLIT == 1) {
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) s[nt][i] = s2[nt][i];
+    } else {  // give the partner its n-tile's partial, add the partner's partial of ours
+      float give[4], keep[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) give[i] = kpart ? s2[0][i] : s2[1][i], keep[i] = kpart ? s2[1][i] : s2[0][i];
+      sm.xs[warp][lane] = make_float4(give[0], give[1], give[2], give[3]);
+      named_barrier(1 + warp / 2, 64);
+      const float4 got = sm.xs[warp ^ 1][lane];
+      s[0][0] = keep[0] + got.x, s[0][1] = keep[1] + got.y, s[0][2] = keep[2] + got.z, s[0][3] = keep[3] + got.w;
+    }
+    tile_mask_and_max(s, row_fac, lim, lo + t * kTileN + tok0, g, c, &sm.red[wq][mg * 16]);
     __syncthreads();
     float alpha[2];
-    tile_softmax(s, m_run, l_run, alpha, &sm.red[0][mg * 16], MT * 16, &sm.p[mg * 16 * kPStride], wq, g, c);
+    tile_softmax<kNT, kWarpsPerM>(s, m_run, l_run, alpha, &sm.red[0][mg * 16], MT * 16, &sm.p[mg * 16 * kPStride],
+                                  tok0, g, c);
     __syncthreads();
-    tile_pv(acc, alpha, tile, p_lane, wq, g, c);
+    tile_pv<kCols / 32>(acc, alpha, tile, p_lane, wq * kCols, g, c);
   }
   cp_async_wait<0>();
 
@@ -575,10 +621,10 @@ __global__ void __launch_bounds__(128 * MT, 1) splitkv_kernel(const SplitKVParam
     for (int w = 0; w < kWarpsPerM; ++w) l += sm.red[w][r];
     const float inv = l > 0.f ? p.kv_scale / l : 0.f;
 #pragma unroll
-    for (int j = 0; j < 16; ++j)
+    for (int j = 0; j < kCols / 8; ++j)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const int col = wq * 128 + (j / 4) * 32 + 4 * (2 * c + e) + (j % 4);
+        const int col = wq * kCols + (j / 4) * 32 + 4 * (2 * c + e) + (j % 4);
         o_stage[r * kLatent + col] = __float2bfloat16_rn(acc[j][2 * h + e] * inv);
       }
     if (wq == 0 && c == 0 && row0 + r < rows_per_req)
@@ -702,10 +748,10 @@ void check_cuda_tensor(const at::Tensor& t, const char* name, at::ScalarType dty
   TORCH_CHECK(t.is_contiguous(), "kimi_ops._C: ", name, " must be contiguous");
 }
 
-template <int MT, int STAGES>
+template <int MT, int STAGES, int KSPLIT = 1>
 void launch_splitkv(const SplitKVParams& params, dim3 grid, cudaStream_t stream) {
-  constexpr size_t smem = sizeof(SplitKVSmem<MT, STAGES>);
-  auto* kernel = splitkv_kernel<MT, STAGES>;
+  constexpr size_t smem = sizeof(SplitKVSmem<MT, STAGES, KSPLIT>);
+  auto* kernel = splitkv_kernel<MT, STAGES, KSPLIT>;
   static bool configured[64] = {};  // per device: the dynamic smem limit is a per-context attribute
   int device = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
@@ -713,7 +759,7 @@ void launch_splitkv(const SplitKVParams& params, dim3 grid, cudaStream_t stream)
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     if (device < 64) configured[device] = true;
   }
-  kernel<<<grid, 128 * MT, smem, stream>>>(params);
+  kernel<<<grid, 128 * MT * KSPLIT, smem, stream>>>(params);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -729,7 +775,8 @@ int64_t work_list_items(int64_t num_requests, int64_t num_splits, int64_t balanc
 SplitKVParams splitkv_params(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& indptr,
                              const at::Tensor& indices, const std::optional<at::Tensor>& seq_lens, int64_t qlen,
                              double qk_scale_log2, double kv_scale, int64_t num_splits, int64_t dcp_rank,
-                             int64_t dcp_world_size, int64_t rows_per_cta, int64_t stages, int64_t balance_ctas) {
+                             int64_t dcp_world_size, int64_t rows_per_cta, int64_t stages, int64_t qk_split,
+                             int64_t balance_ctas) {
   check_cuda_tensor(q, "q", at::kBFloat16);
   check_cuda_tensor(kv, "kv_cache", at::ScalarType::Float8_e4m3fn);
   check_cuda_tensor(indptr, "kv_indptr", at::kInt);
@@ -742,6 +789,8 @@ SplitKVParams splitkv_params(const at::Tensor& q, const at::Tensor& kv, const at
               "kimi_ops._C: rows_per_cta must be 16, 32 or 64");
   TORCH_CHECK(stages >= 2 && stages <= (rows_per_cta == 16 ? 4 : 3),
               "kimi_ops._C: stages must be 2..4 (16 rows per CTA) or 2..3 (32 or 64)");
+  TORCH_CHECK(qk_split == 1 || (qk_split == 2 && rows_per_cta == 16 && stages == 2),
+              "kimi_ops._C: qk_split must be 1, or 2 with 16 rows per CTA and 2 stages");
   const int64_t T = q.size(0), H = q.size(1), R = T / qlen;
   TORCH_CHECK(indptr.numel() == R + 1, "kimi_ops._C: kv_indptr must have T / qlen + 1 entries");
   TORCH_CHECK(R <= 65535, "kimi_ops._C: at most 65535 requests");
@@ -767,8 +816,12 @@ SplitKVParams splitkv_params(const at::Tensor& q, const at::Tensor& kv, const at
   return params;
 }
 
-void launch_splitkv(const SplitKVParams& params, int64_t rows_per_cta, int64_t stages, dim3 grid) {
+void launch_splitkv(const SplitKVParams& params, int64_t rows_per_cta, int64_t stages, int64_t qk_split, dim3 grid) {
   auto stream = c10::cuda::getCurrentCUDAStream();
+  if (qk_split == 2) {
+    launch_splitkv<1, 2, 2>(params, grid, stream);  // checked: 16 rows, 2 stages
+    return;
+  }
   switch (rows_per_cta * 10 + stages) {
     case 162: launch_splitkv<1, 2>(params, grid, stream); break;
     case 163: launch_splitkv<1, 3>(params, grid, stream); break;
@@ -804,11 +857,11 @@ std::tuple<at::Tensor, at::Tensor> mla_decode_splitkv_sm90(const at::Tensor& q, 
                                                            const std::optional<at::Tensor>& seq_lens, int64_t qlen,
                                                            double qk_scale_log2, double kv_scale, int64_t num_splits,
                                                            int64_t dcp_rank, int64_t dcp_world_size,
-                                                           int64_t rows_per_cta, int64_t stages,
+                                                           int64_t rows_per_cta, int64_t stages, int64_t qk_split,
                                                            int64_t balance_ctas, bool zero_empty) {
   const c10::cuda::CUDAGuard guard(q.device());
   SplitKVParams params = splitkv_params(q, kv, indptr, indices, seq_lens, qlen, qk_scale_log2, kv_scale, num_splits,
-                                        dcp_rank, dcp_world_size, rows_per_cta, stages, balance_ctas);
+                                        dcp_rank, dcp_world_size, rows_per_cta, stages, qk_split, balance_ctas);
   const int64_t T = q.size(0), H = q.size(1), R = T / qlen;
   auto o_part = at::empty({num_splits, T, H, kLatent}, q.options());
   auto lse_part = at::empty({num_splits, T, H}, q.options().dtype(at::kFloat));
@@ -817,7 +870,7 @@ std::tuple<at::Tensor, at::Tensor> mla_decode_splitkv_sm90(const at::Tensor& q, 
   params.lse_part = lse_part.data_ptr<float>();
   params.zero_empty = zero_empty || num_splits == 1;  // one split: o_part[0] is the output
   const int64_t groups = (qlen * H + rows_per_cta - 1) / rows_per_cta;
-  launch_splitkv(params, rows_per_cta, stages,
+  launch_splitkv(params, rows_per_cta, stages, qk_split,
                  dim3(static_cast<unsigned>(groups), static_cast<unsigned>(num_splits), static_cast<unsigned>(R)));
   return {o_part, lse_part};
 }
@@ -829,10 +882,11 @@ std::tuple<at::Tensor, at::Tensor> mla_decode_sm90(const at::Tensor& q, const at
                                                    const at::Tensor& indices, const std::optional<at::Tensor>& seq_lens,
                                                    int64_t qlen, double qk_scale_log2, double kv_scale,
                                                    int64_t num_splits, int64_t dcp_rank, int64_t dcp_world_size,
-                                                   int64_t rows_per_cta, int64_t stages, int64_t balance_ctas) {
+                                                   int64_t rows_per_cta, int64_t stages, int64_t qk_split,
+                                                   int64_t balance_ctas) {
   const c10::cuda::CUDAGuard guard(q.device());
   SplitKVParams params = splitkv_params(q, kv, indptr, indices, seq_lens, qlen, qk_scale_log2, kv_scale, num_splits,
-                                        dcp_rank, dcp_world_size, rows_per_cta, stages, balance_ctas);
+                                        dcp_rank, dcp_world_size, rows_per_cta, stages, qk_split, balance_ctas);
   const int64_t T = q.size(0), H = q.size(1), R = T / qlen;
   const int64_t items = work_list_items(R, num_splits, balance_ctas);
   TORCH_CHECK(items <= 65535, "kimi_ops._C: the work-list grid takes at most 65535 items, got ", items);
@@ -850,7 +904,7 @@ std::tuple<at::Tensor, at::Tensor> mla_decode_sm90(const at::Tensor& q, const at
   params.work_list = true;
   params.zero_empty = false;
   const int64_t groups = (qlen * H + rows_per_cta - 1) / rows_per_cta;
-  launch_splitkv(params, rows_per_cta, stages, dim3(static_cast<unsigned>(groups), static_cast<unsigned>(items), 1));
+  launch_splitkv(params, rows_per_cta, stages, qk_split, dim3(static_cast<unsigned>(groups), static_cast<unsigned>(items), 1));
   MergeParams merge{};
   merge.o_part = params.o_part;
   merge.lse_part = params.lse_part;
@@ -898,11 +952,12 @@ TORCH_LIBRARY_FRAGMENT(kimi_ops, m) {
   m.def(
       "_mla_decode_splitkv_sm90(Tensor q, Tensor kv_cache, Tensor kv_indptr, Tensor kv_indices, "
       "Tensor? seq_lens, int qlen, float qk_scale_log2, float kv_scale, int num_splits, int dcp_rank, "
-      "int dcp_world_size, int rows_per_cta, int stages, int balance_ctas, bool zero_empty) -> (Tensor, Tensor)");
+      "int dcp_world_size, int rows_per_cta, int stages, int qk_split, int balance_ctas, bool zero_empty) "
+      "-> (Tensor, Tensor)");
   m.def(
       "_mla_decode_sm90(Tensor q, Tensor kv_cache, Tensor kv_indptr, Tensor kv_indices, "
       "Tensor? seq_lens, int qlen, float qk_scale_log2, float kv_scale, int num_splits, int dcp_rank, "
-      "int dcp_world_size, int rows_per_cta, int stages, int balance_ctas) -> (Tensor, Tensor)");
+      "int dcp_world_size, int rows_per_cta, int stages, int qk_split, int balance_ctas) -> (Tensor, Tensor)");
   m.def("_mla_merge_sm90(Tensor o_part, Tensor lse_part) -> (Tensor, Tensor)");
 }
 
