@@ -55,22 +55,19 @@ constexpr int kRowBytes = 576;      // fp8 cache row
 constexpr int kLatent = 512;        // kv_c columns (= V and O width)
 constexpr int kSmemRow = 592;       // smem row stride of a K tile: 576 + 16 (conflict-free ldmatrix / lds)
 constexpr int kTileN = 64;          // tokens per pipeline stage
-constexpr int kTokenGroups = kTileN / 16;  // a tile's 16-token groups, one per QK warp (pair)
+constexpr int kWarpsPerM = 4;       // warps sharing one 16-row m-tile
 constexpr int kQStride = 584;       // f16 per smem Q row: 576 + 8 (conflict-free ldmatrix)
 constexpr int kPStride = 72;        // f16 per smem P row: 64 + 8
 constexpr int kQExp = 14;           // query rows scaled so the row max is in [2^14, 2^15)
 constexpr float kLn2 = 0.6931471805599453f;
 
-// KSPLIT: warps that share one token group's QK, each over 576 / KSPLIT columns; an m-tile has
-// 4 * KSPLIT warps, and after the partial scores are exchanged (xs) each owns 16 / KSPLIT tokens.
-template <int MT, int STAGES, int KSPLIT>
+template <int MT, int STAGES>
 struct SplitKVSmem {
   uint8_t kv[STAGES][kTileN * kSmemRow];
   __half q[MT * 16 * kQStride];
   __half p[MT * 16 * kPStride];
-  float red[kTokenGroups * KSPLIT][MT * 16];  // per warp of an m-tile: its tokens' row max, or l
+  float red[kWarpsPerM][MT * 16];
   float row_fac[MT * 16];
-  float4 xs[KSPLIT > 1 ? MT * kTokenGroups * KSPLIT : 1][32];  // KSPLIT 2: partial scores for the pair
 };
 
 struct SplitKVParams {
@@ -324,9 +321,8 @@ __device__ __forceinline__ void stage_query_rows(const SplitKVParams& p, __half*
 
 // The thread's two query rows, r0 and r0 + 8 (request-relative): each row's token limit (the
 // tokens it sees, capped at the split's end), the online-softmax state, and O = 0.
-template <int NACC>
 __device__ __forceinline__ void init_row_state(const SplitKVParams& p, const CtaWork& w, int r0, int (&lim)[2],
-                                               float (&m_run)[2], float (&l_run)[2], float (&acc)[NACC][4]) {
+                                               float (&m_run)[2], float (&l_run)[2], float (&acc)[16][4]) {
   const int rows_per_req = p.qlen * p.heads;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -338,24 +334,21 @@ __device__ __forceinline__ void init_row_state(const SplitKVParams& p, const Cta
     l_run[h] = 0.f;
   }
 #pragma unroll
-  for (int j = 0; j < NACC; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+  for (int j = 0; j < 16; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
 }
 
-// S = Q K^T over the token group tg's 16 tokens of a tile and the NKC 32-byte column chunks from
-// kc0 (all 18: the whole row): s[nt] holds (row g / g+8, token nt*8 + 2c + {0,1}). Four
-// independent accumulators per n-tile (k-step mod 4) keep the MMA chains short.
-template <int NKC>
-__device__ __forceinline__ void tile_scores(float (&s)[2][4], const uint8_t* tile, const __half* q_lane, int tg,
-                                            int kc0, int lane) {
+// S = Q K^T over the warp's 16 tokens of a tile: s[nt] holds (row g / g+8, token nt*8 + 2c + {0,1}).
+// Four independent accumulators per n-tile (k-step mod 4) keep the MMA chains short.
+__device__ __forceinline__ void tile_scores(float (&s)[2][4], const uint8_t* tile, const __half* q_lane, int wq,
+                                            int lane) {
   float s4[4][2][4];
 #pragma unroll
   for (int i = 0; i < 4; ++i)
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) s4[i][nt][0] = s4[i][nt][1] = s4[i][nt][2] = s4[i][nt][3] = 0.f;
-  const uint8_t* k_lane = tile + (tg * 16 + (lane & 15)) * kSmemRow + (lane >> 4) * 16 + kc0 * 32;
-  q_lane += kc0 * 32;
+  const uint8_t* k_lane = tile + (wq * 16 + (lane & 15)) * kSmemRow + (lane >> 4) * 16;
 #pragma unroll
-  for (int kc = 0; kc < NKC; ++kc) {
+  for (int kc = 0; kc < kRowBytes / 32; ++kc) {
     uint32_t kw[4];  // (nt 0, k-step 2kc), (nt 1, 2kc), (nt 0, 2kc+1), (nt 1, 2kc+1)
     ldmatrix_x4(kw, k_lane + kc * 32);
 #pragma unroll
@@ -378,14 +371,13 @@ __device__ __forceinline__ void tile_scores(float (&s)[2][4], const uint8_t* til
 
 // Scale and mask the warp's scores (token tok_base + nt*8 + 2c + e against each row's limit) and
 // publish its per-row max of the tile: red_rows[g], red_rows[g + 8] (the quad's max).
-template <int NT>
-__device__ __forceinline__ void tile_mask_and_max(float (&s)[NT][4], const float (&row_fac)[2], const int (&lim)[2],
+__device__ __forceinline__ void tile_mask_and_max(float (&s)[2][4], const float (&row_fac)[2], const int (&lim)[2],
                                                   int tok_base, int g, int c, float* red_rows) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float mx = -INFINITY;
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
+    for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int tok = tok_base + nt * 8 + 2 * c + e;
@@ -400,23 +392,22 @@ __device__ __forceinline__ void tile_mask_and_max(float (&s)[NT][4], const float
   }
 }
 
-// Online softmax step once every warp's row max is published (red[w * red_stride + row] for the KW
+// Online softmax step once every warp's row max is published (red[w * red_stride + row] for the 4
 // warps of the m-tile): s becomes P = 2^(s - m), alpha the rescale of the running O, and P (f16)
-// goes to p_rows (row, token within the tile; the warp's tokens start at tok0).
-template <int NT, int KW>
-__device__ __forceinline__ void tile_softmax(float (&s)[NT][4], float (&m_run)[2], float (&l_run)[2], float (&alpha)[2],
-                                             const float* red, int red_stride, __half* p_rows, int tok0, int g, int c) {
+// goes to p_rows (row, token within the tile).
+__device__ __forceinline__ void tile_softmax(float (&s)[2][4], float (&m_run)[2], float (&l_run)[2], float (&alpha)[2],
+                                             const float* red, int red_stride, __half* p_rows, int wq, int g, int c) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float mx = m_run[h];
 #pragma unroll
-    for (int w = 0; w < KW; ++w) mx = fmaxf(mx, red[w * red_stride + g + 8 * h]);
+    for (int w = 0; w < kWarpsPerM; ++w) mx = fmaxf(mx, red[w * red_stride + g + 8 * h]);
     const float m_safe = mx == -INFINITY ? 0.f : mx;
     alpha[h] = fast_exp2(m_run[h] - m_safe);
     m_run[h] = mx;
     float sum = 0.f;
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
+    for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const float pv = fast_exp2(s[nt][2 * h + e] - m_safe);
@@ -426,22 +417,21 @@ __device__ __forceinline__ void tile_softmax(float (&s)[NT][4], float (&m_run)[2
     l_run[h] = l_run[h] * alpha[h] + sum;
   }
 #pragma unroll
-  for (int nt = 0; nt < NT; ++nt)
+  for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
     for (int h = 0; h < 2; ++h)
-      *reinterpret_cast<uint32_t*>(&p_rows[(g + 8 * h) * kPStride + tok0 + nt * 8 + 2 * c]) =
+      *reinterpret_cast<uint32_t*>(&p_rows[(g + 8 * h) * kPStride + wq * 16 + nt * 8 + 2 * c]) =
           pack_half2(s[nt][2 * h], s[nt][2 * h + 1]);
 }
 
-// O = alpha O + P V over the tile's 64 tokens and the warp's NGRP * 32 columns from col0.
-// acc[4*grp + j] column n (0..7) is latent col0 + grp*32 + 4n + j. V^T's fragments come from the
-// K tile's bytes: four 32-bit loads of two token rows each, byte-permuted into (token, token+1) pairs.
-template <int NGRP>
-__device__ __forceinline__ void tile_pv(float (&acc)[NGRP * 4][4], const float (&alpha)[2], const uint8_t* tile,
-                                        const __half* p_lane, int col0, int g, int c) {
+// O = alpha O + P V over the tile's 64 tokens and the warp's 128 columns. acc[4*grp + j] column n
+// (0..7) is latent wq*128 + grp*32 + 4n + j. V^T's fragments come from the K tile's bytes: four
+// 32-bit loads of two token rows each, byte-permuted into (token, token+1) pairs.
+__device__ __forceinline__ void tile_pv(float (&acc)[16][4], const float (&alpha)[2], const uint8_t* tile,
+                                        const __half* p_lane, int wq, int g, int c) {
   if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {  // most tiles keep every row max
 #pragma unroll
-    for (int j = 0; j < NGRP * 4; ++j) {
+    for (int j = 0; j < 16; ++j) {
       acc[j][0] *= alpha[0];
       acc[j][1] *= alpha[0];
       acc[j][2] *= alpha[1];
@@ -452,9 +442,9 @@ __device__ __forceinline__ void tile_pv(float (&acc)[NGRP * 4][4], const float (
   for (int kk = 0; kk < kTileN / 16; ++kk) {
     uint32_t pa[4];
     ldmatrix_x4(pa, p_lane + kk * 16);
-    const uint8_t* v0 = tile + (kk * 16 + 2 * c) * kSmemRow + col0 + 4 * g;
+    const uint8_t* v0 = tile + (kk * 16 + 2 * c) * kSmemRow + wq * 128 + 4 * g;
 #pragma unroll
-    for (int grp = 0; grp < NGRP; ++grp) {
+    for (int grp = 0; grp < 4; ++grp) {
       const uint32_t x0 = lds32(v0 + grp * 32);                 // token 2c,   latents 4g..4g+3
       const uint32_t x1 = lds32(v0 + kSmemRow + grp * 32);      // token 2c+1
       const uint32_t x2 = lds32(v0 + 8 * kSmemRow + grp * 32);  // token 2c+8
@@ -473,27 +463,17 @@ __device__ __forceinline__ void tile_pv(float (&acc)[NGRP * 4][4], const float (
 
 // ---- M1c ---------------------------------------------------------------------------------------
 
-// Two CTAs a SM: KSPLIT 1 by shared memory (97 KB), KSPLIT 2 also by registers (<= 128).
-__device__ __forceinline__ void named_barrier(int id, int threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-
-template <int MT, int STAGES, int KSPLIT>
-__global__ void __launch_bounds__(128 * MT * KSPLIT, KSPLIT) splitkv_kernel(const SplitKVParams p) {
-  static_assert(KSPLIT == 1 || (KSPLIT == 2 && MT <= 2), "a warp pair per token group: at most 8 pairs (barriers 1..8)");
+template <int MT, int STAGES>
+__global__ void __launch_bounds__(128 * MT, 1) splitkv_kernel(const SplitKVParams p) {
   extern __shared__ __align__(128) uint8_t smem_raw[];
-  auto& sm = *reinterpret_cast<SplitKVSmem<MT, STAGES, KSPLIT>*>(smem_raw);
+  auto& sm = *reinterpret_cast<SplitKVSmem<MT, STAGES>*>(smem_raw);
   constexpr int kRows = MT * 16;
-  constexpr int kWarpsPerM = kTokenGroups * KSPLIT;  // warps of one 16-row m-tile
-  constexpr int kWarps = kWarpsPerM * MT;
-  constexpr int kThreads = 32 * kWarps;
+  constexpr int kThreads = 128 * MT;
+  constexpr int kWarps = 4 * MT;
   constexpr int kLoadRows = kTileN / kWarps;  // tokens of a tile each warp gathers
-  constexpr int kCols = kLatent / kWarpsPerM;  // PV: output columns a warp owns
-  constexpr int kNT = 2 / KSPLIT;              // 8-token n-tiles a warp owns after the QK exchange
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int mg = warp / kWarpsPerM, wq = warp % kWarpsPerM;  // m-tile; warp within it
-  const int tg = wq / KSPLIT, kpart = wq % KSPLIT;           // QK: token group, column part
+  const int mg = warp / kWarpsPerM, wq = warp % kWarpsPerM;  // m-tile; token / column quarter
   const int g = lane / 4, c = lane % 4;
   const int rows_per_req = p.qlen * p.heads;
   const int row0 = blockIdx.x * kRows;  // first row of this CTA within its request
@@ -509,9 +489,10 @@ __global__ void __launch_bounds__(128 * MT * KSPLIT, KSPLIT) splitkv_kernel(cons
 
   // --- KV tile loader: warp w gathers tokens [kLoadRows*w, kLoadRows*(w+1)) of a tile, 8 lanes a
   // token row: in pass m lane l copies 16-byte chunks l % 8, + 8, ... of row 4m + l / 8, so each
-  // copy instruction takes whole 128-byte lines of 4 rows (narrower pieces of more rows cost 45%
-  // of the HBM rate: measured). Each lane fetches its rows' indices one tile ahead (their latency
-  // hides behind a tile of compute) and computes their addresses once a tile.
+  // copy instruction takes whole 128-byte lines of 4 rows (2 lanes a row, 32 bytes of 16 rows an
+  // instruction, ran at 55% of this rate from HBM: measured). Each lane fetches its rows' indices
+  // one tile ahead (their latency hides behind a tile of compute) and computes their addresses
+  // once a tile.
   constexpr int kPasses = kLoadRows / 4;
   constexpr int kChunks = kRowBytes / 16;
   static_assert(kLoadRows % 4 == 0, "a warp loads whole passes of 4 rows");
@@ -555,7 +536,7 @@ __global__ void __launch_bounds__(128 * MT * KSPLIT, KSPLIT) splitkv_kernel(cons
   // --- per-thread row state: rows g and g+8 of the warp's m-tile
   int lim[2];
   float m_run[2], l_run[2];
-  float acc[kCols / 8][4];
+  float acc[16][4];
   init_row_state(p, work, row0 + mg * 16 + g, lim, m_run, l_run, acc);
 
   __syncthreads();  // Q and row_fac in smem
@@ -570,31 +551,16 @@ __global__ void __launch_bounds__(128 * MT * KSPLIT, KSPLIT) splitkv_kernel(cons
     cp_async_commit();
 
     const uint8_t* tile = sm.kv[t % STAGES];
-    const int tok0 = tg * 16 + kpart * 8;  // the tile's first token this warp owns after QK
+    const int tok_base = lo + t * kTileN + wq * 16;  // request-relative token of this warp's first row
 
-    float s2[2][4], s[kNT][4];
-    tile_scores<kRowBytes / 32 / KSPLIT>(s2, tile, q_lane, tg, kpart * (kRowBytes / 32 / KSPLIT), lane);
-    if constexpr (KSPLIT == 1) {
-#pragma unroll
-      for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) s[nt][i] = s2[nt][i];
-    } else {  // give the partner its n-tile's partial, add the partner's partial of ours
-      float give[4], keep[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) give[i] = kpart ? s2[0][i] : s2[1][i], keep[i] = kpart ? s2[1][i] : s2[0][i];
-      sm.xs[warp][lane] = make_float4(give[0], give[1], give[2], give[3]);
-      named_barrier(1 + warp / 2, 64);
-      const float4 got = sm.xs[warp ^ 1][lane];
-      s[0][0] = keep[0] + got.x, s[0][1] = keep[1] + got.y, s[0][2] = keep[2] + got.z, s[0][3] = keep[3] + got.w;
-    }
-    tile_mask_and_max(s, row_fac, lim, lo + t * kTileN + tok0, g, c, &sm.red[wq][mg * 16]);
+    float s[2][4];
+    tile_scores(s, tile, q_lane, wq, lane);
+    tile_mask_and_max(s, row_fac, lim, tok_base, g, c, &sm.red[wq][mg * 16]);
     __syncthreads();
     float alpha[2];
-    tile_softmax<kNT, kWarpsPerM>(s, m_run, l_run, alpha, &sm.red[0][mg * 16], MT * 16, &sm.p[mg * 16 * kPStride],
-                                  tok0, g, c);
+    tile_softmax(s, m_run, l_run, alpha, &sm.red[0][mg * 16], MT * 16, &sm.p[mg * 16 * kPStride], wq, g, c);
     __syncthreads();
-    tile_pv<kCols / 32>(acc, alpha, tile, p_lane, wq * kCols, g, c);
+    tile_pv(acc, alpha, tile, p_lane, wq, g, c);
   }
   cp_async_wait<0>();
 
@@ -621,10 +587,10 @@ __global__ void __launch_bounds__(128 * MT * KSPLIT, KSPLIT) splitkv_kernel(cons
     for (int w = 0; w < kWarpsPerM; ++w) l += sm.red[w][r];
     const float inv = l > 0.f ? p.kv_scale / l : 0.f;
 #pragma unroll
-    for (int j = 0; j < kCols / 8; ++j)
+    for (int j = 0; j < 16; ++j)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const int col = wq * kCols + (j / 4) * 32 + 4 * (2 * c + e) + (j % 4);
+        const int col = wq * 128 + (j / 4) * 32 + 4 * (2 * c + e) + (j % 4);
         o_stage[r * kLatent + col] = __float2bfloat16_rn(acc[j][2 * h + e] * inv);
       }
     if (wq == 0 && c == 0 && row0 + r < rows_per_req)
@@ -748,10 +714,10 @@ void check_cuda_tensor(const at::Tensor& t, const char* name, at::ScalarType dty
   TORCH_CHECK(t.is_contiguous(), "kimi_ops._C: ", name, " must be contiguous");
 }
 
-template <int MT, int STAGES, int KSPLIT = 1>
+template <int MT, int STAGES>
 void launch_splitkv(const SplitKVParams& params, dim3 grid, cudaStream_t stream) {
-  constexpr size_t smem = sizeof(SplitKVSmem<MT, STAGES, KSPLIT>);
-  auto* kernel = splitkv_kernel<MT, STAGES, KSPLIT>;
+  constexpr size_t smem = sizeof(SplitKVSmem<MT, STAGES>);
+  auto* kernel = splitkv_kernel<MT, STAGES>;
   static bool configured[64] = {};  // per device: the dynamic smem limit is a per-context attribute
   int device = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
@@ -759,7 +725,7 @@ void launch_splitkv(const SplitKVParams& params, dim3 grid, cudaStream_t stream)
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     if (device < 64) configured[device] = true;
   }
-  kernel<<<grid, 128 * MT * KSPLIT, smem, stream>>>(params);
+  kernel<<<grid, 128 * MT, smem, stream>>>(params);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -775,8 +741,7 @@ int64_t work_list_items(int64_t num_requests, int64_t num_splits, int64_t balanc
 SplitKVParams splitkv_params(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& indptr,
                              const at::Tensor& indices, const std::optional<at::Tensor>& seq_lens, int64_t qlen,
                              double qk_scale_log2, double kv_scale, int64_t num_splits, int64_t dcp_rank,
-                             int64_t dcp_world_size, int64_t rows_per_cta, int64_t stages, int64_t qk_split,
-                             int64_t balance_ctas) {
+                             int64_t dcp_world_size, int64_t rows_per_cta, int64_t stages, int64_t balance_ctas) {
   check_cuda_tensor(q, "q", at::kBFloat16);
   check_cuda_tensor(kv, "kv_cache", at::ScalarType::Float8_e4m3fn);
   check_cuda_tensor(indptr, "kv_indptr", at::kInt);
@@ -789,8 +754,6 @@ SplitKVParams splitkv_params(const at::Tensor& q, const at::Tensor& kv, const at
               "kimi_ops._C: rows_per_cta must be 16, 32 or 64");
   TORCH_CHECK(stages >= 2 && stages <= (rows_per_cta == 16 ? 4 : 3),
               "kimi_ops._C: stages must be 2..4 (16 rows per CTA) or 2..3 (32 or 64)");
-  TORCH_CHECK(qk_split == 1 || (qk_split == 2 && rows_per_cta == 16 && stages == 2),
-              "kimi_ops._C: qk_split must be 1, or 2 with 16 rows per CTA and 2 stages");
   const int64_t T = q.size(0), H = q.size(1), R = T / qlen;
   TORCH_CHECK(indptr.numel() == R + 1, "kimi_ops._C: kv_indptr must have T / qlen + 1 entries");
   TORCH_CHECK(R <= 65535, "kimi_ops._C: at most 65535 requests");
@@ -816,12 +779,8 @@ SplitKVParams splitkv_params(const at::Tensor& q, const at::Tensor& kv, const at
   return params;
 }
 
-void launch_splitkv(const SplitKVParams& params, int64_t rows_per_cta, int64_t stages, int64_t qk_split, dim3 grid) {
+void launch_splitkv(const SplitKVParams& params, int64_t rows_per_cta, int64_t stages, dim3 grid) {
   auto stream = c10::cuda::getCurrentCUDAStream();
-  if (qk_split == 2) {
-    launch_splitkv<1, 2, 2>(params, grid, stream);  // checked: 16 rows, 2 stages
-    return;
-  }
   switch (rows_per_cta * 10 + stages) {
     case 162: launch_splitkv<1, 2>(params, grid, stream); break;
     case 163: launch_splitkv<1, 3>(params, grid, stream); break;
@@ -857,11 +816,11 @@ std::tuple<at::Tensor, at::Tensor> mla_decode_splitkv_sm90(const at::Tensor& q, 
                                                            const std::optional<at::Tensor>& seq_lens, int64_t qlen,
                                                            double qk_scale_log2, double kv_scale, int64_t num_splits,
                                                            int64_t dcp_rank, int64_t dcp_world_size,
-                                                           int64_t rows_per_cta, int64_t stages, int64_t qk_split,
+                                                           int64_t rows_per_cta, int64_t stages,
                                                            int64_t balance_ctas, bool zero_empty) {
   const c10::cuda::CUDAGuard guard(q.device());
   SplitKVParams params = splitkv_params(q, kv, indptr, indices, seq_lens, qlen, qk_scale_log2, kv_scale, num_splits,
-                                        dcp_rank, dcp_world_size, rows_per_cta, stages, qk_split, balance_ctas);
+                                        dcp_rank, dcp_world_size, rows_per_cta, stages, balance_ctas);
   const int64_t T = q.size(0), H = q.size(1), R = T / qlen;
   auto o_part = at::empty({num_splits, T, H, kLatent}, q.options());
   auto lse_part = at::empty({num_splits, T, H}, q.options().dtype(at::kFloat));
@@ -870,7 +829,7 @@ std::tuple<at::Tensor, at::Tensor> mla_decode_splitkv_sm90(const at::Tensor& q, 
   params.lse_part = lse_part.data_ptr<float>();
   params.zero_empty = zero_empty || num_splits == 1;  // one split: o_part[0] is the output
   const int64_t groups = (qlen * H + rows_per_cta - 1) / rows_per_cta;
-  launch_splitkv(params, rows_per_cta, stages, qk_split,
+  launch_splitkv(params, rows_per_cta, stages,
                  dim3(static_cast<unsigned>(groups), static_cast<unsigned>(num_splits), static_cast<unsigned>(R)));
   return {o_part, lse_part};
 }
@@ -882,11 +841,10 @@ std::tuple<at::Tensor, at::Tensor> mla_decode_sm90(const at::Tensor& q, const at
                                                    const at::Tensor& indices, const std::optional<at::Tensor>& seq_lens,
                                                    int64_t qlen, double qk_scale_log2, double kv_scale,
                                                    int64_t num_splits, int64_t dcp_rank, int64_t dcp_world_size,
-                                                   int64_t rows_per_cta, int64_t stages, int64_t qk_split,
-                                                   int64_t balance_ctas) {
+                                                   int64_t rows_per_cta, int64_t stages, int64_t balance_ctas) {
   const c10::cuda::CUDAGuard guard(q.device());
   SplitKVParams params = splitkv_params(q, kv, indptr, indices, seq_lens, qlen, qk_scale_log2, kv_scale, num_splits,
-                                        dcp_rank, dcp_world_size, rows_per_cta, stages, qk_split, balance_ctas);
+                                        dcp_rank, dcp_world_size, rows_per_cta, stages, balance_ctas);
   const int64_t T = q.size(0), H = q.size(1), R = T / qlen;
   const int64_t items = work_list_items(R, num_splits, balance_ctas);
   TORCH_CHECK(items <= 65535, "kimi_ops._C: the work-list grid takes at most 65535 items, got ", items);
@@ -904,7 +862,7 @@ std::tuple<at::Tensor, at::Tensor> mla_decode_sm90(const at::Tensor& q, const at
   params.work_list = true;
   params.zero_empty = false;
   const int64_t groups = (qlen * H + rows_per_cta - 1) / rows_per_cta;
-  launch_splitkv(params, rows_per_cta, stages, qk_split, dim3(static_cast<unsigned>(groups), static_cast<unsigned>(items), 1));
+  launch_splitkv(params, rows_per_cta, stages, dim3(static_cast<unsigned>(groups), static_cast<unsigned>(items), 1));
   MergeParams merge{};
   merge.o_part = params.o_part;
   merge.lse_part = params.lse_part;
@@ -952,12 +910,11 @@ TORCH_LIBRARY_FRAGMENT(kimi_ops, m) {
   m.def(
       "_mla_decode_splitkv_sm90(Tensor q, Tensor kv_cache, Tensor kv_indptr, Tensor kv_indices, "
       "Tensor? seq_lens, int qlen, float qk_scale_log2, float kv_scale, int num_splits, int dcp_rank, "
-      "int dcp_world_size, int rows_per_cta, int stages, int qk_split, int balance_ctas, bool zero_empty) "
-      "-> (Tensor, Tensor)");
+      "int dcp_world_size, int rows_per_cta, int stages, int balance_ctas, bool zero_empty) -> (Tensor, Tensor)");
   m.def(
       "_mla_decode_sm90(Tensor q, Tensor kv_cache, Tensor kv_indptr, Tensor kv_indices, "
       "Tensor? seq_lens, int qlen, float qk_scale_log2, float kv_scale, int num_splits, int dcp_rank, "
-      "int dcp_world_size, int rows_per_cta, int stages, int qk_split, int balance_ctas) -> (Tensor, Tensor)");
+      "int dcp_world_size, int rows_per_cta, int stages, int balance_ctas) -> (Tensor, Tensor)");
   m.def("_mla_merge_sm90(Tensor o_part, Tensor lse_part) -> (Tensor, Tensor)");
 }
 

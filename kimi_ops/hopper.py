@@ -23,7 +23,6 @@ STAGES_ENV = "KIMI_OPS_SM90_STAGES"  # K-ring depth override (2..4; 32-row CTAs:
 ROWS_ENV = "KIMI_OPS_SM90_ROWS"  # CTA rows override (16, 32, 64), for tuning
 BALANCE_WAVES_ENV = "KIMI_OPS_SM90_BALANCE_WAVES"  # waves of CTAs the balanced chunk length aims at (1..8)
 WORK_LIST_ENV = "KIMI_OPS_SM90_WORK_LIST"  # "0": mla_decode on the (split, request) grid instead
-QK_SPLIT_ENV = "KIMI_OPS_SM90_QK_SPLIT"  # "1" / "2": warps sharing a token group's QK (16-row, 2-stage CTAs)
 MAX_GRID_Y = 65535
 
 
@@ -66,24 +65,6 @@ def ring_stages(rows: int) -> int:
     return DEFAULT_STAGES[rows]
 
 
-DEFAULT_QK_SPLIT = 1
-
-
-def qk_split(rows: int, stages: int) -> int:
-    """Warps that share one 16-token group's S = Q K^T, each over 576 / qk_split columns, then
-    exchange partial scores: 1 (4 warps a 16-row CTA) or 2 (8 warps, 64 output columns each,
-    <= 128 registers, still two CTAs a SM). Only 16-row CTAs with a 2-stage ring take 2; the
-    others always 1. KIMI_OPS_SM90_QK_SPLIT forces it where it applies."""
-    if (rows, stages) != (16, 2):
-        return 1
-    env = os.environ.get(QK_SPLIT_ENV)
-    if env:
-        if env not in ("1", "2"):
-            raise ValueError(f"{QK_SPLIT_ENV} must be 1 or 2, got {env}")
-        return int(env)
-    return DEFAULT_QK_SPLIT
-
-
 def balance_waves() -> int:
     """How many waves of CTA slots the balanced chunk length aims at (KIMI_OPS_SM90_BALANCE_WAVES,
     default 1). More waves cut a variable-length batch's long requests into more, shorter chunks
@@ -122,9 +103,8 @@ def _kernel_args(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale, num_s
                  dcp_world_size, balance):
     """The arguments _mla_decode_splitkv_sm90 and _mla_decode_sm90 share (the CTA shape from qlen x H)."""
     rows = rows_per_cta(qlen * q.shape[1])
-    stages = ring_stages(rows)
     return (q, kv_rows, kv_indptr, kv_indices, seq_lens, qlen, float(scale) * float(kv_scale) * LOG2E,
-            float(kv_scale), num_splits, dcp_rank, dcp_world_size, rows, stages, qk_split(rows, stages), balance)
+            float(kv_scale), num_splits, dcp_rank, dcp_world_size, rows, ring_stages(rows), balance)
 
 
 def balance_ctas(q, kv_indptr, kv_indices, qlen: int) -> int:

@@ -14,8 +14,6 @@
    (split, request) grid, then on the work-list grid over KIMI_OPS_SM90_BALANCE_WAVES 1-3.
 5. --rows: the cuda mla_decode at each CTA height (KIMI_OPS_SM90_ROWS) on 24-96-row shapes,
    DCP2's per-rank shape (24 heads over half the tokens) beside the one-GPU one.
-6. --qk-split: the cuda mla_decode on the 16-row (qlen 1, 12 heads) shapes with
-   KIMI_OPS_SM90_QK_SPLIT 1 and 2, from HBM and from an L2-resident pool.
 """
 import argparse
 import math
@@ -152,20 +150,6 @@ def rows_sweep():
                   f"{us:8.1f} us  {tb:5.2f} TB/s")
 
 
-def qk_split_sweep():
-    """KIMI_OPS_SM90_QK_SPLIT 1 vs 2 on the shapes of 16-row CTAs, same process, interleaved."""
-    shapes = [("H12 q1 b8 8k", [8192] * 8), ("H12 q1 b32 8k", [8192] * 32), ("H12 q1 b32 32k", [32768] * 32),
-              ("H12 q1 b128 8k", [8192] * 128), ("H12 q1 b1 32k", [32768]), ("H12 q1 b64 varlen", varlen_batch())]
-    for label, lens in shapes:
-        for pool, pool_rows in (("HBM", None), ("L2", 40_000)):
-            for split in ("1", "2"):
-                os.environ[hopper.QK_SPLIT_ENV] = split
-                us, tb = time_one(hopper, 12, 1, lens, None, pool_rows=pool_rows, whole=True)
-                print(f"qk split {label:18s} {pool:3s} split {split}: {us:8.1f} us  {tb:5.2f} TB/s  "
-                      f"({100 * tb / 4.31:.0f}% of HBM)")
-    os.environ.pop(hopper.QK_SPLIT_ENV)
-
-
 def timing(skip_triton=False, pool_rows=None, only=None):
     shapes = [("H12 q1 b8 8k", 12, 1, [8192] * 8), ("H12 q1 b32 8k", 12, 1, [8192] * 32),
               ("H12 q1 b32 32k", 12, 1, [32768] * 32), ("H12 q1 b128 8k", 12, 1, [8192] * 128),
@@ -191,7 +175,6 @@ def main():
     ap.add_argument("--l2", action="store_true", help="a 40k-row cache pool that stays in L2")
     ap.add_argument("--balance", action="store_true", help="sweep balance waves x splits (cuda)")
     ap.add_argument("--rows", action="store_true", help="time each CTA height on 24-96-row shapes (cuda)")
-    ap.add_argument("--qk-split", action="store_true", help="time QK split 1 vs 2 on 16-row shapes (cuda)")
     ap.add_argument("--no-check", action="store_true", help="skip the structured and random cases")
     ap.add_argument("--shapes", default="", help="--time only the shapes whose label contains one of "
                     "these comma-separated strings (e.g. 'b32 32k,varlen')")
@@ -205,8 +188,6 @@ def main():
         balance_sweep()
     if args.rows:
         rows_sweep()
-    if args.qk_split:
-        qk_split_sweep()
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ def test_private_op_schemas():
     decode = ops._mla_decode_sm90.default._schema
     merge = ops._mla_merge_sm90.default._schema
     common = ["q", "kv_cache", "kv_indptr", "kv_indices", "seq_lens", "qlen", "qk_scale_log2", "kv_scale",
-              "num_splits", "dcp_rank", "dcp_world_size", "rows_per_cta", "stages", "qk_split", "balance_ctas"]
+              "num_splits", "dcp_rank", "dcp_world_size", "rows_per_cta", "stages", "balance_ctas"]
     assert [a.name for a in split.arguments] == common + ["zero_empty"]
     assert [a.name for a in decode.arguments] == common
     assert [a.name for a in merge.arguments] == ["o_part", "lse_part"]
@@ -93,21 +93,17 @@ def test_balance_waves(monkeypatch):
 
 
 @sm90
-@pytest.mark.parametrize("stages,split", [("2", "1"), ("2", "2"), ("3", "1"), ("4", "1")])
+@pytest.mark.parametrize("stages", ["2", "3", "4"])
 @pytest.mark.parametrize("H", [12, 16, 96, 128])
-def test_grid(H, stages, split, monkeypatch):
-    """splitkv_kernel at each forced ring depth (and QK split, where it applies) over the grid
-    (the (split, request) grid)."""
+def test_grid(H, stages, monkeypatch):
+    """splitkv_kernel at each forced ring depth over the grid (the (split, request) grid)."""
     import kimi_ops.hopper as hopper
     qlens = [qlen for qlen in (1, 2, 3, 4, 8) if int(stages) <= hopper.MAX_STAGES[hopper.rows_per_cta(qlen * H)]]
-    if split == "2":
-        qlens = [qlen for qlen in qlens if hopper.rows_per_cta(qlen * H) == 16]
     if not qlens:
-        pytest.skip(f"no {stages}-stage CTA with QK split {split} serves {H} heads")
+        pytest.skip(f"no {stages} CTA serves {H} heads")
     monkeypatch.setenv(hopper.STAGES_ENV, stages)
-    monkeypatch.setenv(hopper.QK_SPLIT_ENV, split)
     worst = check_decode_grid(H, torch.Generator().manual_seed(H), kernels=hopper, qlens=qlens, max_splits=128)
-    print(f"cuda H={H} stages={stages} qk split {split}: worst rel L2 {worst[0]:.2e}, worst |lse| {worst[1]:.2e}")
+    print(f"cuda H={H} stages={stages}: worst rel L2 {worst[0]:.2e}, worst |lse| {worst[1]:.2e}")
 
 
 @sm90
@@ -157,18 +153,14 @@ def check_work_list_decode(lens, qlen, H, S, gen, oob=0):
 
 
 @sm90
-@pytest.mark.parametrize("split", ["1", "2"])
 @pytest.mark.parametrize("waves", ["1", "2", "4"])
 @pytest.mark.parametrize("H", [12, 16, 96, 128])
-def test_work_list_grid(H, waves, split, monkeypatch):
+def test_work_list_grid(H, waves, monkeypatch):
     """mla_decode's work-list grid over the grid's shapes, each balance depth: the items bound
     by requests x splits (small S) and by balance + requests (S = None: the default cap),
     requests past the scan's 32-request steps, empty requests among them."""
     import kimi_ops.hopper as hopper
-    if split == "2" and H > 16:
-        pytest.skip("the QK split serves 16-row CTAs only")
     monkeypatch.setenv(hopper.BALANCE_WAVES_ENV, waves)
-    monkeypatch.setenv(hopper.QK_SPLIT_ENV, split)
     monkeypatch.delenv(hopper.WORK_LIST_ENV, raising=False)
     g = torch.Generator().manual_seed(31 + H)
     many = torch.randint(0, 700, (70,), generator=g).tolist()
@@ -182,7 +174,7 @@ def test_work_list_grid(H, waves, split, monkeypatch):
                 continue
             e = check_work_list_decode(lens, qlen, H, S, g, oob=oob)
             worst = (max(worst[0], e[0]), max(worst[1], e[1]))
-    print(f"cuda work list H={H} waves={waves} qk split {split}: worst rel L2 {worst[0]:.2e}, worst |lse| {worst[1]:.2e}")
+    print(f"cuda work list H={H} waves={waves}: worst rel L2 {worst[0]:.2e}, worst |lse| {worst[1]:.2e}")
 
 
 @sm90
@@ -262,16 +254,15 @@ class _RecordOps:
         self.split_calls, self.decode_calls, self.merge_calls = [], [], []
 
     def _mla_decode_splitkv_sm90(self, q, kv, indptr, indices, seq_lens, qlen, qk_scale_log2, kv_scale,
-                                 num_splits, dcp_rank, dcp_world_size, rows, stages, qk_split, balance, zero_empty):
-        self.split_calls.append(dict(num_splits=num_splits, rows=rows, stages=stages, qk_split=qk_split,
-                                     balance=balance, zero_empty=zero_empty))
+                                 num_splits, dcp_rank, dcp_world_size, rows, stages, balance, zero_empty):
+        self.split_calls.append(dict(num_splits=num_splits, rows=rows, stages=stages, balance=balance,
+                                     zero_empty=zero_empty))
         T, H, _ = q.shape
         return q.new_zeros(num_splits, T, H, 512), q.new_zeros(num_splits, T, H, dtype=torch.float32)
 
     def _mla_decode_sm90(self, q, kv, indptr, indices, seq_lens, qlen, qk_scale_log2, kv_scale,
-                         num_splits, dcp_rank, dcp_world_size, rows, stages, qk_split, balance):
-        self.decode_calls.append(dict(num_splits=num_splits, rows=rows, stages=stages, qk_split=qk_split,
-                                      balance=balance))
+                         num_splits, dcp_rank, dcp_world_size, rows, stages, balance):
+        self.decode_calls.append(dict(num_splits=num_splits, rows=rows, stages=stages, balance=balance))
         T, H, _ = q.shape
         return q.new_zeros(T, H, 512), q.new_zeros(T, H, dtype=torch.float32)
 
@@ -287,7 +278,7 @@ def recorded_sm90(monkeypatch):
     rec = _RecordOps()
     monkeypatch.setattr(hopper, "_ops", lambda: rec)
     monkeypatch.setattr(hopper, "_multiprocessor_count", lambda device: 132)
-    for env in (hopper.STAGES_ENV, hopper.BALANCE_WAVES_ENV, hopper.WORK_LIST_ENV, hopper.QK_SPLIT_ENV):
+    for env in (hopper.STAGES_ENV, hopper.BALANCE_WAVES_ENV, hopper.WORK_LIST_ENV):
         monkeypatch.delenv(env, raising=False)
     return hopper, rec
 
@@ -300,22 +291,12 @@ def test_host_passes_the_switches(recorded_sm90, monkeypatch):
     hopper.mla_merge(*hopper.mla_decode_splitkv(*args))
     one_wave = hopper.one_wave_splits(2, 1, 12, idx.shape[0])
     balance = hopper.balance_waves() * 2 * one_wave
-    split = hopper.DEFAULT_QK_SPLIT
-    assert rec.split_calls[-1] == dict(num_splits=8, rows=16, stages=2, qk_split=split, balance=balance,
-                                       zero_empty=True)
+    assert rec.split_calls[-1] == dict(num_splits=8, rows=16, stages=2, balance=balance, zero_empty=True)
     assert rec.merge_calls[-1] == 8
-    monkeypatch.setenv(hopper.QK_SPLIT_ENV, str(3 - split))
-    hopper.mla_decode_splitkv(*args)
-    assert rec.split_calls[-1]["qk_split"] == 3 - split
     monkeypatch.setenv(hopper.BALANCE_WAVES_ENV, "3")
-    monkeypatch.setenv(hopper.STAGES_ENV, "4")  # the QK split applies to 2-stage rings only
+    monkeypatch.setenv(hopper.STAGES_ENV, "4")
     hopper.mla_decode_splitkv(*args, zero_empty=False)
-    assert rec.split_calls[-1] == dict(num_splits=8, rows=16, stages=4, qk_split=1, balance=3 * 2 * one_wave,
-                                       zero_empty=False)
-    monkeypatch.setenv(hopper.QK_SPLIT_ENV, "4")
-    monkeypatch.setenv(hopper.STAGES_ENV, "2")
-    with pytest.raises(ValueError, match="1 or 2"):
-        hopper.mla_decode_splitkv(*args)
+    assert rec.split_calls[-1] == dict(num_splits=8, rows=16, stages=4, balance=3 * 2 * one_wave, zero_empty=False)
 
 
 def test_mla_decode_runs_the_work_list(recorded_sm90, monkeypatch):
@@ -329,8 +310,7 @@ def test_mla_decode_runs_the_work_list(recorded_sm90, monkeypatch):
     balance = hopper.balance_waves() * 2 * hopper.one_wave_splits(2, 1, 12, idx.shape[0])
     o, lse = kimi_ops.mla_decode(q, kv, indptr, idx, qlen=1, scale=SCALE, kv_scale=0.5, num_splits=4)
     assert o.shape == (2, 12, 512) and lse.shape == (2, 12)
-    assert rec.decode_calls[-1] == dict(num_splits=4, rows=16, stages=2, qk_split=hopper.DEFAULT_QK_SPLIT,
-                                        balance=balance)
+    assert rec.decode_calls[-1] == dict(num_splits=4, rows=16, stages=2, balance=balance)
     assert not rec.split_calls and not rec.merge_calls
     kimi_ops.mla_decode(q, kv, indptr, idx, qlen=1, scale=SCALE, kv_scale=0.5)  # default: the cap
     assert rec.decode_calls[-1]["num_splits"] == hopper._split_cap(2, idx.shape[0]) == 3400 // 2 // 128
