@@ -11,7 +11,7 @@ set -uo pipefail
 echo "build rc=$?"; tail -3 "$OUT/build.log"
 tests=tests/test_cuda_attention.py
 [ "${FULL:-0}" = 1 ] && tests=tests
-timeout 300 python3 -m pytest -q -ra -n 8 $tests > "$OUT/pytest.log" 2>&1
+timeout 420 python3 -m pytest -q -ra -n 8 $tests > "$OUT/pytest.log" 2>&1
 echo "pytest $tests rc=$?" >> "$OUT/pytest.log"
 grep -E "passed|failed|FAILED|ERROR|rc=" "$OUT/pytest.log" | tail -15
 for tool in racecheck synccheck memcheck; do
