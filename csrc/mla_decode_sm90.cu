@@ -489,10 +489,10 @@ __global__ void __launch_bounds__(128 * MT, 1) splitkv_kernel(const SplitKVParam
 
   // --- KV tile loader: warp w gathers tokens [kLoadRows*w, kLoadRows*(w+1)) of a tile, 8 lanes a
   // token row: in pass m lane l copies 16-byte chunks l % 8, + 8, ... of row 4m + l / 8, so each
-  // copy instruction takes whole 128-byte lines of 4 rows (2 lanes a row, 32 bytes of 16 rows an
-  // instruction, ran at 55% of this rate from HBM: measured). Each lane fetches its rows' indices
-  // one tile ahead (their latency hides behind a tile of compute) and computes their addresses
-  // once a tile.
+  // copy instruction takes whole 128-byte lines of 4 rows (measured: 2 lanes a row, 32 bytes of each
+  // of 16 rows an instruction, ran at 55% of this rate from HBM). Each lane fetches its rows'
+  // indices one tile ahead (their latency hides behind a tile of compute) and computes their
+  // addresses once a tile.
   constexpr int kPasses = kLoadRows / 4;
   constexpr int kChunks = kRowBytes / 16;
   static_assert(kLoadRows % 4 == 0, "a warp loads whole passes of 4 rows");
