@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build kimi_ops (with kimi_ops._C), run every test (GPU tests
-# included), run the demo. Logs land in $OUT (or ./out). Carry .whl (expecttest) with the call:
+# included), run the demo; with 2+ GPUs also the DCP demo and benchmarks over NCCL. Logs land in
+# $OUT (or ./out). Carry .whl (expecttest) with the call:
 #   run(command="bash scripts/device_check.sh", carry=[".whl"])
+# DCP_ONLY=1 runs only the DCP tests and the multi-GPU part (for the several-GPU kinds):
+#   run(command="DCP_ONLY=1 bash scripts/device_check.sh", carry=[".whl"], kind="nvidia-h200-x4")
 set -uo pipefail
 . scripts/device_env.sh
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
@@ -9,17 +12,28 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 ( time python3 -m pip install -q --no-build-isolation --no-deps -e . ) > "$OUT/build.log" 2>&1
 echo "build rc=$?" | tee -a "$OUT/build.log"
 python3 -c "import kimi_ops._C, torch; print(torch.ops.kimi_ops._build_info())" 2>&1 | tee -a "$OUT/build.log"
-python3 -m pytest -q -ra -n 8 tests ${PYTEST_ARGS:-} > "$OUT/pytest.log" 2>&1
-echo "pytest rc=$?" >> "$OUT/pytest.log"
-python3 -m kimi_ops demo ${DEMO_ARGS:-} > "$OUT/demo.log" 2>&1
-echo "demo rc=$?" >> "$OUT/demo.log"
-tail -n 30 "$OUT/pytest.log"
-cat "$OUT/demo.log"
+if [ -n "${DCP_ONLY:-}" ]; then
+    python3 -m pytest -q -ra -n 8 tests/test_dcp.py tests/test_runtime_gpu.py > "$OUT/pytest.log" 2>&1
+    echo "pytest rc=$?" >> "$OUT/pytest.log"
+    tail -n 8 "$OUT/pytest.log"
+else
+    python3 -m pytest -q -ra -n 8 tests ${PYTEST_ARGS:-} > "$OUT/pytest.log" 2>&1
+    echo "pytest rc=$?" >> "$OUT/pytest.log"
+    python3 -m kimi_ops demo ${DEMO_ARGS:-} > "$OUT/demo.log" 2>&1
+    echo "demo rc=$?" >> "$OUT/demo.log"
+    tail -n 30 "$OUT/pytest.log"
+    cat "$OUT/demo.log"
+fi
 GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())")
 if [ "$GPUS" -ge 2 ]; then
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+    nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
     timeout 180 python3 -m kimi_ops demo --dcp "$GPUS" > "$OUT/demo_dcp.log" 2>&1; echo "demo --dcp rc=$?" >> "$OUT/demo_dcp.log"
-    timeout 120 python3 scripts/bench_dcp.py --world "$GPUS" > "$OUT/bench_dcp.log" 2>&1; echo "bench_dcp rc=$?" >> "$OUT/bench_dcp.log"
+    : > "$OUT/bench_dcp.log"
+    for w in 2 4 8; do  # the combine at each power-of-two world size the GPUs allow
+        [ "$w" -le "$GPUS" ] || break
+        timeout 120 python3 scripts/bench_dcp.py --world "$w" >> "$OUT/bench_dcp.log" 2>&1; echo "bench_dcp W=$w rc=$?" >> "$OUT/bench_dcp.log"
+    done
     timeout 300 python3 scripts/bench_dcp_step.py --world "$GPUS" > "$OUT/bench_dcp_step.log" 2>&1
     echo "bench_dcp_step rc=$?" >> "$OUT/bench_dcp_step.log"
     grep -vE "Warning|warn|return func" "$OUT/demo_dcp.log" "$OUT/bench_dcp.log" "$OUT/bench_dcp_step.log" | tail -n 30
