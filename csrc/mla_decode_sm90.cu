@@ -28,11 +28,13 @@
 // takes more, equally long splits; a split with no token exits at once (writing lse = -inf, and
 // o = 0 unless the caller's partials are private: zero_empty).
 // Work-list grid (mla_decode_sm90, p.work_list): blockIdx.y is a work item, not a split; the items
-// are the requests' non-empty splits in request order (find_work_item), so no CTA is launched
-// for a split with no token. A request of one split writes o / lse directly; the others' go to
-//   o_part [W, qlen*H, 512] bf16, lse_part [W, qlen*H] f32: item w's rows of its request
-// with W >= the items (an upper bound from shapes), and merge_kernel finds a row's items from
-// kv_indptr and work_first (each request's first item, written by its split 0).
+// are the requests' non-empty splits, whole chunks first and partial ones by length after
+// (find_work_item), so no CTA is launched for a split with no token and the last to start are
+// short. A request of one split writes o / lse directly; the others' go to
+//   o_part [W, qlen*H, 512] bf16, lse_part [W, qlen*H] f32: slot w's rows of its request
+// with W >= the items (an upper bound from shapes), a request's splits in consecutive slots, and
+// merge_kernel finds a row's slots from kv_indptr and work_first (each request's first slot,
+// written by its split 0).
 //
 // merge_kernel: one CTA of 4 warps per (query row, block of 64..512 output columns); thread t
 // reads 8 bytes of split rows t / (columns / 4), ... with 8 split rows a thread in flight.
@@ -46,6 +48,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <string>
 #include <cstdint>
 
 namespace kimi_ops::sm90 {
@@ -87,7 +91,8 @@ struct SplitKVParams {
   bool work_list;    // blockIdx.y is a work item (find_work_item), the partials [W, qlen*H, ...]
   __nv_bfloat16* o_final;  // work list: a request with one used split writes o / lse here, [T*H, 512]
   float* lse_final;        //   and [T*H] (its rows skip the merge)
-  int* work_first;         // work list: [R], a request's first item (written by its split 0)
+  int* work_first;         // work list: [R], a request's first partials slot (written by its split 0)
+  bool lpt_order;          // work list: launch whole chunks first, partial ones by length after
   float qk_scale_log2;  // scale * kv_scale * log2(e)
   float kv_scale;
 };
@@ -187,33 +192,96 @@ __device__ __forceinline__ int used_splits(int n, int num_splits, int balanced) 
   return chunk > 0 ? (n + chunk - 1) / chunk : 0;
 }
 
-// Work-list grid: (request, split, the request's used splits) of work item `item`, the items
-// being the used splits of request 0, then of request 1, ...; request = num_requests past the
-// last one. Warp-wide (every lane of the calling warp, all 32 active, gets the answer): 32
-// requests a step, an inclusive scan of their used splits. Device data only, so one grid of
-// W >= the items serves every length mix.
-__device__ __forceinline__ int3 find_work_item(const int* indptr, int num_requests, int num_splits, int balanced,
-                                               int item) {
+// Work-list grid: the used splits of all requests in launch order (blockIdx.y), longest first, so
+// that the last CTAs to start are short ones (longest-processing-time-first; it takes a
+// variable-length batch from 1.2x to ~1.05x the time of a uniform one, docs/PERF.md "Session 7"):
+//   class 0                  every request's whole chunks (`chunk` tokens each), request by request
+//   classes 1..kTailClasses  each request's last, partial chunk, by length: tails of >= 3/4 of a
+//                            chunk first, then >= 1/2, >= 1/4, the shortest last
+// (p.lpt_order false: request by request, a request's splits in order.) Whatever the launch
+// order, a request's splits have consecutive partials slots: split s of request r is slot (used
+// splits of the requests before r) + s, so the merge finds them from work_first.
+constexpr int kTailClasses = 4;
+
+struct WorkItem {
+  int req;    // num_requests past the last item
+  int split;  // the request's split (chunk) index
+  int used;   // the request's used splits
+  int slot;   // its partials' row block in [W, qlen*H, ...]: (used splits of requests < req) + split
+};
+
+// A request's work items: `used` splits, `whole` of them whole chunks, the last one (if partial)
+// in tail class tail_cls (1 .. kTailClasses, 0: no partial chunk).
+struct RequestSplits {
+  int used, whole, tail_cls;
+  __device__ __forceinline__ RequestSplits(int n, int num_splits, int balanced) {
+    const int chunk = split_chunk(n, num_splits, balanced);
+    used = chunk > 0 ? (n + chunk - 1) / chunk : 0;
+    const int tail = n - (used - 1) * chunk;  // tokens of the last split, (0, chunk]
+    whole = tail == chunk ? used : used - 1;
+    const int quarter = chunk / 4;  // exact: chunk is a multiple of 64
+    tail_cls = tail == chunk || used == 0 ? 0 : 1 + (tail < 3 * quarter) + (tail < 2 * quarter) + (tail < quarter);
+  }
+  // the request's items in launch class cls (lpt: whole chunks in 0, a partial one in its tail
+  // class; else every split in class 0)
+  __device__ __forceinline__ int items(int cls, bool lpt) const {
+    return lpt ? (cls == 0 ? whole : (tail_cls == cls ? 1 : 0)) : (cls == 0 ? used : 0);
+  }
+};
+
+// Warp-wide (every lane of the calling warp, all 32 active, gets the answer). Two passes over
+// the requests, 32 a step: the items of each class (so the item's class and the items launched
+// before that class are known), then that class's requests with inclusive scans of their items
+// in the class and of their used splits, to the item's request. Device data only, so one grid
+// of W >= the items serves every length mix.
+__device__ __forceinline__ WorkItem find_work_item(const int* indptr, int num_requests, int num_splits, int balanced,
+                                                   bool lpt, int item) {
   const int lane = threadIdx.x % 32;
-  int before = 0;  // items of the requests scanned so far
+  auto length = [&](int r) { return r < num_requests ? max(indptr[r + 1] - indptr[r], 0) : 0; };
+  int cls = 0, before = 0;  // the item's class; the items of the classes launched before it
+  if (lpt) {
+    int counts[kTailClasses + 1] = {};
+#pragma unroll 4
+    for (int r = lane; r < num_requests; r += 32) {
+      const RequestSplits rs(length(r), num_splits, balanced);
+#pragma unroll
+      for (int c = 0; c <= kTailClasses; ++c) counts[c] += rs.items(c, true);
+    }
+#pragma unroll
+    for (int c = 0; c <= kTailClasses; ++c)
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) counts[c] += __shfl_xor_sync(0xffffffffu, counts[c], o);
+#pragma unroll
+    for (int c = 0; c < kTailClasses; ++c)
+      if (cls == c && item >= before + counts[c]) before += counts[c], cls = c + 1;
+  }
+  int used_before = 0;  // used splits of the requests scanned
   for (int r0 = 0; r0 < num_requests; r0 += 32) {
-    const int r = r0 + lane;
-    const int used = r < num_requests ? used_splits(max(indptr[r + 1] - indptr[r], 0), num_splits, balanced) : 0;
-    int upto = used;  // items of requests r0..r
+    const RequestSplits rs(length(r0 + lane), num_splits, balanced);
+    const int count = rs.items(cls, lpt);
+    int upto = count, used_upto = rs.used;  // over requests r0..r0 + lane
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
       const int v = __shfl_up_sync(0xffffffffu, upto, o);
-      if (lane >= o) upto += v;
+      const int u = __shfl_up_sync(0xffffffffu, used_upto, o);
+      if (lane >= o) upto += v, used_upto += u;
     }
     const unsigned hit = __ballot_sync(0xffffffffu, item < before + upto);
     if (hit != 0u) {
       const int l = __ffs(hit) - 1;
-      const int first = before + __shfl_sync(0xffffffffu, upto - used, l);
-      return make_int3(r0 + l, item - first, __shfl_sync(0xffffffffu, used, l));
+      const int first = before + __shfl_sync(0xffffffffu, upto - count, l);  // the request's first item
+      const int split = cls == 0 ? item - first : __shfl_sync(0xffffffffu, rs.whole, l);
+      WorkItem w;
+      w.req = r0 + l;
+      w.split = split;
+      w.used = __shfl_sync(0xffffffffu, rs.used, l);
+      w.slot = used_before + __shfl_sync(0xffffffffu, used_upto - rs.used, l) + split;
+      return w;
     }
     before += __shfl_sync(0xffffffffu, upto, 31);
+    used_before += __shfl_sync(0xffffffffu, used_upto, 31);
   }
-  return make_int3(num_requests, 0, 0);
+  return WorkItem{num_requests, 0, 0, 0};
 }
 
 // The tokens [lo, hi) of the listed n that CTA (row group, split, request) attends, what its
@@ -240,10 +308,10 @@ struct CtaWork {
 __device__ __forceinline__ CtaWork cta_work(const SplitKVParams& p, int rows_per_cta) {
   CtaWork w;
   const int balanced = balanced_tokens(p.indptr, p.num_requests, p.balance_ctas);
-  int split = blockIdx.y, req = blockIdx.z, used = 0;
+  int split = blockIdx.y, req = blockIdx.z, used = 0, slot = 0;
   if (p.work_list) {
-    const int3 item = find_work_item(p.indptr, p.num_requests, p.num_splits, balanced, blockIdx.y);
-    req = item.x, split = item.y, used = item.z;
+    const WorkItem item = find_work_item(p.indptr, p.num_requests, p.num_splits, balanced, p.lpt_order, blockIdx.y);
+    req = item.req, split = item.split, used = item.used, slot = item.slot;
   }
   w.exists = req < p.num_requests;
   if (!w.exists) return w;
@@ -252,8 +320,8 @@ __device__ __forceinline__ CtaWork cta_work(const SplitKVParams& p, int rows_per
   w.flat0 = static_cast<int64_t>(req) * rows_per_req + row0;
   int64_t part0 = static_cast<int64_t>(split) * p.rows_total + w.flat0;  // [S, T*H] partials
   if (p.work_list) {
-    if (split == 0 && blockIdx.x == 0 && threadIdx.x == 0) p.work_first[req] = blockIdx.y;
-    part0 = static_cast<int64_t>(blockIdx.y) * rows_per_req + row0;  // [W, qlen*H] partials
+    if (split == 0 && blockIdx.x == 0 && threadIdx.x == 0) p.work_first[req] = slot;
+    part0 = static_cast<int64_t>(slot) * rows_per_req + row0;  // [W, qlen*H] partials
   }
   w.direct = used == 1;
   w.zero_o = p.zero_empty || w.direct;
@@ -612,7 +680,7 @@ constexpr int kMergeUnroll = 8;
 // flight, so a few rows with many splits (one request, long context) take ~1 round of latency.
 // Partials [S, rows, ...] (split s of row r at s * rows + r), or with work_indptr the work-list
 // partials [W, rows_per_req, ...] of splitkv_kernel: the row's request's used splits (from
-// kv_indptr with the split kernel's num_splits and balance_ctas) from its first item on
+// kv_indptr with the split kernel's num_splits and balance_ctas) from its first slot on
 // (work_first); a request with one used split was written to the output by the split kernel.
 struct MergeParams {
   const __nv_bfloat16* o_part;
@@ -860,6 +928,8 @@ std::tuple<at::Tensor, at::Tensor> mla_decode_sm90(const at::Tensor& q, const at
   params.lse_final = lse.data_ptr<float>();
   params.work_first = work_first.data_ptr<int>();
   params.work_list = true;
+  const char* order = std::getenv("KIMI_OPS_SM90_WORK_ORDER");  // "request": the A/B baseline
+  params.lpt_order = order == nullptr || std::string(order) != "request";
   params.zero_empty = false;
   const int64_t groups = (qlen * H + rows_per_cta - 1) / rows_per_cta;
   launch_splitkv(params, rows_per_cta, stages, dim3(static_cast<unsigned>(groups), static_cast<unsigned>(items), 1));

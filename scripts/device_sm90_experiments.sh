@@ -3,13 +3,16 @@
 # the cuda attention tests (FULL=1: every test, GPU ones included); the three sanitizers on
 # scripts/sanitize_cuda.py; the timing table with the defaults; PROFILE=1: Nsight Compute on one
 # 16-row launch (H12 q1 b32 8k), its stall samples per SASS instruction in ncu_sass.csv;
-# FULL=1: the MXFP4 / M1a variants table. Logs under $OUT:
+# FULL=1: the MXFP4 / M1a variants table; VARIANT="NAME=VALUE": the cuda tests (unless
+# VARIANT_TESTS=0) and the timing table again with that environment variable set (an A/B of a
+# kernel switch in one call); TESTS="files": the tests to run instead of the cuda ones. Logs
+# under $OUT:
 #   run(command="FULL=1 PROFILE=1 bash scripts/device_sm90_experiments.sh", carry=[".whl"])
 set -uo pipefail
 . scripts/device_env.sh
 ( time python3 -m pip install -q --no-build-isolation --no-deps -e . ) > "$OUT/build.log" 2>&1
 echo "build rc=$?"; tail -3 "$OUT/build.log"
-tests=tests/test_cuda_attention.py
+tests=${TESTS:-tests/test_cuda_attention.py}
 [ "${FULL:-0}" = 1 ] && tests=tests
 timeout 420 python3 -m pytest -q -ra -n 8 $tests > "$OUT/pytest.log" 2>&1
 echo "pytest $tests rc=$?" >> "$OUT/pytest.log"
@@ -20,6 +23,13 @@ for tool in racecheck synccheck memcheck; do
 done
 timeout 100 python3 scripts/gpu_cuda_check.py --no-check --time --skip-triton 2>&1 | grep -E "^cuda +H|Error|error" \
     | tee "$OUT/time.log"
+if [ -n "${VARIANT:-}" ]; then
+    echo "== $VARIANT" | tee -a "$OUT/time.log"
+    [ "${VARIANT_TESTS:-1}" = 1 ] && env "$VARIANT" timeout 300 python3 -m pytest -q -n 8 tests/test_cuda_attention.py 2>&1 \
+        | tail -2 | tee -a "$OUT/time.log"
+    env "$VARIANT" timeout 100 python3 scripts/gpu_cuda_check.py --no-check --time --skip-triton 2>&1 \
+        | grep -E "^cuda +H|Error|error" | tee -a "$OUT/time.log"
+fi
 if [ "${PROFILE:-0}" = 1 ] && command -v ncu >/dev/null; then
     timeout 120 ncu --kernel-name regex:splitkv_kernel --launch-skip 2 --launch-count 1 --set full \
         --clock-control none --import-source no -f -o /tmp/prof python3 scripts/profile_attention.py \

@@ -156,7 +156,10 @@ def timing(skip_triton=False, pool_rows=None, only=None):
               ("H12 q2 b32 8k", 12, 2, [8192] * 32), ("H12 q4 b32 8k", 12, 4, [8192] * 32),
               ("H12 q8 b32 8k", 12, 8, [8192] * 32), ("H12 q8 b128 8k", 12, 8, [8192] * 128),
               ("H96 q1 b64 4k", 96, 1, [4096] * 64), ("H12 q1 b1 32k", 12, 1, [32768])]
-    shapes.append(("H12 q1 b64 varlen", 12, 1, varlen_batch()))
+    varlen = varlen_batch()
+    shapes.append(("H12 q1 b64 varlen", 12, 1, varlen))
+    # issue 7's yardstick for the variable-length batch: a uniform batch of the same tokens
+    shapes.append(("H12 q1 b64 same-tok", 12, 1, [sum(varlen) // 64] * 64))
     if only:
         shapes = [sh for sh in shapes if any(key in sh[0] for key in only)]
     for label, H, qlen, lens in shapes:

@@ -178,6 +178,23 @@ def test_work_list_grid(H, waves, monkeypatch):
 
 
 @sm90
+def test_work_list_launch_order(monkeypatch):
+    """The work list launches whole chunks first and partial ones by length after, while each
+    request's splits keep consecutive partials slots: 2000 requests (63 scan steps) of 0-23 tokens
+    (one split each: partial chunks of two tail classes, or empty) with long ones among them of two
+    splits each (a whole and a partial chunk, launched far apart), against the oracle."""
+    import kimi_ops.hopper as hopper
+    monkeypatch.delenv(hopper.BALANCE_WAVES_ENV, raising=False)
+    monkeypatch.delenv(hopper.WORK_LIST_ENV, raising=False)
+    g = torch.Generator().manual_seed(47)
+    lens = torch.randint(0, 24, (2000,), generator=g).tolist()
+    for r, n in ((0, 5000), (31, 4500), (32, 2600), (1000, 5000), (1999, 3000)):
+        lens[r] = n
+    err, lerr = check_work_list_decode(lens, 1, 12, 2, g)
+    print(f"cuda work list, 2000 requests: rel L2 {err:.2e}, |lse| {lerr:.2e}")
+
+
+@sm90
 @pytest.mark.parametrize("work_list", ["0", "1"])
 @pytest.mark.parametrize("waves", ["1", "2"])
 def test_private_partials(waves, work_list, monkeypatch):
