@@ -48,8 +48,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cstdlib>
-#include <string>
 #include <cstdint>
 
 namespace kimi_ops::sm90 {
@@ -92,7 +90,6 @@ struct SplitKVParams {
   __nv_bfloat16* o_final;  // work list: a request with one used split writes o / lse here, [T*H, 512]
   float* lse_final;        //   and [T*H] (its rows skip the merge)
   int* work_first;         // work list: [R], a request's first partials slot (written by its split 0)
-  bool lpt_order;          // work list: launch whole chunks first, partial ones by length after
   float qk_scale_log2;  // scale * kv_scale * log2(e)
   float kv_scale;
 };
@@ -198,8 +195,7 @@ __device__ __forceinline__ int used_splits(int n, int num_splits, int balanced) 
 //   class 0                  every request's whole chunks (`chunk` tokens each), request by request
 //   classes 1..kTailClasses  each request's last, partial chunk, by length: tails of >= 3/4 of a
 //                            chunk first, then >= 1/2, >= 1/4, the shortest last
-// (p.lpt_order false: request by request, a request's splits in order.) Whatever the launch
-// order, a request's splits have consecutive partials slots: split s of request r is slot (used
+// Whatever the launch order, a request's splits have consecutive partials slots: split s of request r is slot (used
 // splits of the requests before r) + s, so the merge finds them from work_first.
 constexpr int kTailClasses = 4;
 
@@ -222,11 +218,8 @@ struct RequestSplits {
     const int quarter = chunk / 4;  // exact: chunk is a multiple of 64
     tail_cls = tail == chunk || used == 0 ? 0 : 1 + (tail < 3 * quarter) + (tail < 2 * quarter) + (tail < quarter);
   }
-  // the request's items in launch class cls (lpt: whole chunks in 0, a partial one in its tail
-  // class; else every split in class 0)
-  __device__ __forceinline__ int items(int cls, bool lpt) const {
-    return lpt ? (cls == 0 ? whole : (tail_cls == cls ? 1 : 0)) : (cls == 0 ? used : 0);
-  }
+  // the request's items in launch class cls
+  __device__ __forceinline__ int items(int cls) const { return cls == 0 ? whole : (tail_cls == cls ? 1 : 0); }
 };
 
 // Warp-wide (every lane of the calling warp, all 32 active, gets the answer). Two passes over
@@ -235,30 +228,31 @@ struct RequestSplits {
 // in the class and of their used splits, to the item's request. Device data only, so one grid
 // of W >= the items serves every length mix.
 __device__ __forceinline__ WorkItem find_work_item(const int* indptr, int num_requests, int num_splits, int balanced,
-                                                   bool lpt, int item) {
+                                                   int item) {
   const int lane = threadIdx.x % 32;
   auto length = [&](int r) { return r < num_requests ? max(indptr[r + 1] - indptr[r], 0) : 0; };
-  int cls = 0, before = 0;  // the item's class; the items of the classes launched before it
-  if (lpt) {
-    int counts[kTailClasses + 1] = {};
+  int counts[kTailClasses + 1] = {};  // items of each class
 #pragma unroll 4
-    for (int r = lane; r < num_requests; r += 32) {
-      const RequestSplits rs(length(r), num_splits, balanced);
+  for (int r = lane; r < num_requests; r += 32) {
+    const RequestSplits rs(length(r), num_splits, balanced);
 #pragma unroll
-      for (int c = 0; c <= kTailClasses; ++c) counts[c] += rs.items(c, true);
-    }
+    for (int c = 0; c <= kTailClasses; ++c) counts[c] += rs.items(c);
+  }
 #pragma unroll
-    for (int c = 0; c <= kTailClasses; ++c)
+  for (int c = 0; c <= kTailClasses; ++c)
 #pragma unroll
-      for (int o = 16; o > 0; o >>= 1) counts[c] += __shfl_xor_sync(0xffffffffu, counts[c], o);
+    for (int o = 16; o > 0; o >>= 1) counts[c] += __shfl_xor_sync(0xffffffffu, counts[c], o);
+  int cls = 0, before = 0;  // the item's class; the items of the classes launched before it
+  int launched = counts[0];  // items of classes 0..c-1
 #pragma unroll
-    for (int c = 0; c < kTailClasses; ++c)
-      if (cls == c && item >= before + counts[c]) before += counts[c], cls = c + 1;
+  for (int c = 1; c <= kTailClasses; ++c) {
+    if (item >= launched) cls = c, before = launched;  // an empty class is passed over
+    launched += counts[c];
   }
   int used_before = 0;  // used splits of the requests scanned
   for (int r0 = 0; r0 < num_requests; r0 += 32) {
     const RequestSplits rs(length(r0 + lane), num_splits, balanced);
-    const int count = rs.items(cls, lpt);
+    const int count = rs.items(cls);
     int upto = count, used_upto = rs.used;  // over requests r0..r0 + lane
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
@@ -310,7 +304,7 @@ __device__ __forceinline__ CtaWork cta_work(const SplitKVParams& p, int rows_per
   const int balanced = balanced_tokens(p.indptr, p.num_requests, p.balance_ctas);
   int split = blockIdx.y, req = blockIdx.z, used = 0, slot = 0;
   if (p.work_list) {
-    const WorkItem item = find_work_item(p.indptr, p.num_requests, p.num_splits, balanced, p.lpt_order, blockIdx.y);
+    const WorkItem item = find_work_item(p.indptr, p.num_requests, p.num_splits, balanced, blockIdx.y);
     req = item.req, split = item.split, used = item.used, slot = item.slot;
   }
   w.exists = req < p.num_requests;
@@ -928,8 +922,6 @@ std::tuple<at::Tensor, at::Tensor> mla_decode_sm90(const at::Tensor& q, const at
   params.lse_final = lse.data_ptr<float>();
   params.work_first = work_first.data_ptr<int>();
   params.work_list = true;
-  const char* order = std::getenv("KIMI_OPS_SM90_WORK_ORDER");  // "request": the A/B baseline
-  params.lpt_order = order == nullptr || std::string(order) != "request";
   params.zero_empty = false;
   const int64_t groups = (qlen * H + rows_per_cta - 1) / rows_per_cta;
   launch_splitkv(params, rows_per_cta, stages, dim3(static_cast<unsigned>(groups), static_cast<unsigned>(items), 1));
