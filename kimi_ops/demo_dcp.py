@@ -51,7 +51,7 @@ def _rank_main(rank, world, init_file, use_nccl, opts, results):
     if use_nccl:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if use_nccl else "gloo", init_method=f"file://{init_file}",
-                            rank=rank, world_size=world)
+                            rank=rank, world_size=world, device_id=device if use_nccl else None)
     try:
         batch, context, qlen, steps, block = opts["batch"], opts["context"], opts["qlen"], opts["steps"], 16
         config = MLAConfig.kimi_k3(tp=8)

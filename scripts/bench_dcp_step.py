@@ -59,7 +59,7 @@ def _rank_main(rank, world, init_file, opts, results):
     if use_gpu:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if use_gpu else "gloo", init_method=f"file://{init_file}",
-                            rank=rank, world_size=world)
+                            rank=rank, world_size=world, device_id=device if use_gpu else None)
     config = MLAConfig.kimi_k3(tp=8)
     rows = []
     try:

@@ -1,15 +1,19 @@
 #!/usr/bin/env python3
-"""CPU model of how evenly the cuda backend's split-KV grid spreads a batch over the SMs.
+"""CPU model of how evenly the cuda backend's work-list grid spreads a batch over the SMs.
 
-    python3 scripts/split_model.py [--splits 12 16 18 24] [--balance 1.0 0.9] [--slots 264]
+    python3 scripts/split_model.py [--waves 1 2] [--slots 264] [--cta-us 2.0] [--tile-us 3.3]
 
 Each request of n tokens is cut the way ``splitkv_kernel`` cuts it: chunks of
-max(ceil(n / S), ceil(all tokens / balance_ctas)) rounded up to 64, at most S of them
-(balance_ctas = factor x requests x ``hopper.one_wave_splits``). The CTAs are placed greedily on
-``--slots`` CTA slots (264 = 132 SMs x 2 CTAs), and the batch takes as long as the slot that got
-the most tokens. Printed: that over the ideal (all tokens / slots). No GPU; the batches are
-bench_attention.py's variable-length one (64 requests, log-normal around 8k) and a uniform
-32 x 32k. (It reproduced the measured 1.8x of the variable-length batch at S = 12.)
+max(ceil(n / S), ceil(all tokens / balance_ctas)) rounded up to 64, S = the work list's cap
+(one per 128 tokens of the average request, at most 128), balance_ctas = waves x requests x
+``hopper.one_wave_splits``. The CTAs start in launch order on ``--slots`` CTA slots (264 = 132
+SMs x 2 CTAs), each as soon as a slot frees, and take ``--cta-us`` + ``--tile-us`` a 64-token
+tile (3.3 us: a 16-row CTA's tile at b32 32k on the H200). Launch orders: ``request`` (each
+request's splits in turn, the kernel before session 7) and ``lpt`` (the kernel's
+``find_work_item``: every whole chunk, then the partial last chunks by length class, >= 3/4 of a
+chunk first). Printed: the batch's time over a uniform batch of the same tokens at the same rate
+(the model gave 205 us for bench_attention.py's variable-length batch in request order, measured
+199-204 us; LPT 160 us, measured 174 us against 173 us for the uniform batch). No GPU.
 """
 import argparse
 import heapq
@@ -21,45 +25,57 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from kimi_ops.hopper import one_wave_splits, suggest_num_splits  # noqa: E402
+from kimi_ops.hopper import _split_cap, one_wave_splits  # noqa: E402
+
+TAIL_CLASSES = 4  # csrc: kTailClasses
 
 
-def chunk_tokens(lens, splits, balance_ctas):
-    """Tokens of every non-empty CTA, as the kernel cuts the requests."""
-    total = sum(lens)
-    out = []
+def work_items(lens, waves, order):
+    """Tokens of every CTA in launch order."""
+    cap = _split_cap(len(lens), sum(lens))
+    balanced = -(-sum(lens) // (waves * len(lens) * one_wave_splits(len(lens), 1, 12, sum(lens))))
+    classes = [[] for _ in range(TAIL_CLASSES + 1)]  # lpt: whole chunks, then tails >= 3/4, ...
+    in_request_order = []
     for n in lens:
-        per = max(-(-n // splits), -(-total // balance_ctas))
-        chunk = -(-per // 64) * 64
-        out += [min(chunk, n - k * chunk) for k in range(splits) if k * chunk < n]
-    return out
+        chunk = -(-max(-(-n // cap), balanced) // 64) * 64
+        splits = [min(chunk, n - k * chunk) for k in range(-(-n // chunk))]
+        in_request_order += splits
+        for tokens in splits:
+            q = chunk // 4
+            cls = 0 if tokens == chunk else 1 + (tokens < 3 * q) + (tokens < 2 * q) + (tokens < q)
+            classes[cls].append(tokens)
+    return in_request_order if order == "request" else sum(classes, [])
 
 
-def makespan_ratio(lens, splits, balance_ctas, slots):
-    loads = [0] * slots
-    for tokens in chunk_tokens(lens, splits, balance_ctas):
-        heapq.heappush(loads, heapq.heappop(loads) + tokens)
-    return max(loads) / (sum(lens) / slots)
+def batch_us(items, slots, cta_us, tile_us):
+    finish = [0.0] * slots
+    for tokens in items:
+        heapq.heappush(finish, heapq.heappop(finish) + cta_us + math.ceil(tokens / 64) * tile_us)
+    return max(finish)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--splits", type=int, nargs="+", default=[12, 16, 18, 20, 24])
-    ap.add_argument("--balance", type=float, nargs="+", default=[1.0, 0.9])
+    ap.add_argument("--waves", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--slots", type=int, default=264)
+    ap.add_argument("--cta-us", type=float, default=2.0)
+    ap.add_argument("--tile-us", type=float, default=3.3)
     args = ap.parse_args()
-    torch.manual_seed(0)  # bench_attention.py's variable-length batch
-    varlen = torch.distributions.LogNormal(math.log(8192), 0.8).sample((64,)).clamp(16, 65536).long().tolist()
-    for name, lens in (("varlen b64 ~8k", varlen), ("uniform b32 32k", [32768] * 32)):
-        wave = one_wave_splits(len(lens), 1, 12, sum(lens))
-        print(f"{name}: {sum(lens)} tokens, one-wave splits {wave}, "
-              f"suggest_num_splits {suggest_num_splits(len(lens), 1, 12, sum(lens))}")
-        for s in args.splits:
-            for f in args.balance:
-                bal = max(1, int(f * len(lens) * wave))
-                print(f"  S {s:3d}  balance_ctas {bal:4d} ({f:.2f}): "
-                      f"{len(chunk_tokens(lens, s, bal)):4d} CTAs, "
-                      f"slowest slot / ideal {makespan_ratio(lens, s, bal, args.slots):.2f}")
+    batches = []
+    for seed, sigma in [(0, 0.8)] + [(s, g) for s in (1, 2, 3) for g in (0.5, 0.8, 1.2)]:
+        torch.manual_seed(seed)  # seed 0, sigma 0.8: bench_attention.py's variable-length batch
+        lens = torch.distributions.LogNormal(math.log(8192), sigma).sample((64,)).clamp(16, 65536).long().tolist()
+        batches.append((f"b64 log-normal ~8k, seed {seed}, sigma {sigma}", lens))
+    for name, lens in batches:
+        uniform = [sum(lens) // 64] * 64
+        line = []
+        for waves in args.waves:
+            times = {order: batch_us(work_items(lens, waves, order), args.slots, args.cta_us, args.tile_us)
+                     for order in ("request", "lpt")}
+            ref = batch_us(work_items(uniform, waves, "lpt"), args.slots, args.cta_us, args.tile_us)
+            line.append(f"waves {waves}: request {times['request']:.0f} us ({times['request'] / ref:.2f}x), "
+                        f"lpt {times['lpt']:.0f} us ({times['lpt'] / ref:.2f}x), uniform {ref:.0f} us")
+        print(f"{name:40s} {sum(lens):7d} tokens  " + "; ".join(line))
 
 
 if __name__ == "__main__":
