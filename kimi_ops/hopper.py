@@ -133,8 +133,9 @@ def mla_decode(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: float, kv_sc
     The split kernel runs on a work-list grid (``_mla_decode_sm90``): one CTA per (row group,
     non-empty split), whole chunks launched first and partial ones by length after, found on the
     device from kv_indptr, so no CTA is spent on an empty split, the last CTAs to start are short
-    ones, and a CUDA graph serves every mix of lengths. A request of one split writes o / lse directly; the others go through private partials [W, qlen, H, 512]
-    (W = :func:`work_list_items`) and the merge. ``num_splits`` caps a request's splits (None:
+    ones, and a CUDA graph serves every mix of lengths. A request of one split writes o / lse
+    directly; the others go through private partials [W, qlen, H, 512] (W =
+    :func:`work_list_items`) and the merge. ``num_splits`` caps a request's splits (None:
     one per 128 tokens of the average request, at most 128; more only costs partials memory).
     With one split, more than 65535 work items, a non-e4m3fn cache or KIMI_OPS_SM90_WORK_LIST=0,
     the (split, request) grid runs instead, its empty splits' o unwritten."""
