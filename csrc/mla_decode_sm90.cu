@@ -190,13 +190,15 @@ __device__ __forceinline__ int used_splits(int n, int num_splits, int balanced) 
 }
 
 // Work-list grid: the used splits of all requests in launch order (blockIdx.y), longest first, so
-// that the last CTAs to start are short ones (longest-processing-time-first; it takes a
-// variable-length batch from 1.2x to ~1.05x the time of a uniform one, docs/PERF.md "Session 7"):
+// that the last CTAs to start are short ones (longest-processing-time-first; on the H200 it took
+// a variable-length batch from 1.16-1.21x to 1.01x the time of a uniform batch of the same
+// tokens, docs/PERF.md "Session 7"):
 //   class 0                  every request's whole chunks (`chunk` tokens each), request by request
 //   classes 1..kTailClasses  each request's last, partial chunk, by length: tails of >= 3/4 of a
 //                            chunk first, then >= 1/2, >= 1/4, the shortest last
-// Whatever the launch order, a request's splits have consecutive partials slots: split s of request r is slot (used
-// splits of the requests before r) + s, so the merge finds them from work_first.
+// Whatever the launch order, a request's splits have consecutive partials slots: split s of
+// request r is slot (used splits of the requests before r) + s, so the merge finds them from
+// work_first.
 constexpr int kTailClasses = 4;
 
 struct WorkItem {
