@@ -49,6 +49,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 
 namespace kimi_ops::sm90 {
 namespace {
@@ -112,6 +113,12 @@ __device__ __forceinline__ void cp_async_wait() {
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(smem_addr(p)));
 }
@@ -525,6 +532,56 @@ __device__ __forceinline__ void tile_pv(float (&acc)[16][4], const float (&alpha
   }
 }
 
+// Gathers a split's 64-token tiles into a shared-memory ring with cp.async (16-byte chunks,
+// zero-filled past the split's end or for an index outside the cache). Warp w gathers tokens
+// [kLoadRows*w, kLoadRows*(w+1)) of a tile, 8 lanes a token row: in pass m lane l copies 16-byte
+// chunks l % 8, + 8, ... of row 4m + l / 8, so each copy instruction takes whole 128-byte lines of
+// 4 rows (measured: 2 lanes a row, 32 bytes of each of 16 rows an instruction, ran at 55% of this
+// rate from HBM). Each lane fetches its rows' indices one tile ahead (their latency hides behind a
+// tile of compute) and computes their addresses once a tile.
+template <int kWarps>
+struct TileLoader {
+  static constexpr int kLoadRows = kTileN / kWarps;
+  static constexpr int kPasses = kLoadRows / 4;
+  static constexpr int kChunks = kRowBytes / 16;
+  static_assert(kLoadRows % 4 == 0, "a warp loads whole passes of 4 rows");
+  const uint8_t* kv;
+  const int* idx_base;
+  int64_t num_kv_rows;
+  int lo, hi, ntiles, load_row, load_chunk;
+  int next_index[kPasses];
+
+  __device__ __forceinline__ TileLoader(const SplitKVParams& p, const CtaWork& w, int warp, int lane)
+      : kv(p.kv), idx_base(p.indices + w.start), num_kv_rows(p.num_kv_rows), lo(w.lo), hi(w.hi), ntiles(w.ntiles),
+        load_row(warp * kLoadRows + lane / 8), load_chunk(lane % 8) {
+    fetch_indices(0);
+  }
+  __device__ __forceinline__ void fetch_indices(int t) {
+#pragma unroll
+    for (int m = 0; m < kPasses; ++m) {
+      const int j = lo + t * kTileN + load_row + 4 * m;
+      next_index[m] = (t < ntiles && j < hi) ? idx_base[j] : -1;
+    }
+  }
+  // tile t into `stage` (a [kTileN][kSmemRow] byte ring slot); fetches tile t + 1's indices
+  __device__ __forceinline__ void load(int t, uint8_t* stage) {
+    int idx[kPasses];
+#pragma unroll
+    for (int m = 0; m < kPasses; ++m) idx[m] = next_index[m];
+    fetch_indices(t + 1);
+    uint8_t* dst = stage + load_row * kSmemRow + load_chunk * 16;
+#pragma unroll
+    for (int m = 0; m < kPasses; ++m) {
+      const bool ok = idx[m] >= 0 && idx[m] < num_kv_rows;
+      const uint8_t* src = kv + (ok ? static_cast<int64_t>(idx[m]) * kRowBytes : 0) + load_chunk * 16;
+#pragma unroll
+      for (int k = 0; k < (kChunks + 7) / 8; ++k)
+        if (k < kChunks / 8 || load_chunk < kChunks % 8)
+          cp_async_16(dst + 4 * m * kSmemRow + k * 128, src + k * 128, ok ? 16 : 0);
+    }
+  }
+};
+
 // ---- M1c ---------------------------------------------------------------------------------------
 
 template <int MT, int STAGES>
@@ -534,7 +591,6 @@ __global__ void __launch_bounds__(128 * MT, 1) splitkv_kernel(const SplitKVParam
   constexpr int kRows = MT * 16;
   constexpr int kThreads = 128 * MT;
   constexpr int kWarps = 4 * MT;
-  constexpr int kLoadRows = kTileN / kWarps;  // tokens of a tile each warp gathers
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int mg = warp / kWarpsPerM, wq = warp % kWarpsPerM;  // m-tile; token / column quarter
@@ -543,54 +599,18 @@ __global__ void __launch_bounds__(128 * MT, 1) splitkv_kernel(const SplitKVParam
   const int row0 = blockIdx.x * kRows;  // first row of this CTA within its request
   const CtaWork work = cta_work(p, kRows);
   if (!work.exists) return;
-  const int start = work.start;
-  const int lo = work.lo, hi = work.hi, ntiles = work.ntiles, valid_rows = work.valid_rows;
+  const int lo = work.lo, ntiles = work.ntiles, valid_rows = work.valid_rows;
   const int64_t flat0 = work.flat0;
   if (ntiles == 0) {  // an empty split: the slot goes to the next CTA at once
     write_empty_split(p, work, tid, kThreads);
     return;
   }
 
-  // --- KV tile loader: warp w gathers tokens [kLoadRows*w, kLoadRows*(w+1)) of a tile, 8 lanes a
-  // token row: in pass m lane l copies 16-byte chunks l % 8, + 8, ... of row 4m + l / 8, so each
-  // copy instruction takes whole 128-byte lines of 4 rows (measured: 2 lanes a row, 32 bytes of each
-  // of 16 rows an instruction, ran at 55% of this rate from HBM). Each lane fetches its rows'
-  // indices one tile ahead (their latency hides behind a tile of compute) and computes their
-  // addresses once a tile.
-  constexpr int kPasses = kLoadRows / 4;
-  constexpr int kChunks = kRowBytes / 16;
-  static_assert(kLoadRows % 4 == 0, "a warp loads whole passes of 4 rows");
-  const int load_row = warp * kLoadRows + lane / 8, load_chunk = lane % 8;
-  const int* idx_base = p.indices + start;
-  int next_index[kPasses];
-  auto fetch_indices = [&](int t) {
-#pragma unroll
-    for (int m = 0; m < kPasses; ++m) {
-      const int j = lo + t * kTileN + load_row + 4 * m;
-      next_index[m] = (t < ntiles && j < hi) ? idx_base[j] : -1;
-    }
-  };
-  fetch_indices(0);
-  auto load_tile = [&](int t) {
-    int idx[kPasses];
-#pragma unroll
-    for (int m = 0; m < kPasses; ++m) idx[m] = next_index[m];
-    fetch_indices(t + 1);
-    uint8_t* dst = sm.kv[t % STAGES] + load_row * kSmemRow + load_chunk * 16;
-#pragma unroll
-    for (int m = 0; m < kPasses; ++m) {
-      const bool ok = idx[m] >= 0 && idx[m] < p.num_kv_rows;
-      const uint8_t* src = p.kv + (ok ? static_cast<int64_t>(idx[m]) * kRowBytes : 0) + load_chunk * 16;
-#pragma unroll
-      for (int k = 0; k < (kChunks + 7) / 8; ++k)
-        if (k < kChunks / 8 || load_chunk < kChunks % 8)
-          cp_async_16(dst + 4 * m * kSmemRow + k * 128, src + k * 128, ok ? 16 : 0);
-    }
-  };
+  TileLoader<kWarps> loader(p, work, warp, lane);
   // the first tiles' loads go out before the query is staged
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < ntiles) load_tile(s);
+    if (s < ntiles) loader.load(s, sm.kv[s]);
     cp_async_commit();
   }
 
@@ -611,7 +631,7 @@ __global__ void __launch_bounds__(128 * MT, 1) splitkv_kernel(const SplitKVParam
   for (int t = 0; t < ntiles; ++t) {
     cp_async_wait<STAGES - 2>();
     __syncthreads();  // tile t landed for every warp; stage (t-1) % STAGES is free
-    if (t + STAGES - 1 < ntiles) load_tile(t + STAGES - 1);
+    if (t + STAGES - 1 < ntiles) loader.load(t + STAGES - 1, sm.kv[(t + STAGES - 1) % STAGES]);
     cp_async_commit();
 
     const uint8_t* tile = sm.kv[t % STAGES];
@@ -664,6 +684,281 @@ __global__ void __launch_bounds__(128 * MT, 1) splitkv_kernel(const SplitKVParam
   uint4* o_out = reinterpret_cast<uint4*>(work.o_out(p));
   const uint4* o_src = reinterpret_cast<const uint4*>(o_stage);
   for (int i = tid; i < valid_rows * (kLatent / 8); i += kThreads) o_out[i] = o_src[i];
+}
+
+// ---- M1c, token-major: 32, 48 or 64 query rows a CTA -------------------------------------------
+//
+// splitkv_tm_kernel: one CTA of 8 warps per (group of N = 8*NT rows, split or work item). The MMAs
+// take tokens (and latents) as M and the query rows as N, S^T = K Q^T and O^T = V^T P^T, so the
+// tile's fp8 bytes are converted once for all N rows (splitkv_kernel converts them once per 16).
+// Per tile:
+//   S^T = K Q^T  warp w takes tokens [16(w%4), +16) and the rows of half w/4 (NT/2 n-tiles of 8
+//                rows): A = K as in tile_scores (ldmatrix of fp8 bytes, cvt to f16; the same
+//                permuted Q columns), B = Q^T from the query rows in smem (ldmatrix)
+//   softmax      each row's max over the tile through smem (4 token warps), P^T (f16) to smem as
+//                [token][row], each row's O rescale (alpha) to smem
+//   O^T += V^T P^T  warp w owns latents [64w, 64w+64) of all N rows: A = V^T from the tile's bytes
+//                (four 32-bit loads of two token rows, prmt into (token, token+1) pairs, as in
+//                tile_pv), B = P^T (ldmatrix.trans)
+// The latent of O^T's M row: m-tile 2s+f of warp w, row g (g+8) is latent 64w + 32s + 4g + 2f (+1).
+
+template <int NT, int STAGES>
+struct TokenMajorSmem {
+  static constexpr int kRows = 8 * NT;
+  static constexpr int kPtStride = kRows + 8;  // f16 per smem P^T row (a token): conflict-free ldmatrix.trans
+  uint8_t kv[STAGES][kTileN * kSmemRow];
+  __half q[kRows * kQStride];
+  __half pt[kTileN * kPtStride];
+  float red[4][kRows];     // per token warp: the tile's row maxima; at the end the row sums
+  float row_scale[kRows];  // the tile's O rescale per row; at the end kv_scale / l
+  float row_fac[kRows];
+};
+
+constexpr int kTmWarps = 8;
+constexpr int kOStride = kLatent + 8;  // bf16 per row of the token-major epilogue's O staging
+
+// S^T over the warp's 16 tokens and HT n-tiles of query rows: s[j] holds (token g / g+8, row
+// 8j + 2c + {0, 1}). Two accumulators per n-tile (k-step parity) keep the MMA chains short.
+template <int HT>
+__device__ __forceinline__ void tm_scores(float (&s)[HT][4], const uint8_t* k_lane, const __half* q_lane) {
+  float s2[2][HT][4];
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int j = 0; j < HT; ++j) s2[i][j][0] = s2[i][j][1] = s2[i][j][2] = s2[i][j][3] = 0.f;
+#pragma unroll
+  for (int kc = 0; kc < kRowBytes / 32; ++kc) {
+    uint32_t kw[4];  // (tokens 0-7, bytes 0-15), (8-15, 0-15), (0-7, 16-31), (8-15, 16-31) of the chunk
+    ldmatrix_x4(kw, k_lane + kc * 32);
+    const F16x4 k0 = e4m3x4_to_f16x4(kw[0]), k1 = e4m3x4_to_f16x4(kw[1]);
+    const F16x4 k2 = e4m3x4_to_f16x4(kw[2]), k3 = e4m3x4_to_f16x4(kw[3]);
+    const uint32_t a0[4] = {k0.lo, k1.lo, k0.hi, k1.hi};  // k-step 2kc
+    const uint32_t a1[4] = {k2.lo, k3.lo, k2.hi, k3.hi};  // k-step 2kc + 1
+#pragma unroll
+    for (int j = 0; j < HT; ++j) {
+      uint32_t b[4];  // Q^T: (k-step 2kc: b0, b1), (2kc + 1: b0, b1) of n-tile j
+      ldmatrix_x4(b, q_lane + j * 8 * kQStride + kc * 32);
+      mma_f16(s2[0][j], a0, b[0], b[1]);
+      mma_f16(s2[1][j], a1, b[2], b[3]);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < HT; ++j)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) s[j][i] = s2[0][j][i] + s2[1][j][i];
+}
+
+// O^T = alpha O^T + V^T P^T over the tile's 64 tokens, the warp's 64 latents and all NT n-tiles.
+template <int NT>
+__device__ __forceinline__ void tm_pv(float (&acc)[4][NT][4], const uint8_t* tile, const __half* pt_lane,
+                                      const float* row_scale, int warp, int g, int c) {
+  constexpr int kPt = 8 * NT + 8;
+  float2 alpha[NT];
+  bool rescale = false;
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    alpha[j] = *reinterpret_cast<const float2*>(&row_scale[8 * j + 2 * c]);
+    rescale |= alpha[j].x != 1.f || alpha[j].y != 1.f;
+  }
+  if (__any_sync(0xffffffffu, rescale)) {  // most tiles keep every row max
+#pragma unroll
+    for (int m = 0; m < 4; ++m)
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        acc[m][j][0] *= alpha[j].x;
+        acc[m][j][1] *= alpha[j].y;
+        acc[m][j][2] *= alpha[j].x;
+        acc[m][j][3] *= alpha[j].y;
+      }
+  }
+#pragma unroll
+  for (int kk = 0; kk < kTileN / 16; ++kk) {
+    uint32_t pb[NT][2];  // P^T: (tokens 16kk + 2c, +1; row 8j + g), (16kk + 8 + 2c, +1; row 8j + g)
+#pragma unroll
+    for (int jp = 0; jp < NT / 2; ++jp) {
+      uint32_t r[4];
+      ldmatrix_x4_trans(r, pt_lane + kk * 16 * kPt + jp * 16);
+      pb[2 * jp][0] = r[0], pb[2 * jp][1] = r[1], pb[2 * jp + 1][0] = r[2], pb[2 * jp + 1][1] = r[3];
+    }
+    const uint8_t* v0 = tile + (kk * 16 + 2 * c) * kSmemRow + warp * 64 + 4 * g;
+#pragma unroll
+    for (int sp = 0; sp < 2; ++sp) {
+      const uint32_t x0 = lds32(v0 + sp * 32);                 // token 2c,   latents 4g..4g+3
+      const uint32_t x1 = lds32(v0 + kSmemRow + sp * 32);      // token 2c+1
+      const uint32_t x2 = lds32(v0 + 8 * kSmemRow + sp * 32);  // token 2c+8
+      const uint32_t x3 = lds32(v0 + 9 * kSmemRow + sp * 32);  // token 2c+9
+      const F16x4 l01 = e4m3x4_to_f16x4(prmt(x0, x1, 0x5140)), h01 = e4m3x4_to_f16x4(prmt(x0, x1, 0x7362));
+      const F16x4 l23 = e4m3x4_to_f16x4(prmt(x2, x3, 0x5140)), h23 = e4m3x4_to_f16x4(prmt(x2, x3, 0x7362));
+      const uint32_t a_even[4] = {l01.lo, l01.hi, l23.lo, l23.hi};  // latents 4g, 4g+1 (rows g, g+8)
+      const uint32_t a_odd[4] = {h01.lo, h01.hi, h23.lo, h23.hi};   // latents 4g+2, 4g+3
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        mma_f16(acc[2 * sp][j], a_even, pb[j][0], pb[j][1]);
+        mma_f16(acc[2 * sp + 1][j], a_odd, pb[j][0], pb[j][1]);
+      }
+    }
+  }
+}
+
+template <int NT, int STAGES>
+__global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const SplitKVParams p) {
+  static_assert(NT % 2 == 0 && NT >= 4 && NT <= 8, "8 warps: two halves of NT / 2 n-tiles, 32..64 rows");
+  using Smem = TokenMajorSmem<NT, STAGES>;
+  extern __shared__ __align__(128) uint8_t smem_raw[];
+  auto& sm = *reinterpret_cast<Smem*>(smem_raw);
+  constexpr int kRows = Smem::kRows, kHT = NT / 2, kThreads = 32 * kTmWarps, kPt = Smem::kPtStride;
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int tq = warp % 4, half_row0 = (warp / 4) * (kRows / 2);  // token quarter; first row of the half
+  const int g = lane / 4, c = lane % 4;
+  const int rows_per_req = p.qlen * p.heads;
+  const int row0 = blockIdx.x * kRows;
+  const CtaWork work = cta_work(p, kRows);
+  if (!work.exists) return;
+  if (work.ntiles == 0) {
+    write_empty_split(p, work, tid, kThreads);
+    return;
+  }
+  const int ntiles = work.ntiles;
+
+  TileLoader<kTmWarps> loader(p, work, warp, lane);
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < ntiles) loader.load(s, sm.kv[s]);
+    cp_async_commit();
+  }
+  stage_query_rows(p, sm.q, sm.row_fac, work.flat0, work.valid_rows, kRows, warp, kTmWarps, lane);
+
+  // the thread's S^T rows (CTA-relative): half_row0 + 8j + 2c + h
+  int lim[kHT][2];
+  float m_run[kHT][2], l_run[kHT][2];
+#pragma unroll
+  for (int j = 0; j < kHT; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = row0 + half_row0 + 8 * j + 2 * c + h;
+      lim[j][h] = r < rows_per_req ? min(visible_tokens(work.n, work.n_global, p.qlen, r / p.heads, p.dcp_rank,
+                                                        p.dcp_world), work.hi)
+                                   : 0;
+      m_run[j][h] = -INFINITY;
+      l_run[j][h] = 0.f;
+    }
+  float acc[4][NT][4];
+#pragma unroll
+  for (int m = 0; m < 4; ++m)
+#pragma unroll
+    for (int j = 0; j < NT; ++j) acc[m][j][0] = acc[m][j][1] = acc[m][j][2] = acc[m][j][3] = 0.f;
+
+  __syncthreads();  // Q and row_fac in smem
+  float row_fac[kHT][2];
+#pragma unroll
+  for (int j = 0; j < kHT; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) row_fac[j][h] = sm.row_fac[half_row0 + 8 * j + 2 * c + h];
+  const int k_lane = (tq * 16 + (lane & 15)) * kSmemRow + (lane >> 4) * 16;
+  const __half* q_lane = &sm.q[(half_row0 + (lane & 7)) * kQStride + (lane >> 3) * 8];
+  const __half* pt_lane = &sm.pt[((lane & 7) + ((lane >> 3) & 1) * 8) * kPt + (lane >> 4) * 8];
+
+  for (int t = 0; t < ntiles; ++t) {
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();  // tile t landed; every warp is done with tile t - 1 (its stage, P^T, row_scale)
+    if (t + STAGES - 1 < ntiles) loader.load(t + STAGES - 1, sm.kv[(t + STAGES - 1) % STAGES]);
+    cp_async_commit();
+    const uint8_t* tile = sm.kv[t % STAGES];
+    const int tok_base = work.lo + t * kTileN + tq * 16;  // request-relative token of the warp's M row 0
+
+    float s[kHT][4];
+    tm_scores<kHT>(s, tile + k_lane, q_lane);
+#pragma unroll
+    for (int j = 0; j < kHT; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int e = h; e < 4; e += 2) {
+          const int tok = tok_base + g + 8 * (e >> 1);
+          const float v = tok < lim[j][h] ? s[j][e] * row_fac[j][h] : -INFINITY;
+          s[j][e] = v;
+          mx = fmaxf(mx, v);
+        }
+#pragma unroll
+        for (int o = 4; o < 32; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        if (g == 0) sm.red[tq][half_row0 + 8 * j + 2 * c + h] = mx;
+      }
+    __syncthreads();  // every token warp's row maxima
+#pragma unroll
+    for (int j = 0; j < kHT; ++j) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = half_row0 + 8 * j + 2 * c + h;
+        float mx = m_run[j][h];
+#pragma unroll
+        for (int w = 0; w < 4; ++w) mx = fmaxf(mx, sm.red[w][r]);
+        const float m_safe = mx == -INFINITY ? 0.f : mx;
+        const float alpha = fast_exp2(m_run[j][h] - m_safe);
+        m_run[j][h] = mx;
+        s[j][h] = fast_exp2(s[j][h] - m_safe);
+        s[j][h + 2] = fast_exp2(s[j][h + 2] - m_safe);
+        l_run[j][h] = l_run[j][h] * alpha + (s[j][h] + s[j][h + 2]);
+        if (tq == 0 && g == 0) sm.row_scale[r] = alpha;
+      }
+      __half* pt_row = &sm.pt[(tq * 16 + g) * kPt + half_row0 + 8 * j + 2 * c];
+      *reinterpret_cast<uint32_t*>(pt_row) = pack_half2(s[j][0], s[j][1]);
+      *reinterpret_cast<uint32_t*>(pt_row + 8 * kPt) = pack_half2(s[j][2], s[j][3]);
+    }
+    __syncthreads();  // P^T and row_scale
+    tm_pv<NT>(acc, tile, pt_lane, sm.row_scale, warp, g, c);
+  }
+  cp_async_wait<0>();
+
+  // --- epilogue: row sums over the lanes and the token warps; lse; O^T / l staged in smem as
+  // O [row][kOStride] bf16, then 16-byte stores of the valid rows
+#pragma unroll
+  for (int j = 0; j < kHT; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int o = 4; o < 32; o <<= 1) l_run[j][h] += __shfl_xor_sync(0xffffffffu, l_run[j][h], o);
+  __syncthreads();  // every warp is done with the tiles, red and row_scale
+  if (g == 0) {
+#pragma unroll
+    for (int j = 0; j < kHT; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) sm.red[tq][half_row0 + 8 * j + 2 * c + h] = l_run[j][h];
+  }
+  __syncthreads();
+  if (tq == 0 && g == 0) {
+    float* lse_out = work.lse_out(p);
+#pragma unroll
+    for (int j = 0; j < kHT; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = half_row0 + 8 * j + 2 * c + h;
+        const float l = (sm.red[0][r] + sm.red[1][r]) + (sm.red[2][r] + sm.red[3][r]);
+        sm.row_scale[r] = l > 0.f ? p.kv_scale / l : 0.f;
+        if (row0 + r < rows_per_req) lse_out[r] = l > 0.f ? (m_run[j][h] + log2f(l)) * kLn2 : -INFINITY;
+      }
+  }
+  __syncthreads();
+  __nv_bfloat16* o_stage = reinterpret_cast<__nv_bfloat16*>(sm.kv[0]);
+  static_assert(kRows * kOStride * 2 <= STAGES * kTileN * kSmemRow, "O staging must fit the K ring");
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    const float inv0 = sm.row_scale[8 * j + 2 * c], inv1 = sm.row_scale[8 * j + 2 * c + 1];
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+      const int lat = warp * 64 + (m / 2) * 32 + 4 * g + 2 * (m % 2);
+      __nv_bfloat16* dst = &o_stage[(8 * j + 2 * c) * kOStride + lat];
+      *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(acc[m][j][0] * inv0, acc[m][j][2] * inv0);
+      *reinterpret_cast<__nv_bfloat162*>(dst + kOStride) =
+          __floats2bfloat162_rn(acc[m][j][1] * inv1, acc[m][j][3] * inv1);
+    }
+  }
+  __syncthreads();
+  uint4* o_out = reinterpret_cast<uint4*>(work.o_out(p));
+  constexpr int kChunksPerRow = kLatent / 8;
+  for (int i = tid; i < work.valid_rows * kChunksPerRow; i += kThreads)
+    o_out[i] = *reinterpret_cast<const uint4*>(&o_stage[(i / kChunksPerRow) * kOStride + (i % kChunksPerRow) * 8]);
 }
 
 // ---- M1b ---------------------------------------------------------------------------------------
@@ -778,10 +1073,9 @@ void check_cuda_tensor(const at::Tensor& t, const char* name, at::ScalarType dty
   TORCH_CHECK(t.is_contiguous(), "kimi_ops._C: ", name, " must be contiguous");
 }
 
-template <int MT, int STAGES>
-void launch_splitkv(const SplitKVParams& params, dim3 grid, cudaStream_t stream) {
-  constexpr size_t smem = sizeof(SplitKVSmem<MT, STAGES>);
-  auto* kernel = splitkv_kernel<MT, STAGES>;
+template <typename Smem, typename Kernel>
+void launch_kernel(Kernel* kernel, int threads, const SplitKVParams& params, dim3 grid, cudaStream_t stream) {
+  constexpr size_t smem = sizeof(Smem);
   static bool configured[64] = {};  // per device: the dynamic smem limit is a per-context attribute
   int device = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
@@ -789,8 +1083,18 @@ void launch_splitkv(const SplitKVParams& params, dim3 grid, cudaStream_t stream)
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     if (device < 64) configured[device] = true;
   }
-  kernel<<<grid, 128 * MT, smem, stream>>>(params);
+  kernel<<<grid, threads, smem, stream>>>(params);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <int MT, int STAGES>
+void launch_splitkv(const SplitKVParams& params, dim3 grid, cudaStream_t stream) {
+  launch_kernel<SplitKVSmem<MT, STAGES>>(splitkv_kernel<MT, STAGES>, 128 * MT, params, grid, stream);
+}
+
+template <int NT, int STAGES>
+void launch_splitkv_tm(const SplitKVParams& params, dim3 grid, cudaStream_t stream) {
+  launch_kernel<TokenMajorSmem<NT, STAGES>>(splitkv_tm_kernel<NT, STAGES>, 32 * kTmWarps, params, grid, stream);
 }
 
 // Work items of the work-list grid for R requests of at most num_splits splits: the used splits
@@ -814,10 +1118,10 @@ SplitKVParams splitkv_params(const at::Tensor& q, const at::Tensor& kv, const at
   TORCH_CHECK(kv.dim() == 2 && kv.size(1) == kRowBytes, "kimi_ops._C: kv_cache must be [N, 576]");
   TORCH_CHECK(qlen >= 1 && q.size(0) % qlen == 0, "kimi_ops._C: qlen must divide T");
   TORCH_CHECK(num_splits >= 1 && num_splits <= 65535, "kimi_ops._C: num_splits must be in [1, 65535]");
-  TORCH_CHECK(rows_per_cta == 16 || rows_per_cta == 32 || rows_per_cta == 64,
-              "kimi_ops._C: rows_per_cta must be 16, 32 or 64");
+  TORCH_CHECK(rows_per_cta == 16 || rows_per_cta == 32 || rows_per_cta == 48 || rows_per_cta == 64,
+              "kimi_ops._C: rows_per_cta must be 16, 32, 48 or 64");
   TORCH_CHECK(stages >= 2 && stages <= (rows_per_cta == 16 ? 4 : 3),
-              "kimi_ops._C: stages must be 2..4 (16 rows per CTA) or 2..3 (32 or 64)");
+              "kimi_ops._C: stages must be 2..4 (16 rows per CTA) or 2..3 (32, 48 or 64)");
   const int64_t T = q.size(0), H = q.size(1), R = T / qlen;
   TORCH_CHECK(indptr.numel() == R + 1, "kimi_ops._C: kv_indptr must have T / qlen + 1 entries");
   TORCH_CHECK(R <= 65535, "kimi_ops._C: at most 65535 requests");
@@ -843,16 +1147,31 @@ SplitKVParams splitkv_params(const at::Tensor& q, const at::Tensor& kv, const at
   return params;
 }
 
+// 16 rows: splitkv_kernel; 32, 48, 64: splitkv_tm_kernel (KIMI_OPS_SM90_ROW_GROUPS=1, an A/B
+// switch: splitkv_kernel's 2 or 4 row groups for 32 or 64).
 void launch_splitkv(const SplitKVParams& params, int64_t rows_per_cta, int64_t stages, dim3 grid) {
   auto stream = c10::cuda::getCurrentCUDAStream();
+  const char* groups_env = std::getenv("KIMI_OPS_SM90_ROW_GROUPS");
+  if (groups_env != nullptr && groups_env[0] == '1' && rows_per_cta != 16) {
+    TORCH_CHECK(rows_per_cta != 48, "kimi_ops._C: KIMI_OPS_SM90_ROW_GROUPS=1 takes 16, 32 or 64 rows");
+    switch (rows_per_cta * 10 + stages) {
+      case 322: launch_splitkv<2, 2>(params, grid, stream); break;
+      case 323: launch_splitkv<2, 3>(params, grid, stream); break;
+      case 642: launch_splitkv<4, 2>(params, grid, stream); break;
+      default: launch_splitkv<4, 3>(params, grid, stream); break;
+    }
+    return;
+  }
   switch (rows_per_cta * 10 + stages) {
     case 162: launch_splitkv<1, 2>(params, grid, stream); break;
     case 163: launch_splitkv<1, 3>(params, grid, stream); break;
     case 164: launch_splitkv<1, 4>(params, grid, stream); break;
-    case 322: launch_splitkv<2, 2>(params, grid, stream); break;
-    case 323: launch_splitkv<2, 3>(params, grid, stream); break;
-    case 642: launch_splitkv<4, 2>(params, grid, stream); break;
-    default: launch_splitkv<4, 3>(params, grid, stream); break;
+    case 322: launch_splitkv_tm<4, 2>(params, grid, stream); break;
+    case 323: launch_splitkv_tm<4, 3>(params, grid, stream); break;
+    case 482: launch_splitkv_tm<6, 2>(params, grid, stream); break;
+    case 483: launch_splitkv_tm<6, 3>(params, grid, stream); break;
+    case 642: launch_splitkv_tm<8, 2>(params, grid, stream); break;
+    default: launch_splitkv_tm<8, 3>(params, grid, stream); break;
   }
 }
 

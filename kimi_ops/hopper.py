@@ -23,6 +23,7 @@ STAGES_ENV = "KIMI_OPS_SM90_STAGES"  # K-ring depth override (2..4; 32-row CTAs:
 ROWS_ENV = "KIMI_OPS_SM90_ROWS"  # CTA rows override (16, 32, 64), for tuning
 BALANCE_WAVES_ENV = "KIMI_OPS_SM90_BALANCE_WAVES"  # waves of CTAs the balanced chunk length aims at (1..8)
 WORK_LIST_ENV = "KIMI_OPS_SM90_WORK_LIST"  # "0": mla_decode on the (split, request) grid instead
+ROW_GROUPS_ENV = "KIMI_OPS_SM90_ROW_GROUPS"  # "1": 32 / 64 rows as splitkv_kernel's 16-row groups (A/B)
 MAX_GRID_Y = 65535
 
 
@@ -32,26 +33,28 @@ def _ops():
 
 
 def rows_per_cta(rows_per_request: int) -> int:
-    """Query rows one CTA takes: 16, 32 or 64 (4, 8 or 16 warps; an MMA's M is 16).
+    """Query rows one CTA takes: 16 (``splitkv_kernel``, 4 warps) or 32, 48, 64
+    (``splitkv_tm_kernel``, 8 warps; the MMAs take tokens as M and these rows as N).
 
     Cost model: the padded rows computed plus half a 16-row tile for each CTA of a request (each
     re-reads the request's KV, from L2 after the first); ties go to the bigger CTA.
     KIMI_OPS_SM90_ROWS forces it."""
     env = os.environ.get(ROWS_ENV)
     if env:
-        if env not in ("16", "32", "64"):
-            raise ValueError(f"{ROWS_ENV} must be 16, 32 or 64, got {env}")
+        if env not in ("16", "32", "48", "64"):
+            raise ValueError(f"{ROWS_ENV} must be 16, 32, 48 or 64, got {env}")
         return int(env)
 
     def cost(rows):
         ctas = -(-rows_per_request // rows)
         return ctas * rows + 8 * ctas
-    return min((64, 32, 16), key=cost)
+    choices = (64, 32, 16) if os.environ.get(ROW_GROUPS_ENV) == "1" else (64, 48, 32, 16)
+    return min(choices, key=cost)
 
 
-DEFAULT_STAGES = {16: 2, 32: 3, 64: 3}
-MAX_STAGES = {16: 4, 32: 3, 64: 3}
-CTAS_PER_SM = {(16, 2): 2}  # by shared memory (97 KB); every other (rows, stages) takes 135-199 KB: 1
+DEFAULT_STAGES = {16: 2, 32: 3, 48: 3, 64: 3}
+MAX_STAGES = {16: 4, 32: 3, 48: 3, 64: 3}
+CTAS_PER_SM = {(16, 2): 2}  # by shared memory (97 KB); every other (rows, stages) takes 118-199 KB: 1
 
 
 def ring_stages(rows: int) -> int:
