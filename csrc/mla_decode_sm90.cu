@@ -123,6 +123,91 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
                : "r"(smem_addr(p)));
 }
 
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// generic-proxy shared-memory writes (st.shared) made visible to wgmma's operand reads
+__device__ __forceinline__ void fence_proxy_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// keeps the compiler from moving accesses of a wgmma accumulator across the fence / wait
+template <int A, int B>
+__device__ __forceinline__ void fence_operands(float (&x)[A][B]) {
+#pragma unroll
+  for (int i = 0; i < A; ++i)
+#pragma unroll
+    for (int j = 0; j < B; ++j) asm volatile("" : "+f"(x[i][j])::"memory");
+}
+// wgmma shared-memory descriptor, no swizzle: core matrices of 8 rows x 16 bytes (128 contiguous
+// bytes), lbo = bytes between core matrices adjacent in K, sbo = in M / N
+__device__ __forceinline__ uint64_t smem_desc(const void* p, uint32_t lbo, uint32_t sbo) {
+  return static_cast<uint64_t>((smem_addr(p) & 0x3FFFF) >> 4) | (static_cast<uint64_t>(lbo >> 4) << 16) |
+         (static_cast<uint64_t>(sbo >> 4) << 32);
+}
+
+// wgmma (f16 in, f32 accumulate) with A from registers (the m16n8k16 A fragment of each warp's 16
+// of the 64 M rows) and B from shared memory (a descriptor); the accumulators are the m16n8
+// layout per n-tile of 8 columns: d[j] holds (row g, col 8j + 2c), (g, 8j + 2c + 1),
+// (g + 8, 8j + 2c), (g + 8, 8j + 2c + 1). Always accumulates (scale-d true).
+template <int N>
+struct WgmmaF16RS;
+template <>
+struct WgmmaF16RS<16> {
+  __device__ __forceinline__ static void run(float (&d)[2][4], const uint32_t (&a)[4], uint64_t b_desc) {
+    asm volatile(
+        "{\n .reg .pred p;\n setp.ne.b32 p, %13, 0;\n"
+        " wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7},"
+        " {%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(1));
+  }
+};
+template <>
+struct WgmmaF16RS<24> {
+  __device__ __forceinline__ static void run(float (&d)[3][4], const uint32_t (&a)[4], uint64_t b_desc) {
+    asm volatile(
+        "{\n .reg .pred p;\n setp.ne.b32 p, %17, 0;\n"
+        " wgmma.mma_async.sync.aligned.m64n24k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11},"
+        " {%12, %13, %14, %15}, %16, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(1));
+  }
+};
+template <>
+struct WgmmaF16RS<32> {
+  __device__ __forceinline__ static void run(float (&d)[4][4], const uint32_t (&a)[4], uint64_t b_desc) {
+    asm volatile(
+        "{\n .reg .pred p;\n setp.ne.b32 p, %21, 0;\n"
+        " wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15},"
+        " {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(1));
+  }
+};
+template <>
+struct WgmmaF16RS<48> {
+  __device__ __forceinline__ static void run(float (&d)[6][4], const uint32_t (&a)[4], uint64_t b_desc) {
+    asm volatile(
+        "{\n .reg .pred p;\n setp.ne.b32 p, %29, 0;\n"
+        " wgmma.mma_async.sync.aligned.m64n48k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23},"
+        " {%24, %25, %26, %27}, %28, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(1));
+  }
+};
+template <>
+struct WgmmaF16RS<64> {
+  __device__ __forceinline__ static void run(float (&d)[8][4], const uint32_t (&a)[4], uint64_t b_desc) {
+    asm volatile(
+        "{\n .reg .pred p;\n setp.ne.b32 p, %37, 0;\n"
+        " wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31},"
+        " {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(1));
+  }
+};
+
 __device__ __forceinline__ uint32_t lds32(const void* p) {
   uint32_t v;
   asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(smem_addr(p)));
@@ -356,7 +441,12 @@ __device__ __forceinline__ void write_empty_split(const SplitKVParams& p, const 
 // Query rows r = first, first + step, ... (< rows) of the CTA, one warp a row: bf16 -> f16 scaled
 // by 2^k into [2^14, 2^15) (exact), columns permuted inside each 16-column chunk so that ldmatrix's
 // A fragment pairs physical columns (4c, 4c+1) and (4c+2, 4c+3), the pairs the K fragment gets
-// from one 32-bit word of fp8 bytes; row_fac[r] = qk_scale_log2 * 2^-k.
+// from one 32-bit word of fp8 bytes; row_fac[r] = qk_scale_log2 * 2^-k. Row r, permuted column k
+// is q_smem[r * kQStride + k], or with kCoreMatrix wgmma's no-swizzle K-major layout: core
+// matrices of 8 rows x 8 columns (128 bytes), K-adjacent ones 128 bytes apart (lbo), 8-row groups
+// kQCoreGroup halves apart (sbo).
+constexpr int kQCoreGroup = 8 * kRowBytes;  // f16 per 8-row group of the core-matrix layout
+template <bool kCoreMatrix = false>
 __device__ __forceinline__ void stage_query_rows(const SplitKVParams& p, __half* q_smem, float* row_fac,
                                                  int64_t flat0, int valid_rows, int rows, int first, int step,
                                                  int lane) {
@@ -384,7 +474,8 @@ __device__ __forceinline__ void stage_query_rows(const SplitKVParams& p, __half*
       const int col = 2 * (lane + 32 * i);  // physical column of this pair (even)
       const int within = col % 16, c4 = within / 4;
       const int scol = col - within + ((within % 4) == 0 ? 2 * c4 : 8 + 2 * c4);
-      *reinterpret_cast<uint32_t*>(&q_smem[r * kQStride + scol]) = pack_half2(ldexpf(v[i].x, k), ldexpf(v[i].y, k));
+      const int at = kCoreMatrix ? (r / 8) * kQCoreGroup + (scol / 8) * 64 + (r % 8) * 8 + scol % 8 : r * kQStride + scol;
+      *reinterpret_cast<uint32_t*>(&q_smem[at]) = pack_half2(ldexpf(v[i].x, k), ldexpf(v[i].y, k));
     }
     if (lane == 0) row_fac[r] = ldexpf(p.qk_scale_log2, -k);
   }
@@ -800,7 +891,96 @@ __device__ __forceinline__ void tm_pv(float (&acc)[4][NT][4], const uint8_t* til
   }
 }
 
-template <int NT, int STAGES>
+// The wgmma forms of tm_scores / tm_pv: each warpgroup (warps 4h..4h+3) issues m64 MMAs whose
+// 64 M rows are its four warps' 16, with the same A fragments (registers) as the mma.sync forms;
+// B comes from shared memory in the no-swizzle K-major core-matrix layout (stage_query_rows'
+// kCoreMatrix for Q, tm_store_p for P). A k-chunk's MMAs are a commit group; waiting for all but
+// the newest frees the A registers of the older ones.
+template <int HT>
+__device__ __forceinline__ void tm_scores_wgmma(float (&s)[HT][4], const uint8_t* k_lane, uint64_t q_desc) {
+#pragma unroll
+  for (int j = 0; j < HT; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+  fence_operands(s);
+  wgmma_fence();
+#pragma unroll
+  for (int kc = 0; kc < kRowBytes / 32; ++kc) {
+    uint32_t kw[4];
+    ldmatrix_x4(kw, k_lane + kc * 32);
+    const F16x4 k0 = e4m3x4_to_f16x4(kw[0]), k1 = e4m3x4_to_f16x4(kw[1]);
+    const F16x4 k2 = e4m3x4_to_f16x4(kw[2]), k3 = e4m3x4_to_f16x4(kw[3]);
+    const uint32_t a0[4] = {k0.lo, k1.lo, k0.hi, k1.hi};
+    const uint32_t a1[4] = {k2.lo, k3.lo, k2.hi, k3.hi};
+    WgmmaF16RS<8 * HT>::run(s, a0, q_desc + (kc * 512 >> 4));  // k-step 2kc: Q columns 32kc..32kc+15
+    WgmmaF16RS<8 * HT>::run(s, a1, q_desc + ((kc * 512 + 256) >> 4));
+    wgmma_commit();
+    wgmma_wait<1>();
+  }
+  wgmma_wait<0>();
+  fence_operands(s);
+}
+
+// P (f16) of the thread's S^T elements into P [row][token] in the core-matrix layout (B of
+// O^T += V^T P^T, K = tokens): 8-row groups 1024 bytes apart, 8-token chunks 128 bytes apart.
+template <int HT>
+__device__ __forceinline__ void tm_store_p(__half* p_smem, const float (&s)[HT][4], int row0, int tok0, int g, int c) {
+#pragma unroll
+  for (int j = 0; j < HT; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int r = row0 + 8 * j + 2 * c + (e & 1), tok = tok0 + g + 8 * (e >> 1);
+      p_smem[(r / 8) * 512 + (tok / 8) * 64 + (r % 8) * 8 + tok % 8] = __float2half_rn(s[j][e]);
+    }
+}
+
+template <int NT>
+__device__ __forceinline__ void tm_pv_wgmma(float (&acc)[4][NT][4], const uint8_t* tile, uint64_t p_desc,
+                                            const float* row_scale, int warp, int g, int c) {
+  float2 alpha[NT];
+  bool rescale = false;
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    alpha[j] = *reinterpret_cast<const float2*>(&row_scale[8 * j + 2 * c]);
+    rescale |= alpha[j].x != 1.f || alpha[j].y != 1.f;
+  }
+  if (__any_sync(0xffffffffu, rescale)) {
+#pragma unroll
+    for (int m = 0; m < 4; ++m)
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        acc[m][j][0] *= alpha[j].x;
+        acc[m][j][1] *= alpha[j].y;
+        acc[m][j][2] *= alpha[j].x;
+        acc[m][j][3] *= alpha[j].y;
+      }
+  }
+#pragma unroll
+  for (int m = 0; m < 4; ++m) fence_operands(acc[m]);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kTileN / 16; ++kk) {
+    const uint8_t* v0 = tile + (kk * 16 + 2 * c) * kSmemRow + warp * 64 + 4 * g;
+#pragma unroll
+    for (int sp = 0; sp < 2; ++sp) {
+      const uint32_t x0 = lds32(v0 + sp * 32);
+      const uint32_t x1 = lds32(v0 + kSmemRow + sp * 32);
+      const uint32_t x2 = lds32(v0 + 8 * kSmemRow + sp * 32);
+      const uint32_t x3 = lds32(v0 + 9 * kSmemRow + sp * 32);
+      const F16x4 l01 = e4m3x4_to_f16x4(prmt(x0, x1, 0x5140)), h01 = e4m3x4_to_f16x4(prmt(x0, x1, 0x7362));
+      const F16x4 l23 = e4m3x4_to_f16x4(prmt(x2, x3, 0x5140)), h23 = e4m3x4_to_f16x4(prmt(x2, x3, 0x7362));
+      const uint32_t a_even[4] = {l01.lo, l01.hi, l23.lo, l23.hi};
+      const uint32_t a_odd[4] = {h01.lo, h01.hi, h23.lo, h23.hi};
+      WgmmaF16RS<8 * NT>::run(acc[2 * sp], a_even, p_desc + (kk * 256 >> 4));  // tokens 16kk..16kk+15
+      WgmmaF16RS<8 * NT>::run(acc[2 * sp + 1], a_odd, p_desc + (kk * 256 >> 4));
+    }
+    wgmma_commit();
+    wgmma_wait<1>();
+  }
+  wgmma_wait<0>();
+#pragma unroll
+  for (int m = 0; m < 4; ++m) fence_operands(acc[m]);
+}
+
+template <int NT, int STAGES, bool kWgmma>
 __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const SplitKVParams p) {
   static_assert(NT % 2 == 0 && NT >= 4 && NT <= 8, "8 warps: two halves of NT / 2 n-tiles, 32..64 rows");
   using Smem = TokenMajorSmem<NT, STAGES>;
@@ -827,7 +1007,8 @@ __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const Spli
     if (s < ntiles) loader.load(s, sm.kv[s]);
     cp_async_commit();
   }
-  stage_query_rows(p, sm.q, sm.row_fac, work.flat0, work.valid_rows, kRows, warp, kTmWarps, lane);
+  stage_query_rows<kWgmma>(p, sm.q, sm.row_fac, work.flat0, work.valid_rows, kRows, warp, kTmWarps, lane);
+  if constexpr (kWgmma) fence_proxy_async_smem();
 
   // the thread's S^T rows (CTA-relative): half_row0 + 8j + 2c + h
   int lim[kHT][2];
@@ -858,6 +1039,8 @@ __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const Spli
   const int k_lane = (tq * 16 + (lane & 15)) * kSmemRow + (lane >> 4) * 16;
   const __half* q_lane = &sm.q[(half_row0 + (lane & 7)) * kQStride + (lane >> 3) * 8];
   const __half* pt_lane = &sm.pt[((lane & 7) + ((lane >> 3) & 1) * 8) * kPt + (lane >> 4) * 8];
+  const uint64_t q_desc = smem_desc(&sm.q[(half_row0 / 8) * kQCoreGroup], 128, kQCoreGroup * 2);
+  const uint64_t p_desc = smem_desc(sm.pt, 128, 1024);
 
   for (int t = 0; t < ntiles; ++t) {
     cp_async_wait<STAGES - 2>();
@@ -868,7 +1051,10 @@ __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const Spli
     const int tok_base = work.lo + t * kTileN + tq * 16;  // request-relative token of the warp's M row 0
 
     float s[kHT][4];
-    tm_scores<kHT>(s, tile + k_lane, q_lane);
+    if constexpr (kWgmma)
+      tm_scores_wgmma<kHT>(s, tile + k_lane, q_desc);
+    else
+      tm_scores<kHT>(s, tile + k_lane, q_lane);
 #pragma unroll
     for (int j = 0; j < kHT; ++j)
 #pragma unroll
@@ -902,12 +1088,21 @@ __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const Spli
         l_run[j][h] = l_run[j][h] * alpha + (s[j][h] + s[j][h + 2]);
         if (tq == 0 && g == 0) sm.row_scale[r] = alpha;
       }
-      __half* pt_row = &sm.pt[(tq * 16 + g) * kPt + half_row0 + 8 * j + 2 * c];
-      *reinterpret_cast<uint32_t*>(pt_row) = pack_half2(s[j][0], s[j][1]);
-      *reinterpret_cast<uint32_t*>(pt_row + 8 * kPt) = pack_half2(s[j][2], s[j][3]);
+      if constexpr (!kWgmma) {
+        __half* pt_row = &sm.pt[(tq * 16 + g) * kPt + half_row0 + 8 * j + 2 * c];
+        *reinterpret_cast<uint32_t*>(pt_row) = pack_half2(s[j][0], s[j][1]);
+        *reinterpret_cast<uint32_t*>(pt_row + 8 * kPt) = pack_half2(s[j][2], s[j][3]);
+      }
+    }
+    if constexpr (kWgmma) {
+      tm_store_p<kHT>(sm.pt, s, half_row0, tq * 16, g, c);
+      fence_proxy_async_smem();
     }
     __syncthreads();  // P^T and row_scale
-    tm_pv<NT>(acc, tile, pt_lane, sm.row_scale, warp, g, c);
+    if constexpr (kWgmma)
+      tm_pv_wgmma<NT>(acc, tile, p_desc, sm.row_scale, warp, g, c);
+    else
+      tm_pv<NT>(acc, tile, pt_lane, sm.row_scale, warp, g, c);
   }
   cp_async_wait<0>();
 
@@ -1092,9 +1287,10 @@ void launch_splitkv(const SplitKVParams& params, dim3 grid, cudaStream_t stream)
   launch_kernel<SplitKVSmem<MT, STAGES>>(splitkv_kernel<MT, STAGES>, 128 * MT, params, grid, stream);
 }
 
-template <int NT, int STAGES>
+template <int NT, int STAGES, bool kWgmma = true>
 void launch_splitkv_tm(const SplitKVParams& params, dim3 grid, cudaStream_t stream) {
-  launch_kernel<TokenMajorSmem<NT, STAGES>>(splitkv_tm_kernel<NT, STAGES>, 32 * kTmWarps, params, grid, stream);
+  launch_kernel<TokenMajorSmem<NT, STAGES>>(splitkv_tm_kernel<NT, STAGES, kWgmma>, 32 * kTmWarps, params, grid,
+                                            stream);
 }
 
 // Work items of the work-list grid for R requests of at most num_splits splits: the used splits
@@ -1152,13 +1348,18 @@ SplitKVParams splitkv_params(const at::Tensor& q, const at::Tensor& kv, const at
 void launch_splitkv(const SplitKVParams& params, int64_t rows_per_cta, int64_t stages, dim3 grid) {
   auto stream = c10::cuda::getCurrentCUDAStream();
   const char* groups_env = std::getenv("KIMI_OPS_SM90_ROW_GROUPS");
-  if (groups_env != nullptr && groups_env[0] == '1' && rows_per_cta != 16) {
-    TORCH_CHECK(rows_per_cta != 48, "kimi_ops._C: KIMI_OPS_SM90_ROW_GROUPS=1 takes 16, 32 or 64 rows");
-    switch (rows_per_cta * 10 + stages) {
-      case 322: launch_splitkv<2, 2>(params, grid, stream); break;
-      case 323: launch_splitkv<2, 3>(params, grid, stream); break;
-      case 642: launch_splitkv<4, 2>(params, grid, stream); break;
-      default: launch_splitkv<4, 3>(params, grid, stream); break;
+  const char* wgmma_env = std::getenv("KIMI_OPS_SM90_TM_WGMMA");
+  if (rows_per_cta != 16 && ((groups_env != nullptr && groups_env[0] == '1') ||
+                             (wgmma_env != nullptr && wgmma_env[0] == '0'))) {
+    TORCH_CHECK(stages == 3, "kimi_ops._C: the A/B switches take the default 3 stages");
+    const bool groups = groups_env != nullptr && groups_env[0] == '1';
+    TORCH_CHECK(!groups || rows_per_cta != 48, "kimi_ops._C: KIMI_OPS_SM90_ROW_GROUPS=1 takes 16, 32 or 64 rows");
+    switch (rows_per_cta + (groups ? 1000 : 0)) {
+      case 1032: launch_splitkv<2, 3>(params, grid, stream); break;
+      case 1064: launch_splitkv<4, 3>(params, grid, stream); break;
+      case 32: launch_splitkv_tm<4, 3, false>(params, grid, stream); break;
+      case 48: launch_splitkv_tm<6, 3, false>(params, grid, stream); break;
+      default: launch_splitkv_tm<8, 3, false>(params, grid, stream); break;
     }
     return;
   }
