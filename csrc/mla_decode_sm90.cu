@@ -8,11 +8,10 @@
 //   o_part    [S, T*H, 512] bf16, lse_part [S, T*H] f32 (natural log; o = 0, lse = -inf
 //             for a row that sees no token of its split)
 //
-// splitkv_kernel: one CTA of 4*MT warps per (row group, split, request). A row group is 16*MT
-// consecutive query rows of one request; warps 4m..4m+3 take its m-th 16 rows. The split's
-// tokens stream through a ring of STAGES shared-memory tiles of 64 rows (cp.async, 16-byte
-// chunks, zero-filled where a token is past the split or its index is out of range), read from
-// HBM once for all the CTA's rows. Per tile, in each group of 4 warps:
+// splitkv_kernel (16 query rows a CTA): one CTA of 4 warps per (16 consecutive query rows of one
+// request, split or work item). The split's tokens stream through a ring of STAGES shared-memory
+// tiles of 64 rows (cp.async, 16-byte chunks, zero-filled where a token is past the split or its
+// index is out of range), read from HBM once for all the CTA's rows. Per tile:
 //   S  = Q K^T   warp w takes the tile's tokens [16w, 16w+16); mma.sync m16n8k16 f16 with
 //                query rows as M; K's fp8 bytes become f16 with cvt.e4m3x2 (exact), Q is the
 //                bf16 query scaled per row by 2^k into [2^14, 2^15) and stored as f16 (exact
@@ -22,6 +21,10 @@
 //                smem; V^T's fragments come from the same K tile: four 32-bit loads of two
 //                token rows each are byte-permuted (prmt) into (token, token+1) pairs and
 //                converted, so no second pass over the tile's bytes and no transpose in memory
+// splitkv_tm_kernel (32, 48 or 64 rows a CTA, two warpgroups): the same tiles, numerics and
+// fragments, but token-major wgmma products, S^T = K Q^T and O^T = V^T P^T, with the query rows
+// as N, so each fp8 byte is converted once per warpgroup rather than once per 16 rows (its
+// section below).
 // Accumulation is f32 throughout: within DESIGN.md's accuracy contract with margin (the
 // products are exact; P is rounded to f16, 2^-11 relative).
 // Split lengths are computed here from kv_indptr (cta_work): a long request of a mixed batch
@@ -49,7 +52,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 
 namespace kimi_ops::sm90 {
 namespace {
@@ -58,19 +60,19 @@ constexpr int kRowBytes = 576;      // fp8 cache row
 constexpr int kLatent = 512;        // kv_c columns (= V and O width)
 constexpr int kSmemRow = 592;       // smem row stride of a K tile: 576 + 16 (conflict-free ldmatrix / lds)
 constexpr int kTileN = 64;          // tokens per pipeline stage
-constexpr int kWarpsPerM = 4;       // warps sharing one 16-row m-tile
+constexpr int kWarpsPerM = 4;       // splitkv_kernel's warps, sharing its 16-row m-tile
 constexpr int kQStride = 584;       // f16 per smem Q row: 576 + 8 (conflict-free ldmatrix)
 constexpr int kPStride = 72;        // f16 per smem P row: 64 + 8
 constexpr int kQExp = 14;           // query rows scaled so the row max is in [2^14, 2^15)
 constexpr float kLn2 = 0.6931471805599453f;
 
-template <int MT, int STAGES>
+template <int STAGES>
 struct SplitKVSmem {
   uint8_t kv[STAGES][kTileN * kSmemRow];
-  __half q[MT * 16 * kQStride];
-  __half p[MT * 16 * kPStride];
-  float red[kWarpsPerM][MT * 16];
-  float row_fac[MT * 16];
+  __half q[16 * kQStride];
+  __half p[16 * kPStride];
+  float red[kWarpsPerM][16];
+  float row_fac[16];
 };
 
 struct SplitKVParams {
@@ -113,12 +115,6 @@ __device__ __forceinline__ void cp_async_wait() {
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(p)));
-}
-
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(smem_addr(p)));
 }
@@ -675,16 +671,16 @@ struct TileLoader {
 
 // ---- M1c ---------------------------------------------------------------------------------------
 
-template <int MT, int STAGES>
-__global__ void __launch_bounds__(128 * MT, 1) splitkv_kernel(const SplitKVParams p) {
+template <int STAGES>
+__global__ void __launch_bounds__(32 * kWarpsPerM, 1) splitkv_kernel(const SplitKVParams p) {
   extern __shared__ __align__(128) uint8_t smem_raw[];
-  auto& sm = *reinterpret_cast<SplitKVSmem<MT, STAGES>*>(smem_raw);
-  constexpr int kRows = MT * 16;
-  constexpr int kThreads = 128 * MT;
-  constexpr int kWarps = 4 * MT;
+  auto& sm = *reinterpret_cast<SplitKVSmem<STAGES>*>(smem_raw);
+  constexpr int kRows = 16;
+  constexpr int kWarps = kWarpsPerM;
+  constexpr int kThreads = 32 * kWarps;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int mg = warp / kWarpsPerM, wq = warp % kWarpsPerM;  // m-tile; token / column quarter
+  const int wq = warp;  // the warp's token / column quarter
   const int g = lane / 4, c = lane % 4;
   const int rows_per_req = p.qlen * p.heads;
   const int row0 = blockIdx.x * kRows;  // first row of this CTA within its request
@@ -712,12 +708,12 @@ __global__ void __launch_bounds__(128 * MT, 1) splitkv_kernel(const SplitKVParam
   int lim[2];
   float m_run[2], l_run[2];
   float acc[16][4];
-  init_row_state(p, work, row0 + mg * 16 + g, lim, m_run, l_run, acc);
+  init_row_state(p, work, row0 + g, lim, m_run, l_run, acc);
 
   __syncthreads();  // Q and row_fac in smem
-  const float row_fac[2] = {sm.row_fac[mg * 16 + g], sm.row_fac[mg * 16 + g + 8]};
-  const __half* q_lane = &sm.q[(mg * 16 + (lane & 15)) * kQStride + (lane >> 4) * 8];
-  const __half* p_lane = &sm.p[(mg * 16 + (lane & 15)) * kPStride + (lane >> 4) * 8];
+  const float row_fac[2] = {sm.row_fac[g], sm.row_fac[g + 8]};
+  const __half* q_lane = &sm.q[(lane & 15) * kQStride + (lane >> 4) * 8];
+  const __half* p_lane = &sm.p[(lane & 15) * kPStride + (lane >> 4) * 8];
 
   for (int t = 0; t < ntiles; ++t) {
     cp_async_wait<STAGES - 2>();
@@ -730,10 +726,10 @@ __global__ void __launch_bounds__(128 * MT, 1) splitkv_kernel(const SplitKVParam
 
     float s[2][4];
     tile_scores(s, tile, q_lane, wq, lane);
-    tile_mask_and_max(s, row_fac, lim, tok_base, g, c, &sm.red[wq][mg * 16]);
+    tile_mask_and_max(s, row_fac, lim, tok_base, g, c, sm.red[wq]);
     __syncthreads();
     float alpha[2];
-    tile_softmax(s, m_run, l_run, alpha, &sm.red[0][mg * 16], MT * 16, &sm.p[mg * 16 * kPStride], wq, g, c);
+    tile_softmax(s, m_run, l_run, alpha, sm.red[0], kRows, sm.p, wq, g, c);
     __syncthreads();
     tile_pv(acc, alpha, tile, p_lane, wq, g, c);
   }
@@ -747,8 +743,8 @@ __global__ void __launch_bounds__(128 * MT, 1) splitkv_kernel(const SplitKVParam
   }
   __syncthreads();  // every warp is done with the K tiles and the last tile's row maxima
   if (c == 0) {
-    sm.red[wq][mg * 16 + g] = l_run[0];
-    sm.red[wq][mg * 16 + g + 8] = l_run[1];
+    sm.red[wq][g] = l_run[0];
+    sm.red[wq][g + 8] = l_run[1];
   }
   __syncthreads();
   __nv_bfloat16* o_stage = reinterpret_cast<__nv_bfloat16*>(sm.kv[0]);  // [kRows][512]
@@ -756,7 +752,7 @@ __global__ void __launch_bounds__(128 * MT, 1) splitkv_kernel(const SplitKVParam
   float* lse_out = work.lse_out(p);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const int r = mg * 16 + g + 8 * h;
+    const int r = g + 8 * h;
     float l = 0.f;
 #pragma unroll
     for (int w = 0; w < kWarpsPerM; ++w) l += sm.red[w][r];
@@ -779,71 +775,81 @@ __global__ void __launch_bounds__(128 * MT, 1) splitkv_kernel(const SplitKVParam
 
 // ---- M1c, token-major: 32, 48 or 64 query rows a CTA -------------------------------------------
 //
-// splitkv_tm_kernel: one CTA of 8 warps per (group of N = 8*NT rows, split or work item). The MMAs
-// take tokens (and latents) as M and the query rows as N, S^T = K Q^T and O^T = V^T P^T, so the
-// tile's fp8 bytes are converted once for all N rows (splitkv_kernel converts them once per 16).
-// Per tile:
-//   S^T = K Q^T  warp w takes tokens [16(w%4), +16) and the rows of half w/4 (NT/2 n-tiles of 8
-//                rows): A = K as in tile_scores (ldmatrix of fp8 bytes, cvt to f16; the same
-//                permuted Q columns), B = Q^T from the query rows in smem (ldmatrix)
-//   softmax      each row's max over the tile through smem (4 token warps), P^T (f16) to smem as
-//                [token][row], each row's O rescale (alpha) to smem
-//   O^T += V^T P^T  warp w owns latents [64w, 64w+64) of all N rows: A = V^T from the tile's bytes
-//                (four 32-bit loads of two token rows, prmt into (token, token+1) pairs, as in
-//                tile_pv), B = P^T (ldmatrix.trans)
-// The latent of O^T's M row: m-tile 2s+f of warp w, row g (g+8) is latent 64w + 32s + 4g + 2f (+1).
+// splitkv_tm_kernel: one CTA of two warpgroups (8 warps) per (group of N = 8*NT query rows, split
+// or work item). The MMAs are wgmma with tokens (and latents) as the 64 M rows and the query rows
+// as N, S^T = K Q^T and O^T = V^T P^T, so a tile's fp8 bytes are converted once for all N rows
+// of each warpgroup (splitkv_kernel converts them once per 16 rows). A is always in registers,
+// converted from the tile's fp8 bytes exactly as splitkv_kernel builds its fragments; B is in
+// shared memory in wgmma's no-swizzle K-major layout (core matrices of 8 rows x 16 bytes). Per tile:
+//   S^T = K Q^T     warpgroup h takes the rows [N/2 h, N/2 (h+1)), its warp w % 4 the tokens
+//                   [16(w%4), +16) (M): A = K (ldmatrix of the fp8 bytes, cvt to f16, with Q's
+//                   columns permuted as in stage_query_rows), B = Q (stage_query_rows<true>),
+//                   36 wgmma m64 n(N/2) k16
+//   softmax         each row's max over the tile through smem (4 token warps), P (f16) to smem
+//                   as P [row][token] (tm_store_p), each row's O rescale (alpha) to smem
+//   O^T += V^T P^T  warp w owns latents [64w, 64w+64) of all N rows: A = V^T (four 32-bit loads
+//                   of two token rows, prmt into (token, token+1) pairs, as in tile_pv), B = P,
+//                   16 wgmma m64 nN k16 a warpgroup
+// O^T's M row g (g + 8) of warp w's m-tile 2s + f is latent 64w + 32s + 4g + 2f (+ 1).
 
 template <int NT, int STAGES>
 struct TokenMajorSmem {
   static constexpr int kRows = 8 * NT;
-  static constexpr int kPtStride = kRows + 8;  // f16 per smem P^T row (a token): conflict-free ldmatrix.trans
   uint8_t kv[STAGES][kTileN * kSmemRow];
-  __half q[kRows * kQStride];
-  __half pt[kTileN * kPtStride];
-  float red[4][kRows];     // per token warp: the tile's row maxima; at the end the row sums
-  float row_scale[kRows];  // the tile's O rescale per row; at the end kv_scale / l
+  __half q[kRows * kRowBytes];  // Q [row][576 permuted columns], core-matrix layout
+  __half p[kRows * kTileN];     // P [row][token], core-matrix layout
+  float red[4][kRows];          // per token warp: the tile's row maxima; at the end the row sums
+  float row_scale[kRows];       // the tile's O rescale per row; at the end kv_scale / l
   float row_fac[kRows];
 };
 
 constexpr int kTmWarps = 8;
 constexpr int kOStride = kLatent + 8;  // bf16 per row of the token-major epilogue's O staging
 
-// S^T over the warp's 16 tokens and HT n-tiles of query rows: s[j] holds (token g / g+8, row
-// 8j + 2c + {0, 1}). Two accumulators per n-tile (k-step parity) keep the MMA chains short.
+// S^T over the warpgroup's 64 tokens (the warp's 16: k_lane) and HT n-tiles of query rows (q_desc):
+// s[j] holds (token g / g + 8 of the warp, row 8j + 2c + {0, 1}). A k-chunk's two MMAs are a commit
+// group; waiting for all but the newest frees the older groups' A registers.
 template <int HT>
-__device__ __forceinline__ void tm_scores(float (&s)[HT][4], const uint8_t* k_lane, const __half* q_lane) {
-  float s2[2][HT][4];
+__device__ __forceinline__ void tm_scores(float (&s)[HT][4], const uint8_t* k_lane, uint64_t q_desc) {
 #pragma unroll
-  for (int i = 0; i < 2; ++i)
-#pragma unroll
-    for (int j = 0; j < HT; ++j) s2[i][j][0] = s2[i][j][1] = s2[i][j][2] = s2[i][j][3] = 0.f;
+  for (int j = 0; j < HT; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+  fence_operands(s);
+  wgmma_fence();
 #pragma unroll
   for (int kc = 0; kc < kRowBytes / 32; ++kc) {
     uint32_t kw[4];  // (tokens 0-7, bytes 0-15), (8-15, 0-15), (0-7, 16-31), (8-15, 16-31) of the chunk
     ldmatrix_x4(kw, k_lane + kc * 32);
     const F16x4 k0 = e4m3x4_to_f16x4(kw[0]), k1 = e4m3x4_to_f16x4(kw[1]);
     const F16x4 k2 = e4m3x4_to_f16x4(kw[2]), k3 = e4m3x4_to_f16x4(kw[3]);
-    const uint32_t a0[4] = {k0.lo, k1.lo, k0.hi, k1.hi};  // k-step 2kc
+    const uint32_t a0[4] = {k0.lo, k1.lo, k0.hi, k1.hi};  // k-step 2kc: Q columns 32kc..32kc+15
     const uint32_t a1[4] = {k2.lo, k3.lo, k2.hi, k3.hi};  // k-step 2kc + 1
-#pragma unroll
-    for (int j = 0; j < HT; ++j) {
-      uint32_t b[4];  // Q^T: (k-step 2kc: b0, b1), (2kc + 1: b0, b1) of n-tile j
-      ldmatrix_x4(b, q_lane + j * 8 * kQStride + kc * 32);
-      mma_f16(s2[0][j], a0, b[0], b[1]);
-      mma_f16(s2[1][j], a1, b[2], b[3]);
-    }
+    WgmmaF16RS<8 * HT>::run(s, a0, q_desc + (kc * 512 >> 4));
+    WgmmaF16RS<8 * HT>::run(s, a1, q_desc + ((kc * 512 + 256) >> 4));
+    wgmma_commit();
+    wgmma_wait<1>();
   }
+  wgmma_wait<0>();
+  fence_operands(s);
+}
+
+// P (f16) of the thread's S^T elements into P [row][token] (B of O^T += V^T P^T, K = tokens):
+// 8-row groups 1024 bytes apart, 8-token core matrices 128 bytes apart.
+template <int HT>
+__device__ __forceinline__ void tm_store_p(__half* p_smem, const float (&s)[HT][4], int row0, int tok0, int g, int c) {
 #pragma unroll
   for (int j = 0; j < HT; ++j)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) s[j][i] = s2[0][j][i] + s2[1][j][i];
+    for (int e = 0; e < 4; ++e) {
+      const int r = row0 + 8 * j + 2 * c + (e & 1), tok = tok0 + g + 8 * (e >> 1);
+      p_smem[(r / 8) * 512 + (tok / 8) * 64 + (r % 8) * 8 + tok % 8] = __float2half_rn(s[j][e]);
+    }
 }
 
-// O^T = alpha O^T + V^T P^T over the tile's 64 tokens, the warp's 64 latents and all NT n-tiles.
+// O^T = alpha O^T + V^T P^T over the tile's 64 tokens, the warp's 64 latents and all NT n-tiles
+// of rows (alpha: row_scale; P: p_desc).
 template <int NT>
-__device__ __forceinline__ void tm_pv(float (&acc)[4][NT][4], const uint8_t* tile, const __half* pt_lane,
+__device__ __forceinline__ void tm_pv(float (&acc)[4][NT][4], const uint8_t* tile, uint64_t p_desc,
                                       const float* row_scale, int warp, int g, int c) {
-  constexpr int kPt = 8 * NT + 8;
   float2 alpha[NT];
   bool rescale = false;
 #pragma unroll
@@ -863,14 +869,10 @@ __device__ __forceinline__ void tm_pv(float (&acc)[4][NT][4], const uint8_t* til
       }
   }
 #pragma unroll
-  for (int kk = 0; kk < kTileN / 16; ++kk) {
-    uint32_t pb[NT][2];  // P^T: (tokens 16kk + 2c, +1; row 8j + g), (16kk + 8 + 2c, +1; row 8j + g)
+  for (int m = 0; m < 4; ++m) fence_operands(acc[m]);
+  wgmma_fence();
 #pragma unroll
-    for (int jp = 0; jp < NT / 2; ++jp) {
-      uint32_t r[4];
-      ldmatrix_x4_trans(r, pt_lane + kk * 16 * kPt + jp * 16);
-      pb[2 * jp][0] = r[0], pb[2 * jp][1] = r[1], pb[2 * jp + 1][0] = r[2], pb[2 * jp + 1][1] = r[3];
-    }
+  for (int kk = 0; kk < kTileN / 16; ++kk) {
     const uint8_t* v0 = tile + (kk * 16 + 2 * c) * kSmemRow + warp * 64 + 4 * g;
 #pragma unroll
     for (int sp = 0; sp < 2; ++sp) {
@@ -882,93 +884,6 @@ __device__ __forceinline__ void tm_pv(float (&acc)[4][NT][4], const uint8_t* til
       const F16x4 l23 = e4m3x4_to_f16x4(prmt(x2, x3, 0x5140)), h23 = e4m3x4_to_f16x4(prmt(x2, x3, 0x7362));
       const uint32_t a_even[4] = {l01.lo, l01.hi, l23.lo, l23.hi};  // latents 4g, 4g+1 (rows g, g+8)
       const uint32_t a_odd[4] = {h01.lo, h01.hi, h23.lo, h23.hi};   // latents 4g+2, 4g+3
-#pragma unroll
-      for (int j = 0; j < NT; ++j) {
-        mma_f16(acc[2 * sp][j], a_even, pb[j][0], pb[j][1]);
-        mma_f16(acc[2 * sp + 1][j], a_odd, pb[j][0], pb[j][1]);
-      }
-    }
-  }
-}
-
-// The wgmma forms of tm_scores / tm_pv: each warpgroup (warps 4h..4h+3) issues m64 MMAs whose
-// 64 M rows are its four warps' 16, with the same A fragments (registers) as the mma.sync forms;
-// B comes from shared memory in the no-swizzle K-major core-matrix layout (stage_query_rows'
-// kCoreMatrix for Q, tm_store_p for P). A k-chunk's MMAs are a commit group; waiting for all but
-// the newest frees the A registers of the older ones.
-template <int HT>
-__device__ __forceinline__ void tm_scores_wgmma(float (&s)[HT][4], const uint8_t* k_lane, uint64_t q_desc) {
-#pragma unroll
-  for (int j = 0; j < HT; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-  fence_operands(s);
-  wgmma_fence();
-#pragma unroll
-  for (int kc = 0; kc < kRowBytes / 32; ++kc) {
-    uint32_t kw[4];
-    ldmatrix_x4(kw, k_lane + kc * 32);
-    const F16x4 k0 = e4m3x4_to_f16x4(kw[0]), k1 = e4m3x4_to_f16x4(kw[1]);
-    const F16x4 k2 = e4m3x4_to_f16x4(kw[2]), k3 = e4m3x4_to_f16x4(kw[3]);
-    const uint32_t a0[4] = {k0.lo, k1.lo, k0.hi, k1.hi};
-    const uint32_t a1[4] = {k2.lo, k3.lo, k2.hi, k3.hi};
-    WgmmaF16RS<8 * HT>::run(s, a0, q_desc + (kc * 512 >> 4));  // k-step 2kc: Q columns 32kc..32kc+15
-    WgmmaF16RS<8 * HT>::run(s, a1, q_desc + ((kc * 512 + 256) >> 4));
-    wgmma_commit();
-    wgmma_wait<1>();
-  }
-  wgmma_wait<0>();
-  fence_operands(s);
-}
-
-// P (f16) of the thread's S^T elements into P [row][token] in the core-matrix layout (B of
-// O^T += V^T P^T, K = tokens): 8-row groups 1024 bytes apart, 8-token chunks 128 bytes apart.
-template <int HT>
-__device__ __forceinline__ void tm_store_p(__half* p_smem, const float (&s)[HT][4], int row0, int tok0, int g, int c) {
-#pragma unroll
-  for (int j = 0; j < HT; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int r = row0 + 8 * j + 2 * c + (e & 1), tok = tok0 + g + 8 * (e >> 1);
-      p_smem[(r / 8) * 512 + (tok / 8) * 64 + (r % 8) * 8 + tok % 8] = __float2half_rn(s[j][e]);
-    }
-}
-
-template <int NT>
-__device__ __forceinline__ void tm_pv_wgmma(float (&acc)[4][NT][4], const uint8_t* tile, uint64_t p_desc,
-                                            const float* row_scale, int warp, int g, int c) {
-  float2 alpha[NT];
-  bool rescale = false;
-#pragma unroll
-  for (int j = 0; j < NT; ++j) {
-    alpha[j] = *reinterpret_cast<const float2*>(&row_scale[8 * j + 2 * c]);
-    rescale |= alpha[j].x != 1.f || alpha[j].y != 1.f;
-  }
-  if (__any_sync(0xffffffffu, rescale)) {
-#pragma unroll
-    for (int m = 0; m < 4; ++m)
-#pragma unroll
-      for (int j = 0; j < NT; ++j) {
-        acc[m][j][0] *= alpha[j].x;
-        acc[m][j][1] *= alpha[j].y;
-        acc[m][j][2] *= alpha[j].x;
-        acc[m][j][3] *= alpha[j].y;
-      }
-  }
-#pragma unroll
-  for (int m = 0; m < 4; ++m) fence_operands(acc[m]);
-  wgmma_fence();
-#pragma unroll
-  for (int kk = 0; kk < kTileN / 16; ++kk) {
-    const uint8_t* v0 = tile + (kk * 16 + 2 * c) * kSmemRow + warp * 64 + 4 * g;
-#pragma unroll
-    for (int sp = 0; sp < 2; ++sp) {
-      const uint32_t x0 = lds32(v0 + sp * 32);
-      const uint32_t x1 = lds32(v0 + kSmemRow + sp * 32);
-      const uint32_t x2 = lds32(v0 + 8 * kSmemRow + sp * 32);
-      const uint32_t x3 = lds32(v0 + 9 * kSmemRow + sp * 32);
-      const F16x4 l01 = e4m3x4_to_f16x4(prmt(x0, x1, 0x5140)), h01 = e4m3x4_to_f16x4(prmt(x0, x1, 0x7362));
-      const F16x4 l23 = e4m3x4_to_f16x4(prmt(x2, x3, 0x5140)), h23 = e4m3x4_to_f16x4(prmt(x2, x3, 0x7362));
-      const uint32_t a_even[4] = {l01.lo, l01.hi, l23.lo, l23.hi};
-      const uint32_t a_odd[4] = {h01.lo, h01.hi, h23.lo, h23.hi};
       WgmmaF16RS<8 * NT>::run(acc[2 * sp], a_even, p_desc + (kk * 256 >> 4));  // tokens 16kk..16kk+15
       WgmmaF16RS<8 * NT>::run(acc[2 * sp + 1], a_odd, p_desc + (kk * 256 >> 4));
     }
@@ -980,13 +895,13 @@ __device__ __forceinline__ void tm_pv_wgmma(float (&acc)[4][NT][4], const uint8_
   for (int m = 0; m < 4; ++m) fence_operands(acc[m]);
 }
 
-template <int NT, int STAGES, bool kWgmma>
+template <int NT, int STAGES>
 __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const SplitKVParams p) {
-  static_assert(NT % 2 == 0 && NT >= 4 && NT <= 8, "8 warps: two halves of NT / 2 n-tiles, 32..64 rows");
+  static_assert(NT % 2 == 0 && NT >= 4 && NT <= 8, "two warpgroups of NT / 2 n-tiles: 32..64 rows");
   using Smem = TokenMajorSmem<NT, STAGES>;
   extern __shared__ __align__(128) uint8_t smem_raw[];
   auto& sm = *reinterpret_cast<Smem*>(smem_raw);
-  constexpr int kRows = Smem::kRows, kHT = NT / 2, kThreads = 32 * kTmWarps, kPt = Smem::kPtStride;
+  constexpr int kRows = Smem::kRows, kHT = NT / 2, kThreads = 32 * kTmWarps;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int tq = warp % 4, half_row0 = (warp / 4) * (kRows / 2);  // token quarter; first row of the half
@@ -1007,8 +922,8 @@ __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const Spli
     if (s < ntiles) loader.load(s, sm.kv[s]);
     cp_async_commit();
   }
-  stage_query_rows<kWgmma>(p, sm.q, sm.row_fac, work.flat0, work.valid_rows, kRows, warp, kTmWarps, lane);
-  if constexpr (kWgmma) fence_proxy_async_smem();
+  stage_query_rows<true>(p, sm.q, sm.row_fac, work.flat0, work.valid_rows, kRows, warp, kTmWarps, lane);
+  fence_proxy_async_smem();
 
   // the thread's S^T rows (CTA-relative): half_row0 + 8j + 2c + h
   int lim[kHT][2];
@@ -1037,24 +952,19 @@ __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const Spli
 #pragma unroll
     for (int h = 0; h < 2; ++h) row_fac[j][h] = sm.row_fac[half_row0 + 8 * j + 2 * c + h];
   const int k_lane = (tq * 16 + (lane & 15)) * kSmemRow + (lane >> 4) * 16;
-  const __half* q_lane = &sm.q[(half_row0 + (lane & 7)) * kQStride + (lane >> 3) * 8];
-  const __half* pt_lane = &sm.pt[((lane & 7) + ((lane >> 3) & 1) * 8) * kPt + (lane >> 4) * 8];
   const uint64_t q_desc = smem_desc(&sm.q[(half_row0 / 8) * kQCoreGroup], 128, kQCoreGroup * 2);
-  const uint64_t p_desc = smem_desc(sm.pt, 128, 1024);
+  const uint64_t p_desc = smem_desc(sm.p, 128, 1024);
 
   for (int t = 0; t < ntiles; ++t) {
     cp_async_wait<STAGES - 2>();
-    __syncthreads();  // tile t landed; every warp is done with tile t - 1 (its stage, P^T, row_scale)
+    __syncthreads();  // tile t landed; every warp is done with tile t - 1 (its stage, P, row_scale)
     if (t + STAGES - 1 < ntiles) loader.load(t + STAGES - 1, sm.kv[(t + STAGES - 1) % STAGES]);
     cp_async_commit();
     const uint8_t* tile = sm.kv[t % STAGES];
     const int tok_base = work.lo + t * kTileN + tq * 16;  // request-relative token of the warp's M row 0
 
     float s[kHT][4];
-    if constexpr (kWgmma)
-      tm_scores_wgmma<kHT>(s, tile + k_lane, q_desc);
-    else
-      tm_scores<kHT>(s, tile + k_lane, q_lane);
+    tm_scores<kHT>(s, tile + k_lane, q_desc);
 #pragma unroll
     for (int j = 0; j < kHT; ++j)
 #pragma unroll
@@ -1073,7 +983,7 @@ __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const Spli
       }
     __syncthreads();  // every token warp's row maxima
 #pragma unroll
-    for (int j = 0; j < kHT; ++j) {
+    for (int j = 0; j < kHT; ++j)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int r = half_row0 + 8 * j + 2 * c + h;
@@ -1088,21 +998,10 @@ __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const Spli
         l_run[j][h] = l_run[j][h] * alpha + (s[j][h] + s[j][h + 2]);
         if (tq == 0 && g == 0) sm.row_scale[r] = alpha;
       }
-      if constexpr (!kWgmma) {
-        __half* pt_row = &sm.pt[(tq * 16 + g) * kPt + half_row0 + 8 * j + 2 * c];
-        *reinterpret_cast<uint32_t*>(pt_row) = pack_half2(s[j][0], s[j][1]);
-        *reinterpret_cast<uint32_t*>(pt_row + 8 * kPt) = pack_half2(s[j][2], s[j][3]);
-      }
-    }
-    if constexpr (kWgmma) {
-      tm_store_p<kHT>(sm.pt, s, half_row0, tq * 16, g, c);
-      fence_proxy_async_smem();
-    }
-    __syncthreads();  // P^T and row_scale
-    if constexpr (kWgmma)
-      tm_pv_wgmma<NT>(acc, tile, p_desc, sm.row_scale, warp, g, c);
-    else
-      tm_pv<NT>(acc, tile, pt_lane, sm.row_scale, warp, g, c);
+    tm_store_p<kHT>(sm.p, s, half_row0, tq * 16, g, c);
+    fence_proxy_async_smem();
+    __syncthreads();  // P and row_scale
+    tm_pv<NT>(acc, tile, p_desc, sm.row_scale, warp, g, c);
   }
   cp_async_wait<0>();
 
@@ -1282,15 +1181,14 @@ void launch_kernel(Kernel* kernel, int threads, const SplitKVParams& params, dim
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <int MT, int STAGES>
+template <int STAGES>
 void launch_splitkv(const SplitKVParams& params, dim3 grid, cudaStream_t stream) {
-  launch_kernel<SplitKVSmem<MT, STAGES>>(splitkv_kernel<MT, STAGES>, 128 * MT, params, grid, stream);
+  launch_kernel<SplitKVSmem<STAGES>>(splitkv_kernel<STAGES>, 32 * kWarpsPerM, params, grid, stream);
 }
 
-template <int NT, int STAGES, bool kWgmma = true>
+template <int NT, int STAGES>
 void launch_splitkv_tm(const SplitKVParams& params, dim3 grid, cudaStream_t stream) {
-  launch_kernel<TokenMajorSmem<NT, STAGES>>(splitkv_tm_kernel<NT, STAGES, kWgmma>, 32 * kTmWarps, params, grid,
-                                            stream);
+  launch_kernel<TokenMajorSmem<NT, STAGES>>(splitkv_tm_kernel<NT, STAGES>, 32 * kTmWarps, params, grid, stream);
 }
 
 // Work items of the work-list grid for R requests of at most num_splits splits: the used splits
@@ -1343,30 +1241,13 @@ SplitKVParams splitkv_params(const at::Tensor& q, const at::Tensor& kv, const at
   return params;
 }
 
-// 16 rows: splitkv_kernel; 32, 48, 64: splitkv_tm_kernel (KIMI_OPS_SM90_ROW_GROUPS=1, an A/B
-// switch: splitkv_kernel's 2 or 4 row groups for 32 or 64).
+// 16 rows: splitkv_kernel; 32, 48 or 64: splitkv_tm_kernel.
 void launch_splitkv(const SplitKVParams& params, int64_t rows_per_cta, int64_t stages, dim3 grid) {
   auto stream = c10::cuda::getCurrentCUDAStream();
-  const char* groups_env = std::getenv("KIMI_OPS_SM90_ROW_GROUPS");
-  const char* wgmma_env = std::getenv("KIMI_OPS_SM90_TM_WGMMA");
-  if (rows_per_cta != 16 && ((groups_env != nullptr && groups_env[0] == '1') ||
-                             (wgmma_env != nullptr && wgmma_env[0] == '0'))) {
-    TORCH_CHECK(stages == 3, "kimi_ops._C: the A/B switches take the default 3 stages");
-    const bool groups = groups_env != nullptr && groups_env[0] == '1';
-    TORCH_CHECK(!groups || rows_per_cta != 48, "kimi_ops._C: KIMI_OPS_SM90_ROW_GROUPS=1 takes 16, 32 or 64 rows");
-    switch (rows_per_cta + (groups ? 1000 : 0)) {
-      case 1032: launch_splitkv<2, 3>(params, grid, stream); break;
-      case 1064: launch_splitkv<4, 3>(params, grid, stream); break;
-      case 32: launch_splitkv_tm<4, 3, false>(params, grid, stream); break;
-      case 48: launch_splitkv_tm<6, 3, false>(params, grid, stream); break;
-      default: launch_splitkv_tm<8, 3, false>(params, grid, stream); break;
-    }
-    return;
-  }
   switch (rows_per_cta * 10 + stages) {
-    case 162: launch_splitkv<1, 2>(params, grid, stream); break;
-    case 163: launch_splitkv<1, 3>(params, grid, stream); break;
-    case 164: launch_splitkv<1, 4>(params, grid, stream); break;
+    case 162: launch_splitkv<2>(params, grid, stream); break;
+    case 163: launch_splitkv<3>(params, grid, stream); break;
+    case 164: launch_splitkv<4>(params, grid, stream); break;
     case 322: launch_splitkv_tm<4, 2>(params, grid, stream); break;
     case 323: launch_splitkv_tm<4, 3>(params, grid, stream); break;
     case 482: launch_splitkv_tm<6, 2>(params, grid, stream); break;

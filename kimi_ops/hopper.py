@@ -7,9 +7,9 @@ The ``cuda`` backend of :mod:`kimi_ops.dispatch`: ``mla_decode_splitkv`` (M1c) a
 call these functions after their own host checks.
 
 Numerics: the fp8 cache bytes become f16 exactly in registers; the bf16 query is scaled per
-row by 2^k into [2^14, 2^15) and held as f16 (exact); S and O accumulate in f32 on
-``mma.sync`` f16 tensor-core MMAs; P is rounded to f16. See the .cu file's header for the
-tiling and the byte layouts.
+row by 2^k into [2^14, 2^15) and held as f16 (exact); S and O accumulate in f32 on f16
+tensor-core MMAs (``mma.sync`` for 16-row CTAs, token-major ``wgmma`` for 32-64 rows); P is
+rounded to f16. See the .cu file's header for the tiling and the byte layouts.
 
 An ``e4m3fnuz`` cache (gfx942's format) has no kernel here: it runs the Triton kernel.
 """
@@ -23,7 +23,6 @@ STAGES_ENV = "KIMI_OPS_SM90_STAGES"  # K-ring depth override (2..4; 32-row CTAs:
 ROWS_ENV = "KIMI_OPS_SM90_ROWS"  # CTA rows override (16, 32, 64), for tuning
 BALANCE_WAVES_ENV = "KIMI_OPS_SM90_BALANCE_WAVES"  # waves of CTAs the balanced chunk length aims at (1..8)
 WORK_LIST_ENV = "KIMI_OPS_SM90_WORK_LIST"  # "0": mla_decode on the (split, request) grid instead
-ROW_GROUPS_ENV = "KIMI_OPS_SM90_ROW_GROUPS"  # "1": 32 / 64 rows as splitkv_kernel's 16-row groups (A/B)
 MAX_GRID_Y = 65535
 
 
@@ -48,8 +47,7 @@ def rows_per_cta(rows_per_request: int) -> int:
     def cost(rows):
         ctas = -(-rows_per_request // rows)
         return ctas * rows + 8 * ctas
-    choices = (64, 32, 16) if os.environ.get(ROW_GROUPS_ENV) == "1" else (64, 48, 32, 16)
-    return min(choices, key=cost)
+    return min((64, 48, 32, 16), key=cost)
 
 
 DEFAULT_STAGES = {16: 2, 32: 3, 48: 3, 64: 3}

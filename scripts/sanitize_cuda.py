@@ -4,7 +4,7 @@
     compute-sanitizer --tool memcheck python3 scripts/sanitize_cuda.py
     compute-sanitizer --tool racecheck python3 scripts/sanitize_cuda.py
 
-Every CTA shape (16, 32, 64 rows), empty splits, out-of-range indices, requests shorter than
+Every CTA shape (16, 32, 48, 64 rows), empty splits, out-of-range indices, requests shorter than
 qlen, a causal tail inside the last tile, the balanced split sizing, DCP bounds, empty splits that
 leave o unwritten (zero_empty=False), mla_decode's work-list grid and both merges.
 Prints the worst error against the float64 oracle (the sanitizer's report is the point).
