@@ -50,7 +50,7 @@ def rows_per_cta(rows_per_request: int) -> int:
     return min((64, 48, 32, 16), key=cost)
 
 
-DEFAULT_STAGES = {16: 2, 32: 3, 48: 3, 64: 3}
+DEFAULT_STAGES = {16: 2, 32: 2, 48: 2, 64: 2}
 MAX_STAGES = {16: 4, 32: 3, 48: 3, 64: 3}
 CTAS_PER_SM = {(16, 2): 2}  # by shared memory (97 KB); every other (rows, stages) takes 118-199 KB: 1
 
