@@ -409,6 +409,11 @@ struct CtaWork {
   __device__ __forceinline__ float* lse_out(const SplitKVParams& p) const {
     return (direct ? p.lse_final : p.lse_part) + out0;
   }
+  // the tokens request-relative query row r sees in this split (0 for a row past the request's)
+  __device__ __forceinline__ int row_limit(const SplitKVParams& p, int r) const {
+    const int rows_per_req = p.qlen * p.heads;
+    return r < rows_per_req ? min(visible_tokens(n, n_global, p.qlen, r / p.heads, p.dcp_rank, p.dcp_world), hi) : 0;
+  }
 };
 
 // Every thread of the CTA calls this (find_work_item is warp-wide).
@@ -505,13 +510,9 @@ __device__ __forceinline__ void stage_query_rows(const SplitKVParams& p, __half*
 // tokens it sees, capped at the split's end), the online-softmax state, and O = 0.
 __device__ __forceinline__ void init_row_state(const SplitKVParams& p, const CtaWork& w, int r0, int (&lim)[2],
                                                float (&m_run)[2], float (&l_run)[2], float (&acc)[16][4]) {
-  const int rows_per_req = p.qlen * p.heads;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const int r = r0 + 8 * h;
-    lim[h] = r < rows_per_req
-                 ? min(visible_tokens(w.n, w.n_global, p.qlen, r / p.heads, p.dcp_rank, p.dcp_world), w.hi)
-                 : 0;
+    lim[h] = w.row_limit(p, r0 + 8 * h);
     m_run[h] = -INFINITY;
     l_run[h] = 0.f;
   }
@@ -606,9 +607,25 @@ __device__ __forceinline__ void tile_softmax(float (&s)[2][4], float (&m_run)[2]
           pack_half2(s[nt][2 * h], s[nt][2 * h + 1]);
 }
 
+// V^T fragments of four latents from the K tile's bytes: v + off is token 2c's byte of latent 4g
+// (token rows kSmemRow apart); four 32-bit loads of tokens 2c, 2c+1, 2c+8, 2c+9 are byte-permuted
+// (prmt) into (token, token+1) pairs and converted: t01[j] = f16x2 of latent 4g+j at tokens
+// (2c, 2c+1), t89[j] the same at (2c+8, 2c+9). No second pass over the tile, no transpose in memory.
+__device__ __forceinline__ void v_token_pairs(const uint8_t* v, int off, uint32_t (&t01)[4], uint32_t (&t89)[4]) {
+  const uint32_t x0 = lds32(v + off);                 // token 2c
+  const uint32_t x1 = lds32(v + kSmemRow + off);      // token 2c+1
+  const uint32_t x2 = lds32(v + 8 * kSmemRow + off);  // token 2c+8
+  const uint32_t x3 = lds32(v + 9 * kSmemRow + off);  // token 2c+9
+  const uint32_t lo01 = prmt(x0, x1, 0x5140), hi01 = prmt(x0, x1, 0x7362);
+  const uint32_t lo23 = prmt(x2, x3, 0x5140), hi23 = prmt(x2, x3, 0x7362);
+  const F16x4 l01 = e4m3x4_to_f16x4(lo01), h01 = e4m3x4_to_f16x4(hi01);
+  const F16x4 l23 = e4m3x4_to_f16x4(lo23), h23 = e4m3x4_to_f16x4(hi23);
+  t01[0] = l01.lo, t01[1] = l01.hi, t01[2] = h01.lo, t01[3] = h01.hi;
+  t89[0] = l23.lo, t89[1] = l23.hi, t89[2] = h23.lo, t89[3] = h23.hi;
+}
+
 // O = alpha O + P V over the tile's 64 tokens and the warp's 128 columns. acc[4*grp + j] column n
-// (0..7) is latent wq*128 + grp*32 + 4n + j. V^T's fragments come from the K tile's bytes: four
-// 32-bit loads of two token rows each, byte-permuted into (token, token+1) pairs.
+// (0..7) is latent wq*128 + grp*32 + 4n + j. V^T's fragments come from the K tile (v_token_pairs).
 __device__ __forceinline__ void tile_pv(float (&acc)[16][4], const float (&alpha)[2], const uint8_t* tile,
                                         const __half* p_lane, int wq, int g, int c) {
   if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {  // most tiles keep every row max
@@ -627,18 +644,10 @@ __device__ __forceinline__ void tile_pv(float (&acc)[16][4], const float (&alpha
     const uint8_t* v0 = tile + (kk * 16 + 2 * c) * kSmemRow + wq * 128 + 4 * g;
 #pragma unroll
     for (int grp = 0; grp < 4; ++grp) {
-      const uint32_t x0 = lds32(v0 + grp * 32);                 // token 2c,   latents 4g..4g+3
-      const uint32_t x1 = lds32(v0 + kSmemRow + grp * 32);      // token 2c+1
-      const uint32_t x2 = lds32(v0 + 8 * kSmemRow + grp * 32);  // token 2c+8
-      const uint32_t x3 = lds32(v0 + 9 * kSmemRow + grp * 32);  // token 2c+9
-      const uint32_t lo01 = prmt(x0, x1, 0x5140), hi01 = prmt(x0, x1, 0x7362);
-      const uint32_t lo23 = prmt(x2, x3, 0x5140), hi23 = prmt(x2, x3, 0x7362);
-      const F16x4 l01 = e4m3x4_to_f16x4(lo01), h01 = e4m3x4_to_f16x4(hi01);
-      const F16x4 l23 = e4m3x4_to_f16x4(lo23), h23 = e4m3x4_to_f16x4(hi23);
-      const uint32_t b01[4] = {l01.lo, l01.hi, h01.lo, h01.hi};
-      const uint32_t b23[4] = {l23.lo, l23.hi, h23.lo, h23.hi};
+      uint32_t b01[4], b89[4];  // latents 4g+j at tokens (2c, 2c+1) and (2c+8, 2c+9)
+      v_token_pairs(v0, grp * 32, b01, b89);
 #pragma unroll
-      for (int j = 0; j < 4; ++j) mma_f16(acc[grp * 4 + j], pa, b01[j], b23[j]);
+      for (int j = 0; j < 4; ++j) mma_f16(acc[grp * 4 + j], pa, b01[j], b89[j]);
     }
   }
 }
@@ -811,9 +820,8 @@ __global__ void __launch_bounds__(32 * kWarpsPerM, 1) splitkv_kernel(const Split
 //                   36 wgmma m64 n(N/2) k16
 //   softmax         each row's max over the tile through smem (4 token warps), P (f16) to smem
 //                   as P [row][token] (tm_store_p), each row's O rescale (alpha) to smem
-//   O^T += V^T P^T  warp w owns latents [64w, 64w+64) of all N rows: A = V^T (four 32-bit loads
-//                   of two token rows, prmt into (token, token+1) pairs, as in tile_pv), B = P,
-//                   16 wgmma m64 nN k16 a warpgroup
+//   O^T += V^T P^T  warp w owns latents [64w, 64w+64) of all N rows: A = V^T (v_token_pairs, as
+//                   in tile_pv), B = P, 16 wgmma m64 nN k16 a warpgroup
 // O^T's M row g (g + 8) of warp w's m-tile 2s + f is latent 64w + 32s + 4g + 2f (+ 1).
 
 template <int NT, int STAGES>
@@ -900,14 +908,10 @@ __device__ __forceinline__ void tm_pv(float (&acc)[4][NT][4], const uint8_t* til
     const uint8_t* v0 = tile + (kk * 16 + 2 * c) * kSmemRow + warp * 64 + 4 * g;
 #pragma unroll
     for (int sp = 0; sp < 2; ++sp) {
-      const uint32_t x0 = lds32(v0 + sp * 32);                 // token 2c,   latents 4g..4g+3
-      const uint32_t x1 = lds32(v0 + kSmemRow + sp * 32);      // token 2c+1
-      const uint32_t x2 = lds32(v0 + 8 * kSmemRow + sp * 32);  // token 2c+8
-      const uint32_t x3 = lds32(v0 + 9 * kSmemRow + sp * 32);  // token 2c+9
-      const F16x4 l01 = e4m3x4_to_f16x4(prmt(x0, x1, 0x5140)), h01 = e4m3x4_to_f16x4(prmt(x0, x1, 0x7362));
-      const F16x4 l23 = e4m3x4_to_f16x4(prmt(x2, x3, 0x5140)), h23 = e4m3x4_to_f16x4(prmt(x2, x3, 0x7362));
-      const uint32_t a_even[4] = {l01.lo, l01.hi, l23.lo, l23.hi};  // latents 4g, 4g+1 (rows g, g+8)
-      const uint32_t a_odd[4] = {h01.lo, h01.hi, h23.lo, h23.hi};   // latents 4g+2, 4g+3
+      uint32_t t01[4], t89[4];
+      v_token_pairs(v0, sp * 32, t01, t89);
+      const uint32_t a_even[4] = {t01[0], t01[1], t89[0], t89[1]};  // latents 4g, 4g+1 (rows g, g+8)
+      const uint32_t a_odd[4] = {t01[2], t01[3], t89[2], t89[3]};   // latents 4g+2, 4g+3
       WgmmaF16RS<8 * NT>::run(acc[2 * sp], a_even, p_desc + (kk * 256 >> 4));  // tokens 16kk..16kk+15
       WgmmaF16RS<8 * NT>::run(acc[2 * sp + 1], a_odd, p_desc + (kk * 256 >> 4));
     }
@@ -956,10 +960,7 @@ __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const Spli
   for (int j = 0; j < kHT; ++j)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int r = row0 + half_row0 + 8 * j + 2 * c + h;
-      lim[j][h] = r < rows_per_req ? min(visible_tokens(work.n, work.n_global, p.qlen, r / p.heads, p.dcp_rank,
-                                                        p.dcp_world), work.hi)
-                                   : 0;
+      lim[j][h] = work.row_limit(p, row0 + half_row0 + 8 * j + 2 * c + h);
       m_run[j][h] = -INFINITY;
       l_run[j][h] = 0.f;
     }
