@@ -12,6 +12,7 @@ skips the extension.
 
 import glob
 import os
+import shlex
 import shutil
 
 from setuptools import setup
@@ -43,6 +44,7 @@ def extension_modules():
     cxx = ["-O3"]
     if torch.version.cuda and CUDA_HOME:
         nvcc = ["-O3", "-gencode=arch=compute_90a,code=sm_90a", "--expt-relaxed-constexpr"]
+        nvcc += shlex.split(os.environ.get("KIMI_OPS_NVCC_FLAGS", ""))  # extra flags for A/B builds
         ext = CUDAExtension("kimi_ops._C", cpp + sorted(glob.glob("csrc/*.cu")),
                             extra_compile_args={"cxx": cxx, "nvcc": nvcc})
     elif torch.version.hip and ROCM_HOME:

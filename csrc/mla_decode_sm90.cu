@@ -607,17 +607,20 @@ __device__ __forceinline__ void tile_softmax(float (&s)[2][4], float (&m_run)[2]
           pack_half2(s[nt][2 * h], s[nt][2 * h + 1]);
 }
 
-// V^T fragments of four latents from the K tile's bytes: v + off is token 2c's byte of latent 4g
-// (token rows kSmemRow apart); four 32-bit loads of tokens 2c, 2c+1, 2c+8, 2c+9 are byte-permuted
-// (prmt) into (token, token+1) pairs and converted: t01[j] = f16x2 of latent 4g+j at tokens
-// (2c, 2c+1), t89[j] the same at (2c+8, 2c+9). No second pass over the tile, no transpose in memory.
-__device__ __forceinline__ void v_token_pairs(const uint8_t* v, int off, uint32_t (&t01)[4], uint32_t (&t89)[4]) {
-  const uint32_t x0 = lds32(v + off);                 // token 2c
-  const uint32_t x1 = lds32(v + kSmemRow + off);      // token 2c+1
-  const uint32_t x2 = lds32(v + 8 * kSmemRow + off);  // token 2c+8
-  const uint32_t x3 = lds32(v + 9 * kSmemRow + off);  // token 2c+9
-  const uint32_t lo01 = prmt(x0, x1, 0x5140), hi01 = prmt(x0, x1, 0x7362);
-  const uint32_t lo23 = prmt(x2, x3, 0x5140), hi23 = prmt(x2, x3, 0x7362);
+// V^T fragments of four latents from the K tile's bytes, in two steps so the loads can go out a
+// step ahead: v_token_words loads, from v + off = token 2c's byte of latent 4g (token rows kSmemRow
+// apart), the 32-bit words of tokens 2c, 2c+1, 2c+8, 2c+9; v_token_pairs byte-permutes them (prmt)
+// into (token, token+1) pairs and converts: t01[j] = f16x2 of latent 4g+j at tokens (2c, 2c+1),
+// t89[j] the same at (2c+8, 2c+9). No second pass over the tile, no transpose in memory.
+__device__ __forceinline__ void v_token_words(const uint8_t* v, int off, uint32_t (&x)[4]) {
+  x[0] = lds32(v + off);                 // token 2c
+  x[1] = lds32(v + kSmemRow + off);      // token 2c+1
+  x[2] = lds32(v + 8 * kSmemRow + off);  // token 2c+8
+  x[3] = lds32(v + 9 * kSmemRow + off);  // token 2c+9
+}
+__device__ __forceinline__ void v_token_pairs(const uint32_t (&x)[4], uint32_t (&t01)[4], uint32_t (&t89)[4]) {
+  const uint32_t lo01 = prmt(x[0], x[1], 0x5140), hi01 = prmt(x[0], x[1], 0x7362);
+  const uint32_t lo23 = prmt(x[2], x[3], 0x5140), hi23 = prmt(x[2], x[3], 0x7362);
   const F16x4 l01 = e4m3x4_to_f16x4(lo01), h01 = e4m3x4_to_f16x4(hi01);
   const F16x4 l23 = e4m3x4_to_f16x4(lo23), h23 = e4m3x4_to_f16x4(hi23);
   t01[0] = l01.lo, t01[1] = l01.hi, t01[2] = h01.lo, t01[3] = h01.hi;
@@ -644,8 +647,9 @@ __device__ __forceinline__ void tile_pv(float (&acc)[16][4], const float (&alpha
     const uint8_t* v0 = tile + (kk * 16 + 2 * c) * kSmemRow + wq * 128 + 4 * g;
 #pragma unroll
     for (int grp = 0; grp < 4; ++grp) {
-      uint32_t b01[4], b89[4];  // latents 4g+j at tokens (2c, 2c+1) and (2c+8, 2c+9)
-      v_token_pairs(v0, grp * 32, b01, b89);
+      uint32_t x[4], b01[4], b89[4];  // latents 4g+j at tokens (2c, 2c+1) and (2c+8, 2c+9)
+      v_token_words(v0, grp * 32, x);
+      v_token_pairs(x, b01, b89);
 #pragma unroll
       for (int j = 0; j < 4; ++j) mma_f16(acc[grp * 4 + j], pa, b01[j], b89[j]);
     }
@@ -683,22 +687,22 @@ struct TileLoader {
       next_index[m] = (t < ntiles && j < hi) ? idx_base[j] : -1;
     }
   }
-  // tile t into `stage` (a [kTileN][kSmemRow] byte ring slot); fetches tile t + 1's indices
+  // tile t into `stage` (a [kTileN][kSmemRow] byte ring slot), then tile t + 1's indices. The
+  // index loads go out after the copies have consumed next_index, so they land in its registers
+  // (fetched before the copies, ptxas moved each into next_index right away: a wait for the load).
   __device__ __forceinline__ void load(int t, uint8_t* stage) {
-    int idx[kPasses];
-#pragma unroll
-    for (int m = 0; m < kPasses; ++m) idx[m] = next_index[m];
-    fetch_indices(t + 1);
     uint8_t* dst = stage + load_row * kSmemRow + load_chunk * 16;
 #pragma unroll
     for (int m = 0; m < kPasses; ++m) {
-      const bool ok = idx[m] >= 0 && idx[m] < num_kv_rows;
-      const uint8_t* src = kv + (ok ? static_cast<int64_t>(idx[m]) * kRowBytes : 0) + load_chunk * 16;
+      const int idx = next_index[m];
+      const bool ok = idx >= 0 && idx < num_kv_rows;
+      const uint8_t* src = kv + (ok ? static_cast<int64_t>(idx) * kRowBytes : 0) + load_chunk * 16;
 #pragma unroll
       for (int k = 0; k < (kChunks + 7) / 8; ++k)
         if (k < kChunks / 8 || load_chunk < kChunks % 8)
           cp_async_16(dst + 4 * m * kSmemRow + k * 128, src + k * 128, ok ? 16 : 0);
     }
+    fetch_indices(t + 1);
   }
 };
 
@@ -839,26 +843,32 @@ constexpr int kTmWarps = 8;
 constexpr int kOStride = kLatent + 8;  // bf16 per row of the token-major epilogue's O staging
 
 // S^T over the warpgroup's 64 tokens (the warp's 16: k_lane) and HT n-tiles of query rows (q_desc):
-// s[j] holds (token g / g + 8 of the warp, row 8j + 2c + {0, 1}). A k-chunk's two MMAs are a commit
-// group; waiting for all but the newest frees the older groups' A registers.
+// s[j] holds (token g / g + 8 of the warp, row 8j + 2c + {0, 1}). Each k-chunk's fp8 bytes are
+// loaded one chunk ahead (ldmatrix latency off the MMA chain); two chunks' four MMAs are a commit
+// group, and waiting for all but the newest group frees the older groups' A registers.
 template <int HT>
 __device__ __forceinline__ void tm_scores(float (&s)[HT][4], const uint8_t* k_lane, uint64_t q_desc) {
+  constexpr int kChunks = kRowBytes / 32;
 #pragma unroll
   for (int j = 0; j < HT; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
   fence_operands(s);
   wgmma_fence();
+  uint32_t kw[2][4];  // (tokens 0-7, bytes 0-15), (8-15, 0-15), (0-7, 16-31), (8-15, 16-31) of a chunk
+  ldmatrix_x4(kw[0], k_lane);
 #pragma unroll
-  for (int kc = 0; kc < kRowBytes / 32; ++kc) {
-    uint32_t kw[4];  // (tokens 0-7, bytes 0-15), (8-15, 0-15), (0-7, 16-31), (8-15, 16-31) of the chunk
-    ldmatrix_x4(kw, k_lane + kc * 32);
-    const F16x4 k0 = e4m3x4_to_f16x4(kw[0]), k1 = e4m3x4_to_f16x4(kw[1]);
-    const F16x4 k2 = e4m3x4_to_f16x4(kw[2]), k3 = e4m3x4_to_f16x4(kw[3]);
+  for (int kc = 0; kc < kChunks; ++kc) {
+    if (kc + 1 < kChunks) ldmatrix_x4(kw[(kc + 1) % 2], k_lane + (kc + 1) * 32);
+    const uint32_t(&w)[4] = kw[kc % 2];
+    const F16x4 k0 = e4m3x4_to_f16x4(w[0]), k1 = e4m3x4_to_f16x4(w[1]);
+    const F16x4 k2 = e4m3x4_to_f16x4(w[2]), k3 = e4m3x4_to_f16x4(w[3]);
     const uint32_t a0[4] = {k0.lo, k1.lo, k0.hi, k1.hi};  // k-step 2kc: Q columns 32kc..32kc+15
     const uint32_t a1[4] = {k2.lo, k3.lo, k2.hi, k3.hi};  // k-step 2kc + 1
     WgmmaF16RS<8 * HT>::run(s, a0, q_desc + (kc * 512 >> 4));
     WgmmaF16RS<8 * HT>::run(s, a1, q_desc + ((kc * 512 + 256) >> 4));
-    wgmma_commit();
-    wgmma_wait<1>();
+    if (kc % 2 == 1 || kc + 1 == kChunks) {
+      wgmma_commit();
+      wgmma_wait<1>();
+    }
   }
   wgmma_wait<0>();
   fence_operands(s);
@@ -903,13 +913,19 @@ __device__ __forceinline__ void tm_pv(float (&acc)[4][NT][4], const uint8_t* til
 #pragma unroll
   for (int m = 0; m < 4; ++m) fence_operands(acc[m]);
   wgmma_fence();
+  const uint8_t* v0 = tile + 2 * c * kSmemRow + warp * 64 + 4 * g;
+  uint32_t x[2][2][4];  // the words of k-step kk's two latent groups, loaded a k-step ahead
+#pragma unroll
+  for (int sp = 0; sp < 2; ++sp) v_token_words(v0, sp * 32, x[0][sp]);
 #pragma unroll
   for (int kk = 0; kk < kTileN / 16; ++kk) {
-    const uint8_t* v0 = tile + (kk * 16 + 2 * c) * kSmemRow + warp * 64 + 4 * g;
+    if (kk + 1 < kTileN / 16)
+#pragma unroll
+      for (int sp = 0; sp < 2; ++sp) v_token_words(v0 + (kk + 1) * 16 * kSmemRow, sp * 32, x[(kk + 1) % 2][sp]);
 #pragma unroll
     for (int sp = 0; sp < 2; ++sp) {
       uint32_t t01[4], t89[4];
-      v_token_pairs(v0, sp * 32, t01, t89);
+      v_token_pairs(x[kk % 2][sp], t01, t89);
       const uint32_t a_even[4] = {t01[0], t01[1], t89[0], t89[1]};  // latents 4g, 4g+1 (rows g, g+8)
       const uint32_t a_odd[4] = {t01[2], t01[3], t89[2], t89[3]};   // latents 4g+2, 4g+3
       WgmmaF16RS<8 * NT>::run(acc[2 * sp], a_even, p_desc + (kk * 256 >> 4));  // tokens 16kk..16kk+15
@@ -932,7 +948,9 @@ __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const Spli
   constexpr int kRows = Smem::kRows, kHT = NT / 2, kThreads = 32 * kTmWarps;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int tq = warp % 4, half_row0 = (warp / 4) * (kRows / 2);  // token quarter; first row of the half
+  // token quarter; first row of the warpgroup's half (shuffled: the compiler then knows it is
+  // warp-uniform and keeps the wgmma descriptors built from it in uniform registers)
+  const int tq = warp % 4, half_row0 = __shfl_sync(0xffffffffu, warp / 4, 0) * (kRows / 2);
   const int g = lane / 4, c = lane % 4;
   const int rows_per_req = p.qlen * p.heads;
   const int row0 = blockIdx.x * kRows;
