@@ -65,6 +65,11 @@ constexpr int kQStride = 584;       // f16 per smem Q row: 576 + 8 (conflict-fre
 constexpr int kPStride = 72;        // f16 per smem P row: 64 + 8
 constexpr int kQExp = 14;           // query rows scaled so the row max is in [2^14, 2^15)
 constexpr float kLn2 = 0.6931471805599453f;
+// Lazy rescaling: P = 2^(s - m) against the running max m, which moves (the warps' maxima
+// exchanged, O and l rescaled) only when some row's tile max exceeds it by more than kMaxSlack
+// (log2 units), so P <= 2^kMaxSlack in f16. Any m gives the same o and lse; most tiles skip the
+// exchange and its barrier.
+constexpr float kMaxSlack = 8.f;
 
 template <int STAGES>
 struct SplitKVSmem {
@@ -552,10 +557,10 @@ __device__ __forceinline__ void tile_scores(float (&s)[2][4], const uint8_t* til
     for (int i = 0; i < 4; ++i) s[nt][i] = (s4[0][nt][i] + s4[1][nt][i]) + (s4[2][nt][i] + s4[3][nt][i]);
 }
 
-// Scale and mask the warp's scores (token tok_base + nt*8 + 2c + e against each row's limit) and
-// publish its per-row max of the tile: red_rows[g], red_rows[g + 8] (the quad's max).
+// Scale and mask the warp's scores (token tok_base + nt*8 + 2c + e against each row's limit);
+// tile_max[h]: the warp's max of row g + 8h over its 16 tokens (the quad's max).
 __device__ __forceinline__ void tile_mask_and_max(float (&s)[2][4], const float (&row_fac)[2], const int (&lim)[2],
-                                                  int tok_base, int g, int c, float* red_rows) {
+                                                  int tok_base, int c, float (&tile_max)[2]) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float mx = -INFINITY;
@@ -570,24 +575,37 @@ __device__ __forceinline__ void tile_mask_and_max(float (&s)[2][4], const float 
         mx = fmaxf(mx, v);
       }
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    if (c == 0) red_rows[g + 8 * h] = mx;
+    tile_max[h] = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
   }
 }
 
-// Online softmax step once every warp's row max is published (red[w * red_stride + row] for the 4
-// warps of the m-tile): s becomes P = 2^(s - m), alpha the rescale of the running O, and P (f16)
-// goes to p_rows (row, token within the tile).
-__device__ __forceinline__ void tile_softmax(float (&s)[2][4], float (&m_run)[2], float (&l_run)[2], float (&alpha)[2],
-                                             const float* red, int red_stride, __half* p_rows, int wq, int g, int c) {
+// The running max of rows g and g + 8 raised to the tile's (every warp's max published in
+// red[w * red_stride + row] for the 4 warps of the m-tile), l and O rescaled to it.
+__device__ __forceinline__ void raise_running_max(float (&m_run)[2], float (&l_run)[2], float (&acc)[16][4],
+                                                  const float* red, int red_stride, int g) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float mx = m_run[h];
 #pragma unroll
     for (int w = 0; w < kWarpsPerM; ++w) mx = fmaxf(mx, red[w * red_stride + g + 8 * h]);
-    const float m_safe = mx == -INFINITY ? 0.f : mx;
-    alpha[h] = fast_exp2(m_run[h] - m_safe);
+    const float alpha = fast_exp2(m_run[h] - (mx == -INFINITY ? 0.f : mx));
     m_run[h] = mx;
+    l_run[h] *= alpha;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      acc[j][2 * h] *= alpha;
+      acc[j][2 * h + 1] *= alpha;
+    }
+  }
+}
+
+// s becomes P = 2^(s - m_run) (lazy rescaling: kMaxSlack), added to l; P (f16) goes to p_rows
+// (row, token within the tile).
+__device__ __forceinline__ void tile_softmax(float (&s)[2][4], const float (&m_run)[2], float (&l_run)[2],
+                                             __half* p_rows, int wq, int g, int c) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float m_safe = m_run[h] == -INFINITY ? 0.f : m_run[h];
     float sum = 0.f;
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
@@ -597,7 +615,7 @@ __device__ __forceinline__ void tile_softmax(float (&s)[2][4], float (&m_run)[2]
         s[nt][2 * h + e] = pv;
         sum += pv;
       }
-    l_run[h] = l_run[h] * alpha[h] + sum;
+    l_run[h] += sum;
   }
 #pragma unroll
   for (int nt = 0; nt < 2; ++nt)
@@ -627,19 +645,10 @@ __device__ __forceinline__ void v_token_pairs(const uint32_t (&x)[4], uint32_t (
   t89[0] = l23.lo, t89[1] = l23.hi, t89[2] = h23.lo, t89[3] = h23.hi;
 }
 
-// O = alpha O + P V over the tile's 64 tokens and the warp's 128 columns. acc[4*grp + j] column n
-// (0..7) is latent wq*128 + grp*32 + 4n + j. V^T's fragments come from the K tile (v_token_pairs).
-__device__ __forceinline__ void tile_pv(float (&acc)[16][4], const float (&alpha)[2], const uint8_t* tile,
-                                        const __half* p_lane, int wq, int g, int c) {
-  if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {  // most tiles keep every row max
-#pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      acc[j][0] *= alpha[0];
-      acc[j][1] *= alpha[0];
-      acc[j][2] *= alpha[1];
-      acc[j][3] *= alpha[1];
-    }
-  }
+// O += P V over the tile's 64 tokens and the warp's 128 columns. acc[4*grp + j] column n (0..7)
+// is latent wq*128 + grp*32 + 4n + j. V^T's fragments come from the K tile (v_token_pairs).
+__device__ __forceinline__ void tile_pv(float (&acc)[16][4], const uint8_t* tile, const __half* p_lane, int wq, int g,
+                                        int c) {
 #pragma unroll
   for (int kk = 0; kk < kTileN / 16; ++kk) {
     uint32_t pa[4];
@@ -761,14 +770,21 @@ __global__ void __launch_bounds__(32 * kWarpsPerM, 1) splitkv_kernel(const Split
     const uint8_t* tile = sm.kv[t % STAGES];
     const int tok_base = lo + t * kTileN + wq * 16;  // request-relative token of this warp's first row
 
-    float s[2][4];
+    float s[2][4], tile_max[2];
     tile_scores(s, tile, q_lane, wq, lane);
-    tile_mask_and_max(s, row_fac, lim, tok_base, g, c, sm.red[wq]);
-    __syncthreads();
-    float alpha[2];
-    tile_softmax(s, m_run, l_run, alpha, sm.red[0], kRows, sm.p, wq, g, c);
-    __syncthreads();
-    tile_pv(acc, alpha, tile, p_lane, wq, g, c);
+    tile_mask_and_max(s, row_fac, lim, tok_base, c, tile_max);
+    const bool raise = tile_max[0] > m_run[0] + kMaxSlack || tile_max[1] > m_run[1] + kMaxSlack;
+    if (__syncthreads_or(raise)) {  // also: every warp is done with red and P
+      if (c == 0) {
+        sm.red[wq][g] = tile_max[0];
+        sm.red[wq][g + 8] = tile_max[1];
+      }
+      __syncthreads();
+      raise_running_max(m_run, l_run, acc, sm.red[0], kRows, g);
+    }
+    tile_softmax(s, m_run, l_run, sm.p, wq, g, c);
+    __syncthreads();  // P
+    tile_pv(acc, tile, p_lane, wq, g, c);
   }
   cp_async_wait<0>();
 
@@ -888,18 +904,14 @@ __device__ __forceinline__ void tm_store_p(__half* p_smem, const float (&s)[HT][
 }
 
 // O^T = alpha O^T + V^T P^T over the tile's 64 tokens, the warp's 64 latents and all NT n-tiles
-// of rows (alpha: row_scale; P: p_desc).
+// of rows (alpha: row_scale, applied when `rescale`; P: p_desc).
 template <int NT>
 __device__ __forceinline__ void tm_pv(float (&acc)[4][NT][4], const uint8_t* tile, uint64_t p_desc,
-                                      const float* row_scale, int warp, int g, int c) {
-  float2 alpha[NT];
-  bool rescale = false;
+                                      const float* row_scale, bool rescale, int warp, int g, int c) {
+  if (rescale) {  // CTA-uniform: only a tile that raised some row's running max
+    float2 alpha[NT];
 #pragma unroll
-  for (int j = 0; j < NT; ++j) {
-    alpha[j] = *reinterpret_cast<const float2*>(&row_scale[8 * j + 2 * c]);
-    rescale |= alpha[j].x != 1.f || alpha[j].y != 1.f;
-  }
-  if (__any_sync(0xffffffffu, rescale)) {  // most tiles keep every row max
+    for (int j = 0; j < NT; ++j) alpha[j] = *reinterpret_cast<const float2*>(&row_scale[8 * j + 2 * c]);
 #pragma unroll
     for (int m = 0; m < 4; ++m)
 #pragma unroll
@@ -1008,6 +1020,10 @@ __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const Spli
 
     float s[kHT][4];
     tm_scores<kHT>(s, tile + k_lane, q_desc);
+    // mask, scale, the warp's max of each row over its 16 tokens; does it raise the running max
+    // by more than kMaxSlack?
+    float tile_max[kHT][2];
+    bool raise = false;
 #pragma unroll
     for (int j = 0; j < kHT; ++j)
 #pragma unroll
@@ -1022,29 +1038,43 @@ __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const Spli
         }
 #pragma unroll
         for (int o = 4; o < 32; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-        if (g == 0) sm.red[tq][half_row0 + 8 * j + 2 * c + h] = mx;
+        tile_max[j][h] = mx;
+        raise |= mx > m_run[j][h] + kMaxSlack;
       }
-    __syncthreads();  // every token warp's row maxima
+    const bool rescale = __syncthreads_or(raise);  // also: every warp is done with red, row_scale
+    if (rescale) {
+      if (g == 0)
+#pragma unroll
+        for (int j = 0; j < kHT; ++j)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) sm.red[tq][half_row0 + 8 * j + 2 * c + h] = tile_max[j][h];
+      __syncthreads();
+#pragma unroll
+      for (int j = 0; j < kHT; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int r = half_row0 + 8 * j + 2 * c + h;
+          const float mx = fmaxf(fmaxf(m_run[j][h], fmaxf(sm.red[0][r], sm.red[1][r])),
+                                 fmaxf(sm.red[2][r], sm.red[3][r]));
+          const float alpha = fast_exp2(m_run[j][h] - (mx == -INFINITY ? 0.f : mx));
+          m_run[j][h] = mx;
+          l_run[j][h] *= alpha;
+          if (tq == 0 && g == 0) sm.row_scale[r] = alpha;
+        }
+    }
 #pragma unroll
     for (int j = 0; j < kHT; ++j)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int r = half_row0 + 8 * j + 2 * c + h;
-        float mx = m_run[j][h];
-#pragma unroll
-        for (int w = 0; w < 4; ++w) mx = fmaxf(mx, sm.red[w][r]);
-        const float m_safe = mx == -INFINITY ? 0.f : mx;
-        const float alpha = fast_exp2(m_run[j][h] - m_safe);
-        m_run[j][h] = mx;
+        const float m_safe = m_run[j][h] == -INFINITY ? 0.f : m_run[j][h];
         s[j][h] = fast_exp2(s[j][h] - m_safe);
         s[j][h + 2] = fast_exp2(s[j][h + 2] - m_safe);
-        l_run[j][h] = l_run[j][h] * alpha + (s[j][h] + s[j][h + 2]);
-        if (tq == 0 && g == 0) sm.row_scale[r] = alpha;
+        l_run[j][h] += s[j][h] + s[j][h + 2];
       }
     tm_store_p<kHT>(sm.p, s, half_row0, tq * 16, g, c);
     fence_proxy_async_smem();
     __syncthreads();  // P and row_scale
-    tm_pv<NT>(acc, tile, p_desc, sm.row_scale, warp, g, c);
+    tm_pv<NT>(acc, tile, p_desc, sm.row_scale, rescale, warp, g, c);
   }
   cp_async_wait<0>();
 
