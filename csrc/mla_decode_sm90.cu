@@ -879,6 +879,7 @@ __device__ __forceinline__ void tm_scores(float (&s)[HT][4], const uint8_t* k_la
     const F16x4 k2 = e4m3x4_to_f16x4(w[2]), k3 = e4m3x4_to_f16x4(w[3]);
     const uint32_t a0[4] = {k0.lo, k1.lo, k0.hi, k1.hi};  // k-step 2kc: Q columns 32kc..32kc+15
     const uint32_t a1[4] = {k2.lo, k3.lo, k2.hi, k3.hi};  // k-step 2kc + 1
+    wgmma_fence();  // A written: explicit (a fence ptxas inserts itself can serialize the wgmmas)
     WgmmaF16RS<8 * HT>::run(s, a0, q_desc + (kc * 512 >> 4));
     WgmmaF16RS<8 * HT>::run(s, a1, q_desc + ((kc * 512 + 256) >> 4));
     if (kc % 2 == 1 || kc + 1 == kChunks) {
@@ -940,6 +941,7 @@ __device__ __forceinline__ void tm_pv(float (&acc)[4][NT][4], const uint8_t* til
       v_token_pairs(x[kk % 2][sp], t01, t89);
       const uint32_t a_even[4] = {t01[0], t01[1], t89[0], t89[1]};  // latents 4g, 4g+1 (rows g, g+8)
       const uint32_t a_odd[4] = {t01[2], t01[3], t89[2], t89[3]};   // latents 4g+2, 4g+3
+      wgmma_fence();
       WgmmaF16RS<8 * NT>::run(acc[2 * sp], a_even, p_desc + (kk * 256 >> 4));  // tokens 16kk..16kk+15
       WgmmaF16RS<8 * NT>::run(acc[2 * sp + 1], a_odd, p_desc + (kk * 256 >> 4));
     }
