@@ -134,6 +134,36 @@ def test_kv_scale_and_extreme_queries():
         assert err.max().item() <= 4e-3, err.max().item()
 
 
+@sm90
+@pytest.mark.parametrize("rise", [-40.0, 0.5, 4.0, 40.0])
+@pytest.mark.parametrize("H,qlen", [(12, 1), (16, 2), (96, 1)])
+def test_rising_scores(H, qlen, rise):
+    """Scores that climb (or fall) along the tokens, so the running max keeps moving: the lazy
+    rescaling's slow path (a tile's row max above the running one by more than 2^8) taken on every
+    tile (a rise of 40 natural-log units a tile), every other tile (4), every ~11 tiles (0.5: P
+    grows toward 2^8 against a stale max) or only on the first tile (falling scores); 16-, 32-
+    and 48-row CTAs. kv_scale 2 keeps the values (<= 135) inside e4m3's range."""
+    import kimi_ops.hopper as hopper
+    g = torch.Generator().manual_seed(23)
+    lens = [1000, 300]
+    kv_scale = 2.0
+    q, kv, indptr, idx = make_inputs(lens, qlen, H, kv_scale=kv_scale, device="cuda", gen=g)
+    q.zero_()
+    q[..., :16] = 1.0  # every score = SCALE * 16 * (the token's value in columns 0-15)
+    per_unit = SCALE * 16
+    for r, n in enumerate(lens):
+        t = torch.arange(n, device="cuda", dtype=torch.float32)
+        value = (t - n / 2) * (rise / 64) / per_unit  # a tile of 64 tokens moves the score by `rise`
+        rows = idx[int(indptr[r]): int(indptr[r + 1])].long()
+        kv[rows, :16] = (value / kv_scale)[:, None].to(kv.dtype)
+    ro, rl = oracle(q, kv, indptr, idx, qlen, SCALE, kv_scale)
+    for S in (1, 3):
+        o, lse = hopper.mla_merge(*hopper.mla_decode_splitkv(q, kv, indptr, idx, qlen, SCALE, kv_scale, S))
+        assert not torch.isnan(o).any()
+        assert (lse.double() - rl).abs().max().item() <= 1e-3
+        assert ((o.double() - ro).norm() / ro.norm()).item() <= 4e-3
+
+
 def check_work_list_decode(lens, qlen, H, S, gen, oob=0):
     """hopper.mla_decode (work-list grid + its merge) against the oracle, its partials drawn from
     an allocator block poisoned with NaN: a row the kernel or the merge misses shows as NaN."""
