@@ -16,7 +16,9 @@
 //                query rows as M; K's fp8 bytes become f16 with cvt.e4m3x2 (exact), Q is the
 //                bf16 query scaled per row by 2^k into [2^14, 2^15) and stored as f16 (exact
 //                for every element above 2^-24 of the row max)
-//   softmax      online, base 2; the tile's row max is shared across warps through smem
+//   softmax      online, base 2, rescaled lazily (kMaxSlack): P = 2^(s - m) against the running
+//                max m, which moves only when a tile raises some row's max by more than 2^8 (a
+//                __syncthreads_or vote; then the warps' maxima go through smem and O, l rescale)
 //   O += P V     warp w owns output columns [128w, 128w+128); P (f16, in [0, 1]) goes through
 //                smem; V^T's fragments come from the same K tile: four 32-bit loads of two
 //                token rows each are byte-permuted (prmt) into (token, token+1) pairs and
@@ -838,8 +840,9 @@ __global__ void __launch_bounds__(32 * kWarpsPerM, 1) splitkv_kernel(const Split
 //                   [16(w%4), +16) (M): A = K (ldmatrix of the fp8 bytes, cvt to f16, with Q's
 //                   columns permuted as in stage_query_rows), B = Q (stage_query_rows<true>),
 //                   36 wgmma m64 n(N/2) k16
-//   softmax         each row's max over the tile through smem (4 token warps), P (f16) to smem
-//                   as P [row][token] (tm_store_p), each row's O rescale (alpha) to smem
+//   softmax         lazy (kMaxSlack): the tile's row maxima through smem (4 token warps) only
+//                   when the vote says some row's max rose by more than 2^8, each such row's O
+//                   rescale (alpha) to smem; P (f16) to smem as P [row][token] (tm_store_p)
 //   O^T += V^T P^T  warp w owns latents [64w, 64w+64) of all N rows: A = V^T (v_token_pairs, as
 //                   in tile_pv), B = P, 16 wgmma m64 nN k16 a warpgroup
 // O^T's M row g (g + 8) of warp w's m-tile 2s + f is latent 64w + 32s + 4g + 2f (+ 1).

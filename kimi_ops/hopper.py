@@ -9,7 +9,8 @@ call these functions after their own host checks.
 Numerics: the fp8 cache bytes become f16 exactly in registers; the bf16 query is scaled per
 row by 2^k into [2^14, 2^15) and held as f16 (exact); S and O accumulate in f32 on f16
 tensor-core MMAs (``mma.sync`` for 16-row CTAs, token-major ``wgmma`` for 32-64 rows); P is
-rounded to f16. See the .cu file's header for the tiling and the byte layouts.
+rounded to f16, against a running max that moves only when a tile raises it by more than 2^8
+(lazy rescaling: P <= 2^8). See the .cu file's header for the tiling and the byte layouts.
 
 An ``e4m3fnuz`` cache (gfx942's format) has no kernel here: it runs the Triton kernel.
 """
