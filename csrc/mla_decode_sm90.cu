@@ -19,7 +19,7 @@
 //   softmax      online, base 2, rescaled lazily (kMaxSlack): P = 2^(s - m) against the running
 //                max m, which moves only when a tile raises some row's max by more than 2^8 (a
 //                __syncthreads_or vote; then the warps' maxima go through smem and O, l rescale)
-//   O += P V     warp w owns output columns [128w, 128w+128); P (f16, in [0, 1]) goes through
+//   O += P V     warp w owns output columns [128w, 128w+128); P (f16, <= 2^8) goes through
 //                smem; V^T's fragments come from the same K tile: four 32-bit loads of two
 //                token rows each are byte-permuted (prmt) into (token, token+1) pairs and
 //                converted, so no second pass over the tile's bytes and no transpose in memory
