@@ -9,9 +9,9 @@ The main loop is the instructions executed at least half as often as the executi
 accounts for the most executed instructions (a split kernel's tile loop). It is cut into phases at
 its CTA barriers (BAR.SYNC, and B2R.RESULT: the read of a __syncthreads_or), since the split
 kernels' phases end at one, and at the first MMA after the next tile's copies: loader, QK,
-softmax, PV. For each phase: its share of the loop's stall
-samples, its instructions a warp a loop iteration, the instruction kinds it holds most of (to tell
-the phases apart) and its top stall reasons. --top also lists the hottest instructions.
+softmax, PV. For each phase: its share of the loop's stall samples, its instructions a warp a
+loop iteration, the instruction kinds it holds most of (to tell the phases apart) and its top
+stall reasons. --top also lists the hottest instructions.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import collections
 import csv
 import sys
 
+SOURCE, SAMPLES, EXECUTED = "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed"
 BARRIERS = ("BAR.SYNC", "BAR.RED", "B2R.RESULT")
 MMAS = ("HGMMA", "HMMA", "QGMMA")
 COPIES = ("LDGSTS", "UBLKCP")
@@ -30,7 +31,7 @@ def read_table(path):
     the kernel's name, skipped)."""
     with open(path, newline="") as f:
         lines = list(csv.reader(f))
-    start = next(i for i, row in enumerate(lines) if "Source" in row and "Instructions Executed" in row)
+    start = next(i for i, row in enumerate(lines) if SOURCE in row and EXECUTED in row)
     return lines[start], [row for row in lines[start + 1:] if len(row) == len(lines[start])]
 
 
@@ -44,7 +45,7 @@ def opcode(source):
 def loop_body(header, rows):
     """(rows, iterations): the main loop's rows, those executed at least half as often as the
     count that accounts for the most executed instructions (the loop's warp-iterations)."""
-    executed = header.index("Instructions Executed")
+    executed = header.index(EXECUTED)
     counts = collections.Counter(int(r[executed]) for r in rows if int(r[executed]) > 1)
     if not counts:
         return [], 0
@@ -56,7 +57,7 @@ def loop_body(header, rows):
 def phases(header, body):
     """Split the loop body after each CTA barrier instruction, and a part that copies the next
     tile (cp.async / bulk copies) before its first MMA once more at that MMA (loader | QK)."""
-    source = header.index("Source")
+    source = header.index(SOURCE)
     parts, current = [], []
     for row in body:
         current.append(row)
@@ -78,9 +79,7 @@ def phases(header, body):
 
 def summarize(header, body, iterations):
     """One dict per phase: samples, share, instructions an iteration, main kinds, main stalls."""
-    source = header.index("Source")
-    samples = header.index("Warp Stall Sampling (All Samples)")
-    executed = header.index("Instructions Executed")
+    source, samples, executed = header.index(SOURCE), header.index(SAMPLES), header.index(EXECUTED)
     stall_cols = [i for i, h in enumerate(header) if h.startswith("stall_") and "Not Issued" not in h]
     total = sum(int(r[samples]) for r in body) or 1
     result = []
@@ -114,13 +113,16 @@ def main(argv=None):
         stalls = " ".join(f"{name} {100 * f:.0f}%" for name, f in p["stalls"])
         print(f"phase {k}: {100 * p['share']:5.1f}% of samples, {p['instructions']:6.0f} instr a warp | {kinds} | "
               f"{stalls}")
-    if args.top:
-        source = header.index("Source")
-        samples = header.index("Warp Stall Sampling (All Samples)")
-        total = sum(int(r[samples]) for r in body) or 1
-        for r in sorted(body, key=lambda r: -int(r[samples]))[: args.top]:
-            print(f"{100 * int(r[samples]) / total:5.1f}%  {r[source].strip()[:90]}")
+    for share, text in hottest(header, body, args.top):
+        print(f"{100 * share:5.1f}%  {text[:90]}")
     return 0
+
+
+def hottest(header, body, n):
+    """The n loop instructions with the most stall samples: (share of the loop's samples, SASS)."""
+    source, samples = header.index(SOURCE), header.index(SAMPLES)
+    total = sum(int(r[samples]) for r in body) or 1
+    return [(int(r[samples]) / total, r[source].strip()) for r in sorted(body, key=lambda r: -int(r[samples]))[:n]]
 
 
 if __name__ == "__main__":
