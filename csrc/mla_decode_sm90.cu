@@ -65,6 +65,7 @@ constexpr int kTileN = 64;          // tokens per pipeline stage
 constexpr int kWarpsPerM = 4;       // splitkv_kernel's warps, sharing its 16-row m-tile
 constexpr int kQStride = 584;       // f16 per smem Q row: 576 + 8 (conflict-free ldmatrix)
 constexpr int kPStride = 72;        // f16 per smem P row: 64 + 8
+constexpr int kLoadPieces = (kRowBytes / 16 + 7) / 8;  // TileLoader: a lane's copies of one token row
 constexpr int kQExp = 14;           // query rows scaled so the row max is in [2^14, 2^15)
 constexpr float kLn2 = 0.6931471805599453f;
 // Lazy rescaling: P = 2^(s - m) against the running max m, which moves (the warps' maxima
@@ -679,6 +680,7 @@ struct TileLoader {
   static constexpr int kLoadRows = kTileN / kWarps;
   static constexpr int kPasses = kLoadRows / 4;
   static constexpr int kChunks = kRowBytes / 16;
+  static_assert(kLoadPieces == (kChunks + 7) / 8, "a piece: one 16-byte chunk per lane");
   static_assert(kLoadRows % 4 == 0, "a warp loads whole passes of 4 rows");
   const uint8_t* kv;
   const int* idx_base;
@@ -698,22 +700,32 @@ struct TileLoader {
       next_index[m] = (t < ntiles && j < hi) ? idx_base[j] : -1;
     }
   }
-  // tile t into `stage` (a [kTileN][kSmemRow] byte ring slot), then tile t + 1's indices. The
-  // index loads go out after the copies have consumed next_index, so they land in its registers
-  // (fetched before the copies, ptxas moved each into next_index right away: a wait for the load).
+  // Tile t into `stage` (a [kTileN][kSmemRow] byte ring slot), then tile t + 1's indices: at
+  // once (load: row pass by row pass, each pass's copies back to back; chunk by chunk measured
+  // slower for splitkv_kernel, docs/PERF.md session 10) or in kLoadPieces parts spread over the
+  // caller's MMAs
+  // (load_piece: piece k issues copy k of every pass). The index loads go out after the copies
+  // have consumed next_index, so they land in its registers (fetched before the copies, ptxas
+  // moved each into next_index right away: a wait for the load).
   __device__ __forceinline__ void load(int t, uint8_t* stage) {
-    uint8_t* dst = stage + load_row * kSmemRow + load_chunk * 16;
 #pragma unroll
-    for (int m = 0; m < kPasses; ++m) {
-      const int idx = next_index[m];
-      const bool ok = idx >= 0 && idx < num_kv_rows;
-      const uint8_t* src = kv + (ok ? static_cast<int64_t>(idx) * kRowBytes : 0) + load_chunk * 16;
+    for (int m = 0; m < kPasses; ++m)
 #pragma unroll
-      for (int k = 0; k < (kChunks + 7) / 8; ++k)
-        if (k < kChunks / 8 || load_chunk < kChunks % 8)
-          cp_async_16(dst + 4 * m * kSmemRow + k * 128, src + k * 128, ok ? 16 : 0);
-    }
+      for (int k = 0; k < kLoadPieces; ++k) copy(m, k, stage);
     fetch_indices(t + 1);
+  }
+  __device__ __forceinline__ void load_piece(int t, int k, uint8_t* stage) {
+#pragma unroll
+    for (int m = 0; m < kPasses; ++m) copy(m, k, stage);
+    if (k == kLoadPieces - 1) fetch_indices(t + 1);
+  }
+  // pass m's copy k: 16-byte chunk 8k + load_chunk of row load_row + 4m
+  __device__ __forceinline__ void copy(int m, int k, uint8_t* stage) const {
+    const int idx = next_index[m];
+    const bool ok = idx >= 0 && idx < num_kv_rows;
+    const uint8_t* src = kv + (ok ? static_cast<int64_t>(idx) * kRowBytes : 0) + load_chunk * 16;
+    if (k < kChunks / 8 || load_chunk < kChunks % 8)
+      cp_async_16(stage + (load_row + 4 * m) * kSmemRow + load_chunk * 16 + k * 128, src + k * 128, ok ? 16 : 0);
   }
 };
 
@@ -863,21 +875,27 @@ constexpr int kOStride = kLatent + 8;  // bf16 per row of the token-major epilog
 
 // S^T over the warpgroup's 64 tokens (the warp's 16: k_lane) and HT n-tiles of query rows (q_desc):
 // s[j] holds (token g / g + 8 of the warp, row 8j + 2c + {0, 1}). Each k-chunk's fp8 bytes are
-// loaded one chunk ahead (ldmatrix latency off the MMA chain); two chunks' four MMAs are a commit
+// loaded two chunks ahead (ldmatrix latency off the MMA chain); two chunks' four MMAs are a commit
 // group, and waiting for all but the newest group frees the older groups' A registers.
-template <int HT>
-__device__ __forceinline__ void tm_scores(float (&s)[HT][4], const uint8_t* k_lane, uint64_t q_desc) {
+// load_piece(k), k < kLoadPieces, at the start of every other chunk: the next tile's copies
+// (TileLoader::load_piece) spread over the MMAs rather than one burst before them.
+template <int HT, class LoadPiece>
+__device__ __forceinline__ void tm_scores(float (&s)[HT][4], const uint8_t* k_lane, uint64_t q_desc,
+                                          LoadPiece&& load_piece) {
   constexpr int kChunks = kRowBytes / 32;
 #pragma unroll
   for (int j = 0; j < HT; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
   fence_operands(s);
   wgmma_fence();
-  uint32_t kw[2][4];  // (tokens 0-7, bytes 0-15), (8-15, 0-15), (0-7, 16-31), (8-15, 16-31) of a chunk
-  ldmatrix_x4(kw[0], k_lane);
+  constexpr int kDist = 2, kBufs = kDist + 1;
+  uint32_t kw[kBufs][4];  // (tokens 0-7, bytes 0-15), (8-15, 0-15), (0-7, 16-31), (8-15, 16-31) of a chunk
+#pragma unroll
+  for (int i = 0; i < kDist; ++i) ldmatrix_x4(kw[i], k_lane + i * 32);
 #pragma unroll
   for (int kc = 0; kc < kChunks; ++kc) {
-    if (kc + 1 < kChunks) ldmatrix_x4(kw[(kc + 1) % 2], k_lane + (kc + 1) * 32);
-    const uint32_t(&w)[4] = kw[kc % 2];
+    if (kc % 2 == 0 && kc / 2 < kLoadPieces) load_piece(kc / 2);
+    if (kc + kDist < kChunks) ldmatrix_x4(kw[(kc + kDist) % kBufs], k_lane + (kc + kDist) * 32);
+    const uint32_t(&w)[4] = kw[kc % kBufs];
     const F16x4 k0 = e4m3x4_to_f16x4(w[0]), k1 = e4m3x4_to_f16x4(w[1]);
     const F16x4 k2 = e4m3x4_to_f16x4(w[2]), k3 = e4m3x4_to_f16x4(w[3]);
     const uint32_t a0[4] = {k0.lo, k1.lo, k0.hi, k1.hi};  // k-step 2kc: Q columns 32kc..32kc+15
@@ -904,6 +922,75 @@ __device__ __forceinline__ void tm_store_p(__half* p_smem, const float (&s)[HT][
     for (int e = 0; e < 4; ++e) {
       const int r = row0 + 8 * j + 2 * c + (e & 1), tok = tok0 + g + 8 * (e >> 1);
       p_smem[(r / 8) * 512 + (tok / 8) * 64 + (r % 8) * 8 + tok % 8] = __float2half_rn(s[j][e]);
+    }
+}
+
+// Scale and mask the thread's S^T elements (token tok_base + g + 8 (e / 2) against each row's
+// limit); tile_max: the warp's max of each row over its 16 tokens. True when one of them exceeds
+// the row's running max by more than kMaxSlack.
+template <int HT>
+__device__ __forceinline__ bool tm_mask_and_max(float (&s)[HT][4], float (&tile_max)[HT][2], const float (&row_fac)[HT][2],
+                                                const int (&lim)[HT][2], const float (&m_run)[HT][2], int tok_base,
+                                                int g) {
+  bool raise = false;
+#pragma unroll
+  for (int j = 0; j < HT; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int e = h; e < 4; e += 2) {
+        const int tok = tok_base + g + 8 * (e >> 1);
+        const float v = tok < lim[j][h] ? s[j][e] * row_fac[j][h] : -INFINITY;
+        s[j][e] = v;
+        mx = fmaxf(mx, v);
+      }
+#pragma unroll
+      for (int o = 4; o < 32; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+      tile_max[j][h] = mx;
+      raise |= mx > m_run[j][h] + kMaxSlack;
+    }
+  return raise;
+}
+
+// The slow path of lazy rescaling (every thread of the CTA): the 4 token warps' row maxima through
+// red[tq * red_stride + row] (rows row0 + 8j + 2c + h), the running max raised to them, l
+// rescaled, and each row's O rescale factor to row_scale[row].
+template <int HT>
+__device__ __forceinline__ void tm_raise_running_max(float (&m_run)[HT][2], float (&l_run)[HT][2],
+                                                     const float (&tile_max)[HT][2], float* red, int red_stride,
+                                                     float* row_scale, int row0, int tq, int g, int c) {
+  if (g == 0)
+#pragma unroll
+    for (int j = 0; j < HT; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) red[tq * red_stride + row0 + 8 * j + 2 * c + h] = tile_max[j][h];
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < HT; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = row0 + 8 * j + 2 * c + h;
+      const float mx = fmaxf(fmaxf(m_run[j][h], fmaxf(red[r], red[red_stride + r])),
+                             fmaxf(red[2 * red_stride + r], red[3 * red_stride + r]));
+      const float alpha = fast_exp2(m_run[j][h] - (mx == -INFINITY ? 0.f : mx));
+      m_run[j][h] = mx;
+      l_run[j][h] *= alpha;
+      if (tq == 0 && g == 0) row_scale[r] = alpha;
+    }
+}
+
+// S^T becomes P = 2^(s - m_run), added to l.
+template <int HT>
+__device__ __forceinline__ void tm_exp(float (&s)[HT][4], const float (&m_run)[HT][2], float (&l_run)[HT][2]) {
+#pragma unroll
+  for (int j = 0; j < HT; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float m_safe = m_run[j][h] == -INFINITY ? 0.f : m_run[j][h];
+      s[j][h] = fast_exp2(s[j][h] - m_safe);
+      s[j][h + 2] = fast_exp2(s[j][h + 2] - m_safe);
+      l_run[j][h] += s[j][h] + s[j][h + 2];
     }
 }
 
@@ -1018,64 +1105,21 @@ __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const Spli
   for (int t = 0; t < ntiles; ++t) {
     cp_async_wait<STAGES - 2>();
     __syncthreads();  // tile t landed; every warp is done with tile t - 1 (its stage, P, row_scale)
-    if (t + STAGES - 1 < ntiles) loader.load(t + STAGES - 1, sm.kv[(t + STAGES - 1) % STAGES]);
-    cp_async_commit();
     const uint8_t* tile = sm.kv[t % STAGES];
     const int tok_base = work.lo + t * kTileN + tq * 16;  // request-relative token of the warp's M row 0
-
     float s[kHT][4];
-    tm_scores<kHT>(s, tile + k_lane, q_desc);
-    // mask, scale, the warp's max of each row over its 16 tokens; does it raise the running max
-    // by more than kMaxSlack?
+    const bool load_next = t + STAGES - 1 < ntiles;
+    uint8_t* next_stage = sm.kv[(t + STAGES - 1) % STAGES];
+    tm_scores<kHT>(s, tile + k_lane, q_desc, [&](int piece) {
+      if (load_next) loader.load_piece(t + STAGES - 1, piece, next_stage);
+    });
+    cp_async_commit();
     float tile_max[kHT][2];
-    bool raise = false;
-#pragma unroll
-    for (int j = 0; j < kHT; ++j)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float mx = -INFINITY;
-#pragma unroll
-        for (int e = h; e < 4; e += 2) {
-          const int tok = tok_base + g + 8 * (e >> 1);
-          const float v = tok < lim[j][h] ? s[j][e] * row_fac[j][h] : -INFINITY;
-          s[j][e] = v;
-          mx = fmaxf(mx, v);
-        }
-#pragma unroll
-        for (int o = 4; o < 32; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-        tile_max[j][h] = mx;
-        raise |= mx > m_run[j][h] + kMaxSlack;
-      }
+    const bool raise = tm_mask_and_max<kHT>(s, tile_max, row_fac, lim, m_run, tok_base, g);
     const bool rescale = __syncthreads_or(raise);  // also: every warp is done with red, row_scale
-    if (rescale) {
-      if (g == 0)
-#pragma unroll
-        for (int j = 0; j < kHT; ++j)
-#pragma unroll
-          for (int h = 0; h < 2; ++h) sm.red[tq][half_row0 + 8 * j + 2 * c + h] = tile_max[j][h];
-      __syncthreads();
-#pragma unroll
-      for (int j = 0; j < kHT; ++j)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int r = half_row0 + 8 * j + 2 * c + h;
-          const float mx = fmaxf(fmaxf(m_run[j][h], fmaxf(sm.red[0][r], sm.red[1][r])),
-                                 fmaxf(sm.red[2][r], sm.red[3][r]));
-          const float alpha = fast_exp2(m_run[j][h] - (mx == -INFINITY ? 0.f : mx));
-          m_run[j][h] = mx;
-          l_run[j][h] *= alpha;
-          if (tq == 0 && g == 0) sm.row_scale[r] = alpha;
-        }
-    }
-#pragma unroll
-    for (int j = 0; j < kHT; ++j)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const float m_safe = m_run[j][h] == -INFINITY ? 0.f : m_run[j][h];
-        s[j][h] = fast_exp2(s[j][h] - m_safe);
-        s[j][h + 2] = fast_exp2(s[j][h + 2] - m_safe);
-        l_run[j][h] += s[j][h] + s[j][h + 2];
-      }
+    if (rescale)
+      tm_raise_running_max<kHT>(m_run, l_run, tile_max, sm.red[0], kRows, sm.row_scale, half_row0, tq, g, c);
+    tm_exp<kHT>(s, m_run, l_run);
     tm_store_p<kHT>(sm.p, s, half_row0, tq * 16, g, c);
     fence_proxy_async_smem();
     __syncthreads();  // P and row_scale
