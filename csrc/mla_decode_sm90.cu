@@ -23,10 +23,10 @@
 //                smem; V^T's fragments come from the same K tile: four 32-bit loads of two
 //                token rows each are byte-permuted (prmt) into (token, token+1) pairs and
 //                converted, so no second pass over the tile's bytes and no transpose in memory
-// splitkv_tm_kernel (32, 48 or 64 rows a CTA, two warpgroups): the same tiles, numerics and
-// fragments, but token-major wgmma products, S^T = K Q^T and O^T = V^T P^T, with the query rows
-// as N, so each fp8 byte is converted once per warpgroup rather than once per 16 rows (its
-// section below).
+// splitkv_tm_kernel (32, 48 or 64 rows a CTA, two warpgroups): the same numerics and fragments,
+// but token-major wgmma products, S^T = K Q^T and O^T = V^T P^T, with the query rows as N, so each
+// fp8 byte is converted once per CTA (32, 48 rows: 128-token tiles) or once per warpgroup (64
+// rows) rather than once per 16 rows (its section below).
 // Accumulation is f32 throughout: within DESIGN.md's accuracy contract with margin (the
 // products are exact; P is rounded to f16, 2^-11 relative).
 // Split lengths are computed here from kv_indptr (cta_work): a long request of a mixed batch
@@ -157,35 +157,9 @@ __device__ __forceinline__ uint64_t smem_desc(const void* p, uint32_t lbo, uint3
 // wgmma (f16 in, f32 accumulate) with A from registers (the m16n8k16 A fragment of each warp's 16
 // of the 64 M rows) and B from shared memory (a descriptor); the accumulators are the m16n8
 // layout per n-tile of 8 columns: d[j] holds (row g, col 8j + 2c), (g, 8j + 2c + 1),
-// (g + 8, 8j + 2c), (g + 8, 8j + 2c + 1). Always accumulates (scale-d true). N = 16..64 query rows.
+// (g + 8, 8j + 2c), (g + 8, 8j + 2c + 1). Always accumulates (scale-d true). N = 32, 48 or 64 query rows.
 template <int N>
 struct WgmmaF16RS;
-template <>
-struct WgmmaF16RS<16> {
-  __device__ __forceinline__ static void run(float (&d)[2][4], const uint32_t (&a)[4], uint64_t b_desc) {
-    asm volatile(
-        "{\n .reg .pred p;\n setp.ne.b32 p, %13, 0;\n"
-        " wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7"
-        "}, {%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),
-          "+f"(d[1][2]), "+f"(d[1][3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(1));
-  }
-};
-template <>
-struct WgmmaF16RS<24> {
-  __device__ __forceinline__ static void run(float (&d)[3][4], const uint32_t (&a)[4], uint64_t b_desc) {
-    asm volatile(
-        "{\n .reg .pred p;\n setp.ne.b32 p, %17, 0;\n"
-        " wgmma.mma_async.sync.aligned.m64n24k16.f32.f16.f16 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11"
-        "}, {%12, %13, %14, %15}, %16, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),
-          "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(1));
-  }
-};
 template <>
 struct WgmmaF16RS<32> {
   __device__ __forceinline__ static void run(float (&d)[4][4], const uint32_t (&a)[4], uint64_t b_desc) {
@@ -675,9 +649,9 @@ __device__ __forceinline__ void tile_pv(float (&acc)[16][4], const uint8_t* tile
 // 4 rows (measured: 2 lanes a row, 32 bytes of each of 16 rows an instruction, ran at 55% of this
 // rate from HBM). Each lane fetches its rows' indices one tile ahead (their latency hides behind a
 // tile of compute) and computes their addresses once a tile.
-template <int kWarps>
+template <int kWarps, int kTile = kTileN>
 struct TileLoader {
-  static constexpr int kLoadRows = kTileN / kWarps;
+  static constexpr int kLoadRows = kTile / kWarps;
   static constexpr int kPasses = kLoadRows / 4;
   static constexpr int kChunks = kRowBytes / 16;
   static_assert(kLoadPieces == (kChunks + 7) / 8, "a piece: one 16-byte chunk per lane");
@@ -685,22 +659,22 @@ struct TileLoader {
   const uint8_t* kv;
   const int* idx_base;
   int64_t num_kv_rows;
-  int lo, hi, ntiles, load_row, load_chunk;
+  int lo, hi, load_row, load_chunk;
   int next_index[kPasses];
 
   __device__ __forceinline__ TileLoader(const SplitKVParams& p, const CtaWork& w, int warp, int lane)
-      : kv(p.kv), idx_base(p.indices + w.start), num_kv_rows(p.num_kv_rows), lo(w.lo), hi(w.hi), ntiles(w.ntiles),
+      : kv(p.kv), idx_base(p.indices + w.start), num_kv_rows(p.num_kv_rows), lo(w.lo), hi(w.hi),
         load_row(warp * kLoadRows + lane / 8), load_chunk(lane % 8) {
     fetch_indices(0);
   }
   __device__ __forceinline__ void fetch_indices(int t) {
 #pragma unroll
     for (int m = 0; m < kPasses; ++m) {
-      const int j = lo + t * kTileN + load_row + 4 * m;
-      next_index[m] = (t < ntiles && j < hi) ? idx_base[j] : -1;
+      const int j = lo + t * kTile + load_row + 4 * m;
+      next_index[m] = j < hi ? idx_base[j] : -1;  // past the split (or its last tile): zero-filled
     }
   }
-  // Tile t into `stage` (a [kTileN][kSmemRow] byte ring slot), then tile t + 1's indices: at
+  // Tile t into `stage` (a [kTile][kSmemRow] byte ring slot), then tile t + 1's indices: at
   // once (load: row pass by row pass, each pass's copies back to back; chunk by chunk measured
   // slower for splitkv_kernel, docs/PERF.md session 10) or in kLoadPieces parts spread over the
   // caller's MMAs
@@ -843,29 +817,32 @@ __global__ void __launch_bounds__(32 * kWarpsPerM, 1) splitkv_kernel(const Split
 // ---- M1c, token-major: 32, 48 or 64 query rows a CTA -------------------------------------------
 //
 // splitkv_tm_kernel: one CTA of two warpgroups (8 warps) per (group of N = 8*NT query rows, split
-// or work item). The MMAs are wgmma with tokens (and latents) as the 64 M rows and the query rows
-// as N, S^T = K Q^T and O^T = V^T P^T, so a tile's fp8 bytes are converted once for all N rows
-// of each warpgroup (splitkv_kernel converts them once per 16 rows). A is always in registers,
-// converted from the tile's fp8 bytes exactly as splitkv_kernel builds its fragments; B is in
-// shared memory in wgmma's no-swizzle K-major layout (core matrices of 8 rows x 16 bytes). Per tile:
-//   S^T = K Q^T     warpgroup h takes the rows [N/2 h, N/2 (h+1)), its warp w % 4 the tokens
-//                   [16(w%4), +16) (M): A = K (ldmatrix of the fp8 bytes, cvt to f16, with Q's
-//                   columns permuted as in stage_query_rows), B = Q (stage_query_rows<true>),
-//                   36 wgmma m64 n(N/2) k16
-//   softmax         lazy (kMaxSlack): the tile's row maxima through smem (4 token warps) only
-//                   when the vote says some row's max rose by more than 2^8, each such row's O
+// or work item), streaming TILE-token tiles (128 for N = 32, 48; 64 for N = 64, whose Q leaves no
+// room for two 128-token stages). The MMAs are wgmma with tokens (and latents) as the 64 M rows and
+// the query rows as N, S^T = K Q^T and O^T = V^T P^T. A is always in registers, converted from the
+// tile's fp8 bytes exactly as splitkv_kernel builds its fragments; B is in shared memory in
+// wgmma's no-swizzle K-major layout (core matrices of 8 rows x 16 bytes). Per tile:
+//   S^T = K Q^T     TILE 128: warpgroup h takes the tokens [64h, 64h+64) of all N rows, its warp w
+//                   the tokens [16w, 16w+16) (M), so each K byte is converted once a CTA;
+//                   TILE 64: warpgroup h takes the rows [N/2 h, N/2 (h+1)) of all 64 tokens, warp
+//                   w the tokens [16(w%4), +16). A = K (ldmatrix of the fp8 bytes, cvt to f16, with
+//                   Q's columns permuted as in stage_query_rows), B = Q (stage_query_rows<true>),
+//                   36 wgmma m64 k16 a warpgroup (n = N, or N/2 at TILE 64); the next tile's copies
+//                   are issued between them (TileLoader::load_piece)
+//   softmax         lazy (kMaxSlack): the tile's row maxima through smem (TILE / 16 token warps)
+//                   only when the vote says some row's max rose by more than 2^8, each such row's O
 //                   rescale (alpha) to smem; P (f16) to smem as P [row][token] (tm_store_p)
 //   O^T += V^T P^T  warp w owns latents [64w, 64w+64) of all N rows: A = V^T (v_token_pairs, as
-//                   in tile_pv), B = P, 16 wgmma m64 nN k16 a warpgroup
+//                   in tile_pv), B = P, TILE / 4 wgmma m64 nN k16 a warpgroup
 // O^T's M row g (g + 8) of warp w's m-tile 2s + f is latent 64w + 32s + 4g + 2f (+ 1).
 
-template <int NT, int STAGES>
+template <int NT, int STAGES, int TILE>
 struct TokenMajorSmem {
   static constexpr int kRows = 8 * NT;
-  uint8_t kv[STAGES][kTileN * kSmemRow];
+  uint8_t kv[STAGES][TILE * kSmemRow];
   __half q[kRows * kRowBytes];  // Q [row][576 permuted columns], core-matrix layout
-  __half p[kRows * kTileN];     // P [row][token], core-matrix layout
-  float red[4][kRows];          // per token warp: the tile's row maxima; at the end the row sums
+  __half p[kRows * TILE];       // P [row][token], core-matrix layout
+  float red[TILE / 16][kRows];  // per token warp: the tile's row maxima; at the end the row sums
   float row_scale[kRows];       // the tile's O rescale per row; at the end kv_scale / l
   float row_fac[kRows];
 };
@@ -913,15 +890,15 @@ __device__ __forceinline__ void tm_scores(float (&s)[HT][4], const uint8_t* k_la
 }
 
 // P (f16) of the thread's S^T elements into P [row][token] (B of O^T += V^T P^T, K = tokens):
-// 8-row groups 1024 bytes apart, 8-token core matrices 128 bytes apart.
-template <int HT>
+// 8-row groups 16 TILE bytes apart, 8-token core matrices 128 bytes apart.
+template <int HT, int TILE>
 __device__ __forceinline__ void tm_store_p(__half* p_smem, const float (&s)[HT][4], int row0, int tok0, int g, int c) {
 #pragma unroll
   for (int j = 0; j < HT; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int r = row0 + 8 * j + 2 * c + (e & 1), tok = tok0 + g + 8 * (e >> 1);
-      p_smem[(r / 8) * 512 + (tok / 8) * 64 + (r % 8) * 8 + tok % 8] = __float2half_rn(s[j][e]);
+      p_smem[(r / 8) * (8 * TILE) + (tok / 8) * 64 + (r % 8) * 8 + tok % 8] = __float2half_rn(s[j][e]);
     }
 }
 
@@ -953,10 +930,10 @@ __device__ __forceinline__ bool tm_mask_and_max(float (&s)[HT][4], float (&tile_
   return raise;
 }
 
-// The slow path of lazy rescaling (every thread of the CTA): the 4 token warps' row maxima through
-// red[tq * red_stride + row] (rows row0 + 8j + 2c + h), the running max raised to them, l
+// The slow path of lazy rescaling (every thread of the CTA): the kTokWarps token warps' row maxima
+// through red[tq * red_stride + row] (rows row0 + 8j + 2c + h), the running max raised to them, l
 // rescaled, and each row's O rescale factor to row_scale[row].
-template <int HT>
+template <int HT, int kTokWarps>
 __device__ __forceinline__ void tm_raise_running_max(float (&m_run)[HT][2], float (&l_run)[HT][2],
                                                      const float (&tile_max)[HT][2], float* red, int red_stride,
                                                      float* row_scale, int row0, int tq, int g, int c) {
@@ -971,8 +948,9 @@ __device__ __forceinline__ void tm_raise_running_max(float (&m_run)[HT][2], floa
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = row0 + 8 * j + 2 * c + h;
-      const float mx = fmaxf(fmaxf(m_run[j][h], fmaxf(red[r], red[red_stride + r])),
-                             fmaxf(red[2 * red_stride + r], red[3 * red_stride + r]));
+      float mx = m_run[j][h];
+#pragma unroll
+      for (int w = 0; w < kTokWarps; ++w) mx = fmaxf(mx, red[w * red_stride + r]);
       const float alpha = fast_exp2(m_run[j][h] - (mx == -INFINITY ? 0.f : mx));
       m_run[j][h] = mx;
       l_run[j][h] *= alpha;
@@ -994,9 +972,9 @@ __device__ __forceinline__ void tm_exp(float (&s)[HT][4], const float (&m_run)[H
     }
 }
 
-// O^T = alpha O^T + V^T P^T over the tile's 64 tokens, the warp's 64 latents and all NT n-tiles
+// O^T = alpha O^T + V^T P^T over the tile's TILE tokens, the warp's 64 latents and all NT n-tiles
 // of rows (alpha: row_scale, applied when `rescale`; P: p_desc).
-template <int NT>
+template <int NT, int TILE>
 __device__ __forceinline__ void tm_pv(float (&acc)[4][NT][4], const uint8_t* tile, uint64_t p_desc,
                                       const float* row_scale, bool rescale, int warp, int g, int c) {
   if (rescale) {  // CTA-uniform: only a tile that raised some row's running max
@@ -1021,8 +999,8 @@ __device__ __forceinline__ void tm_pv(float (&acc)[4][NT][4], const uint8_t* til
 #pragma unroll
   for (int sp = 0; sp < 2; ++sp) v_token_words(v0, sp * 32, x[0][sp]);
 #pragma unroll
-  for (int kk = 0; kk < kTileN / 16; ++kk) {
-    if (kk + 1 < kTileN / 16)
+  for (int kk = 0; kk < TILE / 16; ++kk) {
+    if (kk + 1 < TILE / 16)
 #pragma unroll
       for (int sp = 0; sp < 2; ++sp) v_token_words(v0 + (kk + 1) * 16 * kSmemRow, sp * 32, x[(kk + 1) % 2][sp]);
 #pragma unroll
@@ -1043,18 +1021,23 @@ __device__ __forceinline__ void tm_pv(float (&acc)[4][NT][4], const uint8_t* til
   for (int m = 0; m < 4; ++m) fence_operands(acc[m]);
 }
 
-template <int NT, int STAGES>
+template <int NT, int STAGES, int TILE>
 __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const SplitKVParams p) {
   static_assert(NT % 2 == 0 && NT >= 4 && NT <= 8, "two warpgroups of NT / 2 n-tiles: 32..64 rows");
-  using Smem = TokenMajorSmem<NT, STAGES>;
+  static_assert(TILE == 64 || TILE == 128, "64- or 128-token tiles");
+  using Smem = TokenMajorSmem<NT, STAGES, TILE>;
   extern __shared__ __align__(128) uint8_t smem_raw[];
   auto& sm = *reinterpret_cast<Smem*>(smem_raw);
-  constexpr int kRows = Smem::kRows, kHT = NT / 2, kThreads = 32 * kTmWarps;
+  // kWide (128-token tiles): in S^T = K Q^T warpgroup h takes the tokens [64h, 64h+64) of all rows
+  // (K converted once a CTA); else all 64 tokens of the rows [N/2 h, N/2 (h+1))
+  constexpr bool kWide = TILE == 128;
+  constexpr int kRows = Smem::kRows, kHT = kWide ? NT : NT / 2, kTokWarps = TILE / 16, kThreads = 32 * kTmWarps;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  // token quarter; first row of the warpgroup's half (shuffled: the compiler then knows it is
-  // warp-uniform and keeps the wgmma descriptors built from it in uniform registers)
-  const int tq = warp % 4, half_row0 = __shfl_sync(0xffffffffu, warp / 4, 0) * (kRows / 2);
+  // the warp's 16 tokens of a tile; the first of the thread's S^T rows (shuffled: the compiler then
+  // knows it is warp-uniform and keeps the wgmma descriptors built from it in uniform registers)
+  const int tq = kWide ? warp : warp % 4;
+  const int half_row0 = kWide ? 0 : __shfl_sync(0xffffffffu, warp / 4, 0) * (kRows / 2);
   const int g = lane / 4, c = lane % 4;
   const int rows_per_req = p.qlen * p.heads;
   const int row0 = blockIdx.x * kRows;
@@ -1064,9 +1047,9 @@ __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const Spli
     write_empty_split(p, work, tid, kThreads);
     return;
   }
-  const int ntiles = work.ntiles;
+  const int ntiles = (work.ntiles * kTileN + TILE - 1) / TILE;  // the last may be half empty
 
-  TileLoader<kTmWarps> loader(p, work, warp, lane);
+  TileLoader<kTmWarps, TILE> loader(p, work, warp, lane);
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
     if (s < ntiles) loader.load(s, sm.kv[s]);
@@ -1100,13 +1083,13 @@ __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const Spli
     for (int h = 0; h < 2; ++h) row_fac[j][h] = sm.row_fac[half_row0 + 8 * j + 2 * c + h];
   const int k_lane = (tq * 16 + (lane & 15)) * kSmemRow + (lane >> 4) * 16;
   const uint64_t q_desc = smem_desc(&sm.q[(half_row0 / 8) * kQCoreGroup], 128, kQCoreGroup * 2);
-  const uint64_t p_desc = smem_desc(sm.p, 128, 1024);
+  const uint64_t p_desc = smem_desc(sm.p, 128, 16 * TILE);
 
   for (int t = 0; t < ntiles; ++t) {
     cp_async_wait<STAGES - 2>();
     __syncthreads();  // tile t landed; every warp is done with tile t - 1 (its stage, P, row_scale)
     const uint8_t* tile = sm.kv[t % STAGES];
-    const int tok_base = work.lo + t * kTileN + tq * 16;  // request-relative token of the warp's M row 0
+    const int tok_base = work.lo + t * TILE + tq * 16;  // request-relative token of the warp's M row 0
     float s[kHT][4];
     const bool load_next = t + STAGES - 1 < ntiles;
     uint8_t* next_stage = sm.kv[(t + STAGES - 1) % STAGES];
@@ -1118,12 +1101,13 @@ __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const Spli
     const bool raise = tm_mask_and_max<kHT>(s, tile_max, row_fac, lim, m_run, tok_base, g);
     const bool rescale = __syncthreads_or(raise);  // also: every warp is done with red, row_scale
     if (rescale)
-      tm_raise_running_max<kHT>(m_run, l_run, tile_max, sm.red[0], kRows, sm.row_scale, half_row0, tq, g, c);
+      tm_raise_running_max<kHT, kTokWarps>(m_run, l_run, tile_max, sm.red[0], kRows, sm.row_scale, half_row0, tq, g,
+                                           c);
     tm_exp<kHT>(s, m_run, l_run);
-    tm_store_p<kHT>(sm.p, s, half_row0, tq * 16, g, c);
+    tm_store_p<kHT, TILE>(sm.p, s, half_row0, tq * 16, g, c);
     fence_proxy_async_smem();
     __syncthreads();  // P and row_scale
-    tm_pv<NT>(acc, tile, p_desc, sm.row_scale, rescale, warp, g, c);
+    tm_pv<NT, TILE>(acc, tile, p_desc, sm.row_scale, rescale, warp, g, c);
   }
   cp_async_wait<0>();
 
@@ -1150,14 +1134,16 @@ __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const Spli
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int r = half_row0 + 8 * j + 2 * c + h;
-        const float l = (sm.red[0][r] + sm.red[1][r]) + (sm.red[2][r] + sm.red[3][r]);
+        float l = 0.f;
+#pragma unroll
+        for (int w = 0; w < kTokWarps; ++w) l += sm.red[w][r];
         sm.row_scale[r] = l > 0.f ? p.kv_scale / l : 0.f;
         if (row0 + r < rows_per_req) lse_out[r] = l > 0.f ? (m_run[j][h] + log2f(l)) * kLn2 : -INFINITY;
       }
   }
   __syncthreads();
   __nv_bfloat16* o_stage = reinterpret_cast<__nv_bfloat16*>(sm.kv[0]);
-  static_assert(kRows * kOStride * 2 <= STAGES * kTileN * kSmemRow, "O staging must fit the K ring");
+  static_assert(kRows * kOStride * 2 <= STAGES * TILE * kSmemRow, "O staging must fit the K ring");
 #pragma unroll
   for (int j = 0; j < NT; ++j) {
     const float inv0 = sm.row_scale[8 * j + 2 * c], inv1 = sm.row_scale[8 * j + 2 * c + 1];
@@ -1308,9 +1294,10 @@ void launch_splitkv(const SplitKVParams& params, dim3 grid, cudaStream_t stream)
   launch_kernel<SplitKVSmem<STAGES>>(splitkv_kernel<STAGES>, 32 * kWarpsPerM, params, grid, stream);
 }
 
-template <int NT, int STAGES>
+template <int NT, int STAGES, int TILE = kTileN>
 void launch_splitkv_tm(const SplitKVParams& params, dim3 grid, cudaStream_t stream) {
-  launch_kernel<TokenMajorSmem<NT, STAGES>>(splitkv_tm_kernel<NT, STAGES>, 32 * kTmWarps, params, grid, stream);
+  launch_kernel<TokenMajorSmem<NT, STAGES, TILE>>(splitkv_tm_kernel<NT, STAGES, TILE>, 32 * kTmWarps, params, grid,
+                                                  stream);
 }
 
 // Work items of the work-list grid for R requests of at most num_splits splits: the used splits
@@ -1336,8 +1323,8 @@ SplitKVParams splitkv_params(const at::Tensor& q, const at::Tensor& kv, const at
   TORCH_CHECK(num_splits >= 1 && num_splits <= 65535, "kimi_ops._C: num_splits must be in [1, 65535]");
   TORCH_CHECK(rows_per_cta == 16 || rows_per_cta == 32 || rows_per_cta == 48 || rows_per_cta == 64,
               "kimi_ops._C: rows_per_cta must be 16, 32, 48 or 64");
-  TORCH_CHECK(stages >= 2 && stages <= (rows_per_cta == 16 ? 4 : 3),
-              "kimi_ops._C: stages must be 2..4 (16 rows per CTA) or 2..3 (32, 48 or 64)");
+  TORCH_CHECK(stages >= 2 && stages <= (rows_per_cta == 16 ? 4 : rows_per_cta == 64 ? 3 : 2),
+              "kimi_ops._C: stages must be 2..4 (16 rows per CTA), 2 (32 or 48) or 2..3 (64)");
   const int64_t T = q.size(0), H = q.size(1), R = T / qlen;
   TORCH_CHECK(indptr.numel() == R + 1, "kimi_ops._C: kv_indptr must have T / qlen + 1 entries");
   TORCH_CHECK(R <= 65535, "kimi_ops._C: at most 65535 requests");
@@ -1363,17 +1350,16 @@ SplitKVParams splitkv_params(const at::Tensor& q, const at::Tensor& kv, const at
   return params;
 }
 
-// 16 rows: splitkv_kernel; 32, 48 or 64: splitkv_tm_kernel.
+// 16 rows: splitkv_kernel; 32 or 48: splitkv_tm_kernel on 128-token tiles; 64: on 64-token tiles
+// (two 128-token stages and 64 rows' Q do not fit).
 void launch_splitkv(const SplitKVParams& params, int64_t rows_per_cta, int64_t stages, dim3 grid) {
   auto stream = c10::cuda::getCurrentCUDAStream();
   switch (rows_per_cta * 10 + stages) {
     case 162: launch_splitkv<2>(params, grid, stream); break;
     case 163: launch_splitkv<3>(params, grid, stream); break;
     case 164: launch_splitkv<4>(params, grid, stream); break;
-    case 322: launch_splitkv_tm<4, 2>(params, grid, stream); break;
-    case 323: launch_splitkv_tm<4, 3>(params, grid, stream); break;
-    case 482: launch_splitkv_tm<6, 2>(params, grid, stream); break;
-    case 483: launch_splitkv_tm<6, 3>(params, grid, stream); break;
+    case 322: launch_splitkv_tm<4, 2, 128>(params, grid, stream); break;
+    case 482: launch_splitkv_tm<6, 2, 128>(params, grid, stream); break;
     case 642: launch_splitkv_tm<8, 2>(params, grid, stream); break;
     default: launch_splitkv_tm<8, 3>(params, grid, stream); break;
   }

@@ -20,7 +20,7 @@ import os
 import torch
 
 LOG2E = 1.4426950408889634
-STAGES_ENV = "KIMI_OPS_SM90_STAGES"  # K-ring depth override (2..4; 32-row CTAs: 2..3), for tuning
+STAGES_ENV = "KIMI_OPS_SM90_STAGES"  # K-ring depth override (MAX_STAGES by CTA height), for tuning
 ROWS_ENV = "KIMI_OPS_SM90_ROWS"  # CTA rows override (16, 32, 64), for tuning
 BALANCE_WAVES_ENV = "KIMI_OPS_SM90_BALANCE_WAVES"  # waves of CTAs the balanced chunk length aims at (1..8)
 WORK_LIST_ENV = "KIMI_OPS_SM90_WORK_LIST"  # "0": mla_decode on the (split, request) grid instead
@@ -52,17 +52,18 @@ def rows_per_cta(rows_per_request: int) -> int:
 
 
 DEFAULT_STAGES = {16: 2, 32: 2, 48: 2, 64: 2}
-MAX_STAGES = {16: 4, 32: 3, 48: 3, 64: 3}
-CTAS_PER_SM = {(16, 2): 2}  # by shared memory (97 KB); every other (rows, stages) takes 118-199 KB: 1
+MAX_STAGES = {16: 4, 32: 2, 48: 2, 64: 3}  # 32 / 48 rows: two stages of 128 tokens (74 KB each)
+CTAS_PER_SM = {(16, 2): 2}  # by shared memory (97 KB); every other (rows, stages) takes over 114 KB: 1
 
 
 def ring_stages(rows: int) -> int:
-    """Shared-memory stages of 64 tokens (37 KB each) in the CTA's K ring."""
+    """Shared-memory stages in the CTA's K ring: 64 tokens (37 KB) each, 128 (74 KB) for 32 / 48 rows."""
     env = os.environ.get(STAGES_ENV)
     if env:
         stages = int(env)
         if not 2 <= stages <= MAX_STAGES[rows]:
-            raise ValueError(f"{STAGES_ENV} must be 2..{MAX_STAGES[rows]} for {rows}-row CTAs, got {stages}")
+            allowed = "2" if MAX_STAGES[rows] == 2 else f"2..{MAX_STAGES[rows]}"
+            raise ValueError(f"{STAGES_ENV} must be {allowed} for {rows}-row CTAs, got {stages}")
         return stages
     return DEFAULT_STAGES[rows]
 

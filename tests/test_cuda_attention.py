@@ -67,8 +67,12 @@ def test_cta_shape_and_ring_depth(monkeypatch):
     monkeypatch.delenv("KIMI_OPS_SM90_ROWS")
     monkeypatch.setenv(STAGES_ENV, "4")
     assert ring_stages(16) == 4
-    with pytest.raises(ValueError, match="2..3 for 32-row"):
-        ring_stages(32)
+    with pytest.raises(ValueError, match=r"2\.\.3 for 64-row"):
+        ring_stages(64)
+    monkeypatch.setenv(STAGES_ENV, "3")
+    assert ring_stages(64) == 3
+    with pytest.raises(ValueError, match="must be 2 for 48-row"):  # two 128-token stages
+        ring_stages(48)
 
 
 @sm90
