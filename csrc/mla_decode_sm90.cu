@@ -903,8 +903,9 @@ __device__ __forceinline__ void tm_store_p(__half* p_smem, const float (&s)[HT][
 }
 
 // Scale and mask the thread's S^T elements (token tok_base + g + 8 (e / 2) against each row's
-// limit); tile_max: the warp's max of each row over its 16 tokens. True when one of them exceeds
-// the row's running max by more than kMaxSlack.
+// limit); tile_max: the thread's max of each row over its two tokens (tm_warp_max reduces them
+// over the warp, on the slow path only). True when one of them exceeds the row's running max by
+// more than kMaxSlack: the CTA's vote is the same as over the reduced maxima.
 template <int HT>
 __device__ __forceinline__ bool tm_mask_and_max(float (&s)[HT][4], float (&tile_max)[HT][2], const float (&row_fac)[HT][2],
                                                 const int (&lim)[HT][2], const float (&m_run)[HT][2], int tok_base,
@@ -922,12 +923,22 @@ __device__ __forceinline__ bool tm_mask_and_max(float (&s)[HT][4], float (&tile_
         s[j][e] = v;
         mx = fmaxf(mx, v);
       }
-#pragma unroll
-      for (int o = 4; o < 32; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
       tile_max[j][h] = mx;
       raise |= mx > m_run[j][h] + kMaxSlack;
     }
   return raise;
+}
+
+// The thread's row maxima (tm_mask_and_max) reduced over the warp's lanes of each row: the warp's
+// max of each row over its 16 tokens.
+template <int HT>
+__device__ __forceinline__ void tm_warp_max(float (&tile_max)[HT][2]) {
+#pragma unroll
+  for (int j = 0; j < HT; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int o = 4; o < 32; o <<= 1) tile_max[j][h] = fmaxf(tile_max[j][h], __shfl_xor_sync(0xffffffffu, tile_max[j][h], o));
 }
 
 // The slow path of lazy rescaling (every thread of the CTA): the kTokWarps token warps' row maxima
@@ -1100,9 +1111,11 @@ __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const Spli
     float tile_max[kHT][2];
     const bool raise = tm_mask_and_max<kHT>(s, tile_max, row_fac, lim, m_run, tok_base, g);
     const bool rescale = __syncthreads_or(raise);  // also: every warp is done with red, row_scale
-    if (rescale)
+    if (rescale) {
+      tm_warp_max<kHT>(tile_max);
       tm_raise_running_max<kHT, kTokWarps>(m_run, l_run, tile_max, sm.red[0], kRows, sm.row_scale, half_row0, tq, g,
                                            c);
+    }
     tm_exp<kHT>(s, m_run, l_run);
     tm_store_p<kHT, TILE>(sm.p, s, half_row0, tq * 16, g, c);
     fence_proxy_async_smem();
