@@ -907,9 +907,9 @@ __device__ __forceinline__ void tm_store_p(__half* p_smem, const float (&s)[HT][
 // over the warp, on the slow path only). True when one of them exceeds the row's running max by
 // more than kMaxSlack: the CTA's vote is the same as over the reduced maxima.
 template <int HT>
-__device__ __forceinline__ bool tm_mask_and_max(float (&s)[HT][4], float (&tile_max)[HT][2], const float (&row_fac)[HT][2],
-                                                const int (&lim)[HT][2], const float (&m_run)[HT][2], int tok_base,
-                                                int g) {
+__device__ __forceinline__ bool tm_mask_and_max(float (&s)[HT][4], float (&tile_max)[HT][2],
+                                                const float (&row_fac)[HT][2], const int (&lim)[HT][2],
+                                                const float (&m_run)[HT][2], int tok_base, int g) {
   bool raise = false;
 #pragma unroll
   for (int j = 0; j < HT; ++j)
@@ -938,7 +938,8 @@ __device__ __forceinline__ void tm_warp_max(float (&tile_max)[HT][2]) {
 #pragma unroll
     for (int h = 0; h < 2; ++h)
 #pragma unroll
-      for (int o = 4; o < 32; o <<= 1) tile_max[j][h] = fmaxf(tile_max[j][h], __shfl_xor_sync(0xffffffffu, tile_max[j][h], o));
+      for (int o = 4; o < 32; o <<= 1)
+        tile_max[j][h] = fmaxf(tile_max[j][h], __shfl_xor_sync(0xffffffffu, tile_max[j][h], o));
 }
 
 // The slow path of lazy rescaling (every thread of the CTA): the kTokWarps token warps' row maxima
