@@ -9,8 +9,9 @@
 # tests (unless VARIANT_TESTS=0) and the timing table again with that environment variable set (an
 # A/B of a runtime switch in one call); BUILD_VARIANTS="name=nvcc flags;...": a copy of the tree
 # built with KIMI_OPS_NVCC_FLAGS set to those flags per entry (in parallel with the main build),
-# then the timing table of each (an A/B of a compile-time variant); TESTS="files": the tests to run
-# instead of the cuda ones. Logs under $OUT:
+# then the cuda attention tests (unless VARIANT_TESTS=0) and the timing table of each (an A/B of a
+# compile-time variant); TESTS="files": the tests to run instead of the cuda ones; SHAPES="a,b":
+# time only the shapes whose label contains one of these (gpu_cuda_check.py --shapes). Logs under $OUT:
 #   run(command="FULL=1 PROFILE=1 bash scripts/device_sm90_experiments.sh", carry=[".whl"])
 #   run(command="BUILD_VARIANTS='nocvt=-DMY_MACRO=1' bash scripts/device_sm90_experiments.sh", carry=[".whl"])
 set -uo pipefail
@@ -35,22 +36,27 @@ for tool in racecheck synccheck memcheck; do
     timeout 90 compute-sanitizer --tool $tool python3 scripts/sanitize_cuda.py 2>&1 | tail -3 | sed "s/^/$tool: /" \
         | tee -a "$OUT/sanitizer.log"
 done
-timeout 100 python3 scripts/gpu_cuda_check.py --no-check --time --skip-triton 2>&1 | grep -E "^cuda +H|Error|error" \
-    | tee "$OUT/time.log"
+timing() {  # the timing table of the tree in the current directory
+    timeout 100 python3 scripts/gpu_cuda_check.py --no-check --time --skip-triton --shapes "${SHAPES:-}" 2>&1 \
+        | grep -E "^cuda +H|Error|error"
+}
+timing | tee "$OUT/time.log"
 for entry in "${build_variants[@]}"; do
     name=${entry%%=*}
     tail -1 "$OUT/build_$name.log"
     echo "== build variant $name (${entry#*=})" | tee -a "$OUT/time.log"
-    # the copy's scripts put its own tree (and its kimi_ops._C) first on sys.path
-    ( cd "/tmp/variant_$name" && timeout 100 python3 scripts/gpu_cuda_check.py --no-check --time --skip-triton 2>&1 \
-        | grep -E "^cuda +H|Error|error" ) | tee -a "$OUT/time.log"
+    # the copy's scripts (and pytest run from it) put its own tree and kimi_ops._C first on sys.path
+    if [ "${VARIANT_TESTS:-1}" = 1 ]; then
+        ( cd "/tmp/variant_$name" && timeout 300 python3 -m pytest -q -n 8 tests/test_cuda_attention.py 2>&1 \
+            | tail -1 ) | tee -a "$OUT/time.log"
+    fi
+    ( cd "/tmp/variant_$name" && timing ) | tee -a "$OUT/time.log"
 done
 if [ -n "${VARIANT:-}" ]; then
     echo "== $VARIANT" | tee -a "$OUT/time.log"
     [ "${VARIANT_TESTS:-1}" = 1 ] && env "$VARIANT" timeout 300 python3 -m pytest -q -n 8 tests/test_cuda_attention.py 2>&1 \
         | tail -2 | tee -a "$OUT/time.log"
-    env "$VARIANT" timeout 100 python3 scripts/gpu_cuda_check.py --no-check --time --skip-triton 2>&1 \
-        | grep -E "^cuda +H|Error|error" | tee -a "$OUT/time.log"
+    ( export "${VARIANT?}" && timing ) | tee -a "$OUT/time.log"
 fi
 if [ "${PROFILE:-0}" = 1 ] && command -v ncu >/dev/null; then
     timeout 150 ncu --kernel-name "regex:${PROFILE_KERNEL:-splitkv_kernel}" --launch-skip 2 --launch-count 1 \
