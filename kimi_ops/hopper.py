@@ -21,7 +21,7 @@ import torch
 
 LOG2E = 1.4426950408889634
 STAGES_ENV = "KIMI_OPS_SM90_STAGES"  # K-ring depth override (MAX_STAGES by CTA height), for tuning
-ROWS_ENV = "KIMI_OPS_SM90_ROWS"  # CTA rows override (16, 32, 64), for tuning
+ROWS_ENV = "KIMI_OPS_SM90_ROWS"  # CTA rows override (16, 32, 48, 64), for tuning
 BALANCE_WAVES_ENV = "KIMI_OPS_SM90_BALANCE_WAVES"  # waves of CTAs the balanced chunk length aims at (1..8)
 WORK_LIST_ENV = "KIMI_OPS_SM90_WORK_LIST"  # "0": mla_decode on the (split, request) grid instead
 MAX_GRID_Y = 65535

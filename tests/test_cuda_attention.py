@@ -10,8 +10,8 @@ import torch
 
 import kimi_ops
 from kimi_ops import dispatch
-from test_triton_attention import (SCALE, check_decode_grid, check_graph_replay, check_merge, check_variable_lengths,
-                                   make_inputs, oracle)
+from test_triton_attention import (SCALE, check_decode, check_decode_grid, check_graph_replay, check_merge,
+                                   check_variable_lengths, make_inputs, oracle)
 
 
 def _sm90_ready() -> bool:
@@ -184,6 +184,21 @@ def check_work_list_decode(lens, qlen, H, S, gen, oob=0):
     lerr = (lse.double()[fin] - rl[fin]).abs().max().item() if fin.any() else 0.0
     assert err <= 4e-3 and lerr <= 1e-3, (lens[:8], qlen, H, S, err, lerr)
     return err, lerr
+
+
+@sm90
+@pytest.mark.parametrize("rows", ["32", "48", "64"])
+def test_tile_edges(rows, monkeypatch):
+    """Lengths at the 64- and 128-token tile edges, 1-3 splits, on each token-major CTA height:
+    32 and 48 rows stream 128-token tiles, whose last one reaches past the split's end when the
+    split holds an odd number of 64-token tiles (its rows zero-filled and masked)."""
+    import kimi_ops.hopper as hopper
+    monkeypatch.setenv(hopper.ROWS_ENV, rows)
+    g = torch.Generator().manual_seed(int(rows))
+    lens = [1, 63, 64, 65, 127, 128, 129, 191, 192, 193, 320, 0]
+    for S in (1, 2, 3):
+        check_decode(lens, 2, 12, S, kernels=hopper, device="cuda", gen=g)
+        check_work_list_decode(lens, 2, 12, S, g)
 
 
 @sm90
