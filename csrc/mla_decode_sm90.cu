@@ -677,10 +677,9 @@ struct TileLoader {
   // Tile t into `stage` (a [kTile][kSmemRow] byte ring slot), then tile t + 1's indices: at
   // once (load: row pass by row pass, each pass's copies back to back; chunk by chunk measured
   // slower for splitkv_kernel, docs/PERF.md session 10) or in kLoadPieces parts spread over the
-  // caller's MMAs
-  // (load_piece: piece k issues copy k of every pass). The index loads go out after the copies
-  // have consumed next_index, so they land in its registers (fetched before the copies, ptxas
-  // moved each into next_index right away: a wait for the load).
+  // caller's MMAs (load_piece: piece k issues copy k of every pass). The index loads go out after
+  // the copies have consumed next_index, so they land in its registers (fetched before the copies,
+  // ptxas moved each into next_index right away: a wait for the load).
   __device__ __forceinline__ void load(int t, uint8_t* stage) {
 #pragma unroll
     for (int m = 0; m < kPasses; ++m)
