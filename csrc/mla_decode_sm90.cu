@@ -65,7 +65,7 @@ constexpr int kTileN = 64;          // tokens per pipeline stage
 constexpr int kWarpsPerM = 4;       // splitkv_kernel's warps, sharing its 16-row m-tile
 constexpr int kQStride = 584;       // f16 per smem Q row: 576 + 8 (conflict-free ldmatrix)
 constexpr int kPStride = 72;        // f16 per smem P row: 64 + 8
-constexpr int kLoadPieces = (kRowBytes / 16 + 7) / 8;  // TileLoader: a lane's copies of one token row
+constexpr int kLoadPieces = (kRowBytes / 16 + 7) / 8;  // TileLoader: a lane's 16-byte copies of one token row
 constexpr int kQExp = 14;           // query rows scaled so the row max is in [2^14, 2^15)
 constexpr float kLn2 = 0.6931471805599453f;
 // Lazy rescaling: P = 2^(s - m) against the running max m, which moves (the warps' maxima
@@ -654,7 +654,6 @@ struct TileLoader {
   static constexpr int kLoadRows = kTile / kWarps;
   static constexpr int kPasses = kLoadRows / 4;
   static constexpr int kChunks = kRowBytes / 16;
-  static_assert(kLoadPieces == (kChunks + 7) / 8, "a piece: one 16-byte chunk per lane");
   static_assert(kLoadRows % 4 == 0, "a warp loads whole passes of 4 rows");
   const uint8_t* kv;
   const int* idx_base;
