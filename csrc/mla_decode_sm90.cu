@@ -53,6 +53,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <climits>
 #include <cstdint>
 
 namespace kimi_ops::sm90 {
@@ -158,54 +159,55 @@ __device__ __forceinline__ uint64_t smem_desc(const void* p, uint32_t lbo, uint3
 // of the 64 M rows) and B from shared memory (a descriptor); the accumulators are the m16n8
 // layout per n-tile of 8 columns: d[j] holds (row g, col 8j + 2c), (g, 8j + 2c + 1),
 // (g + 8, 8j + 2c), (g + 8, 8j + 2c + 1). Always accumulates (scale-d true). N = 32, 48 or 64 query rows.
-template <int N>
+// B's core matrices are K-major (8 N rows x 8 k, k contiguous), or with kTransB MN-major (8 k rows x 8 N).
+template <int N, int kTransB = 0>
 struct WgmmaF16RS;
-template <>
-struct WgmmaF16RS<32> {
+template <int kTransB>
+struct WgmmaF16RS<32, kTransB> {
   __device__ __forceinline__ static void run(float (&d)[4][4], const uint32_t (&a)[4], uint64_t b_desc) {
     asm volatile(
         "{\n .reg .pred p;\n setp.ne.b32 p, %21, 0;\n"
         " wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {"
         "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
-        "}, {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
+        "}, {%16, %17, %18, %19}, %20, p, 1, 1, %22;\n}\n"
         : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),
           "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
           "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(1));
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(1), "n"(kTransB));
   }
 };
-template <>
-struct WgmmaF16RS<48> {
+template <int kTransB>
+struct WgmmaF16RS<48, kTransB> {
   __device__ __forceinline__ static void run(float (&d)[6][4], const uint32_t (&a)[4], uint64_t b_desc) {
     asm volatile(
         "{\n .reg .pred p;\n setp.ne.b32 p, %29, 0;\n"
         " wgmma.mma_async.sync.aligned.m64n48k16.f32.f16.f16 {"
         "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
         "%16, %17, %18, %19, %20, %21, %22, %23"
-        "}, {%24, %25, %26, %27}, %28, p, 1, 1, 0;\n}\n"
+        "}, {%24, %25, %26, %27}, %28, p, 1, 1, %30;\n}\n"
         : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),
           "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
           "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]),
           "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(1));
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(1), "n"(kTransB));
   }
 };
-template <>
-struct WgmmaF16RS<64> {
+template <int kTransB>
+struct WgmmaF16RS<64, kTransB> {
   __device__ __forceinline__ static void run(float (&d)[8][4], const uint32_t (&a)[4], uint64_t b_desc) {
     asm volatile(
         "{\n .reg .pred p;\n setp.ne.b32 p, %37, 0;\n"
         " wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
         "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
         "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-        "}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+        "}, {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
         : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),
           "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
           "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]),
           "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
           "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]),
           "+f"(d[7][2]), "+f"(d[7][3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(1));
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(1), "n"(kTransB));
   }
 };
 
@@ -819,7 +821,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerM, 1) splitkv_kernel(const Split
 // room for two 128-token stages). The MMAs are wgmma with tokens (and latents) as the 64 M rows and
 // the query rows as N, S^T = K Q^T and O^T = V^T P^T. A is always in registers, converted from the
 // tile's fp8 bytes exactly as splitkv_kernel builds its fragments; B is in shared memory in
-// wgmma's no-swizzle K-major layout (core matrices of 8 rows x 16 bytes). Per tile:
+// wgmma's no-swizzle layout (core matrices of 8 x 16 bytes: Q K-major, P MN-major). Per tile:
 //   S^T = K Q^T     TILE 128: warpgroup h takes the tokens [64h, 64h+64) of all N rows, its warp w
 //                   the tokens [16w, 16w+16) (M), so each K byte is converted once a CTA;
 //                   TILE 64: warpgroup h takes the rows [N/2 h, N/2 (h+1)) of all 64 tokens, warp
@@ -829,7 +831,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerM, 1) splitkv_kernel(const Split
 //                   are issued between them (TileLoader::load_piece)
 //   softmax         lazy (kMaxSlack): the tile's row maxima through smem (TILE / 16 token warps)
 //                   only when the vote says some row's max rose by more than 2^8, each such row's O
-//                   rescale (alpha) to smem; P (f16) to smem as P [row][token] (tm_store_p)
+//                   rescale (alpha) to smem; P (f16) to smem, MN-major for B (tm_store_p)
 //   O^T += V^T P^T  warp w owns latents [64w, 64w+64) of all N rows: A = V^T (v_token_pairs, as
 //                   in tile_pv), B = P, TILE / 4 wgmma m64 nN k16 a warpgroup
 // O^T's M row g (g + 8) of warp w's m-tile 2s + f is latent 64w + 32s + 4g + 2f (+ 1).
@@ -839,7 +841,7 @@ struct TokenMajorSmem {
   static constexpr int kRows = 8 * NT;
   uint8_t kv[STAGES][TILE * kSmemRow];
   __half q[kRows * kRowBytes];  // Q [row][576 permuted columns], core-matrix layout
-  __half p[kRows * TILE];       // P [row][token], core-matrix layout
+  __half p[kRows * TILE];       // P, core matrices of 8 tokens x 8 rows (tm_store_p)
   float red[TILE / 16][kRows];  // per token warp: the tile's row maxima; at the end the row sums
   float row_scale[kRows];       // the tile's O rescale per row; at the end kv_scale / l
   float row_fac[kRows];
@@ -887,42 +889,46 @@ __device__ __forceinline__ void tm_scores(float (&s)[HT][4], const uint8_t* k_la
   fence_operands(s);
 }
 
-// P (f16) of the thread's S^T elements into P [row][token] (B of O^T += V^T P^T, K = tokens):
-// 8-row groups 16 TILE bytes apart, 8-token core matrices 128 bytes apart.
+// P (f16) of the thread's S^T elements into P (B of O^T += V^T P^T, K = tokens, N = rows) in
+// MN-major core matrices of 8 tokens x 8 rows (rows contiguous: a thread's two rows are one 32-bit
+// store): 8-row groups 16 TILE bytes apart, 8-token core matrices 128 bytes apart.
 template <int HT, int TILE>
 __device__ __forceinline__ void tm_store_p(__half* p_smem, const float (&s)[HT][4], int row0, int tok0, int g, int c) {
 #pragma unroll
   for (int j = 0; j < HT; ++j)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int r = row0 + 8 * j + 2 * c + (e & 1), tok = tok0 + g + 8 * (e >> 1);
-      p_smem[(r / 8) * (8 * TILE) + (tok / 8) * 64 + (r % 8) * 8 + tok % 8] = __float2half_rn(s[j][e]);
+    for (int e = 0; e < 4; e += 2) {
+      const int r = row0 + 8 * j + 2 * c, tok = tok0 + g + 8 * (e >> 1);
+      *reinterpret_cast<uint32_t*>(&p_smem[(r / 8) * (8 * TILE) + (tok / 8) * 64 + (tok % 8) * 8 + r % 8]) =
+          pack_half2(s[j][e], s[j][e + 1]);
     }
 }
 
 // Scale and mask the thread's S^T elements (token tok_base + g + 8 (e / 2) against each row's
-// limit); tile_max: the thread's max of each row over its two tokens (tm_warp_max reduces them
+// limit; no compares when `whole`: every row sees the whole tile); tile_max: the thread's max of each row over its two tokens (tm_warp_max reduces them
 // over the warp, on the slow path only). True when one of them exceeds the row's running max by
 // more than kMaxSlack: the CTA's vote is the same as over the reduced maxima.
 template <int HT>
 __device__ __forceinline__ bool tm_mask_and_max(float (&s)[HT][4], float (&tile_max)[HT][2],
                                                 const float (&row_fac)[HT][2], const int (&lim)[HT][2],
-                                                const float (&m_run)[HT][2], int tok_base, int g) {
+                                                const float (&m_run)[HT][2], int tok_base, int g, bool whole) {
+#pragma unroll
+  for (int j = 0; j < HT; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[j][e] *= row_fac[j][e & 1];
+  if (!whole)
+#pragma unroll
+    for (int j = 0; j < HT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (tok_base + g + 8 * (e >> 1) >= lim[j][e & 1]) s[j][e] = -INFINITY;
   bool raise = false;
 #pragma unroll
   for (int j = 0; j < HT; ++j)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      float mx = -INFINITY;
-#pragma unroll
-      for (int e = h; e < 4; e += 2) {
-        const int tok = tok_base + g + 8 * (e >> 1);
-        const float v = tok < lim[j][h] ? s[j][e] * row_fac[j][h] : -INFINITY;
-        s[j][e] = v;
-        mx = fmaxf(mx, v);
-      }
-      tile_max[j][h] = mx;
-      raise |= mx > m_run[j][h] + kMaxSlack;
+      tile_max[j][h] = fmaxf(s[j][h], s[j][h + 2]);
+      raise |= tile_max[j][h] > m_run[j][h] + kMaxSlack;
     }
   return raise;
 }
@@ -1020,8 +1026,8 @@ __device__ __forceinline__ void tm_pv(float (&acc)[4][NT][4], const uint8_t* til
       const uint32_t a_even[4] = {t01[0], t01[1], t89[0], t89[1]};  // latents 4g, 4g+1 (rows g, g+8)
       const uint32_t a_odd[4] = {t01[2], t01[3], t89[2], t89[3]};   // latents 4g+2, 4g+3
       wgmma_fence();
-      WgmmaF16RS<8 * NT>::run(acc[2 * sp], a_even, p_desc + (kk * 256 >> 4));  // tokens 16kk..16kk+15
-      WgmmaF16RS<8 * NT>::run(acc[2 * sp + 1], a_odd, p_desc + (kk * 256 >> 4));
+      WgmmaF16RS<8 * NT, 1>::run(acc[2 * sp], a_even, p_desc + (kk * 256 >> 4));  // tokens 16kk..16kk+15
+      WgmmaF16RS<8 * NT, 1>::run(acc[2 * sp + 1], a_odd, p_desc + (kk * 256 >> 4));
     }
     wgmma_commit();
     wgmma_wait<1>();
@@ -1091,6 +1097,8 @@ __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const Spli
   for (int j = 0; j < kHT; ++j)
 #pragma unroll
     for (int h = 0; h < 2; ++h) row_fac[j][h] = sm.row_fac[half_row0 + 8 * j + 2 * c + h];
+  // the fewest tokens any of the CTA's rows sees: its first row's (visible_tokens grows with the position)
+  const int cta_lim = work.row_limit(p, row0);
   const int k_lane = (tq * 16 + (lane & 15)) * kSmemRow + (lane >> 4) * 16;
   const uint64_t q_desc = smem_desc(&sm.q[(half_row0 / 8) * kQCoreGroup], 128, kQCoreGroup * 2);
   const uint64_t p_desc = smem_desc(sm.p, 128, 16 * TILE);
@@ -1108,7 +1116,8 @@ __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const Spli
     });
     cp_async_commit();
     float tile_max[kHT][2];
-    const bool raise = tm_mask_and_max<kHT>(s, tile_max, row_fac, lim, m_run, tok_base, g);
+    const bool whole = work.lo + (t + 1) * TILE <= cta_lim;  // no token of the tile is masked
+    const bool raise = tm_mask_and_max<kHT>(s, tile_max, row_fac, lim, m_run, tok_base, g, whole);
     const bool rescale = __syncthreads_or(raise);  // also: every warp is done with red, row_scale
     if (rescale) {
       tm_warp_max<kHT>(tile_max);
