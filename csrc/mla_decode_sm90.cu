@@ -1192,6 +1192,8 @@ constexpr int kMergeUnroll = 8;
 // One CTA per (row, block of `cols` output columns: 64..512). Thread t reads 4 columns (8 bytes)
 // of split rows t / (cols / 4), + slots, ...: with 64 columns a CTA has 8 x 8 split rows in
 // flight, so a few rows with many splits (one request, long context) take ~1 round of latency.
+// Two rounds of global-memory latency before the sums: the request's kv_indptr bounds with its
+// first slot, then the first round's lse and o with the lse loads of the row's max.
 // Partials [S, rows, ...] (split s of row r at s * rows + r), or with work_indptr the work-list
 // partials [W, rows_per_req, ...] of splitkv_kernel: the row's request's used splits (from
 // kv_indptr with the split kernel's num_splits and balance_ctas) from its first slot on
@@ -1205,6 +1207,39 @@ struct MergeParams {
   const int* work_indptr;  // nullptr: [S, rows] partials
   const int* work_first;
   int num_requests, rows_per_req, balance_ctas;
+  int splits_hint;  // about how many splits a row has (sets launch_merge's grid)
+};
+
+// The thread's split rows s0, s0 + slots, ... (kMergeUnroll of them): lse and o loaded together.
+// o is loaded whatever its lse (an empty split's o may be unwritten); add drops it.
+struct MergeRound {
+  float lse[kMergeUnroll];
+  uint2 o[kMergeUnroll];  // 4 columns, bf16
+  __device__ __forceinline__ void load(const MergeParams& p, int64_t part_row, int64_t part_stride, int splits,
+                                       int s0, int slots, int col0, int quad) {
+#pragma unroll
+    for (int u = 0; u < kMergeUnroll; ++u) {
+      const int s = s0 + u * slots;
+      const int64_t at = part_row + static_cast<int64_t>(s < splits ? s : 0) * part_stride;
+      lse[u] = s < splits ? p.lse_part[at] : -INFINITY;
+      o[u] = s < splits ? reinterpret_cast<const uint2*>(p.o_part + at * kLatent + col0)[quad] : make_uint2(0, 0);
+    }
+  }
+  // acc += 2^(lse - mx) o over the round's non-empty splits, wsum += their weights
+  __device__ __forceinline__ void add(float mx, float (&acc)[4], float& wsum) const {
+#pragma unroll
+    for (int u = 0; u < kMergeUnroll; ++u) {
+      const float wt = lse[u] == -INFINITY ? 0.f : __expf(lse[u] - mx);
+      wsum += wt;
+      const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&o[u]);
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const float2 f = __bfloat1622float2(b[i]);
+        acc[2 * i] += wt > 0.f ? wt * f.x : 0.f;
+        acc[2 * i + 1] += wt > 0.f ? wt * f.y : 0.f;
+      }
+    }
+  }
 };
 
 __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const MergeParams p) {
@@ -1212,16 +1247,17 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const MergeParams 
   __shared__ float red_acc[kLatent];         // [slots][cols]
   __shared__ float red_sum[kLatent / 64];    // [slots], at most 8
   const int row = blockIdx.x, cols = p.cols, col0 = blockIdx.y * cols;
-  const __nv_bfloat16* __restrict__ o_part = p.o_part;
-  const float* __restrict__ lse_part = p.lse_part;
   int64_t part_row = row, part_stride = p.rows;  // split s of this row: part_row + s * part_stride
   int splits = p.splits;
   if (p.work_indptr != nullptr) {
     const int req = row / p.rows_per_req;
+    // loaded beside kv_indptr, not after it (one round of latency less); unwritten, and unused,
+    // when the request has no split
+    const int first = p.work_first[req];
     const int balanced = balanced_tokens(p.work_indptr, p.num_requests, p.balance_ctas);
     splits = used_splits(max(p.work_indptr[req + 1] - p.work_indptr[req], 0), p.splits, balanced);
     if (splits == 1) return;  // written by the split kernel
-    part_row = splits > 1 ? static_cast<int64_t>(p.work_first[req]) * p.rows_per_req + row % p.rows_per_req : 0;
+    part_row = splits > 1 ? static_cast<int64_t>(first) * p.rows_per_req + row % p.rows_per_req : 0;
     part_stride = p.rows_per_req;
   }
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -1229,9 +1265,11 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const MergeParams 
   const int slots = kMergeThreads / quads;    // split rows a load round
   const int slot = tid / quads, quad = tid % quads;
 
-  // the row's max LSE over all splits
+  // the first round's lse and o go out with the lse loads of the row's max
+  MergeRound round;
+  round.load(p, part_row, part_stride, splits, slot, slots, col0, quad);
   float mx = -INFINITY;
-  for (int s = tid; s < splits; s += kMergeThreads) mx = fmaxf(mx, lse_part[part_row + s * part_stride]);
+  for (int s = tid; s < splits; s += kMergeThreads) mx = fmaxf(mx, p.lse_part[part_row + s * part_stride]);
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
   if (lane == 0) red[warp] = mx;
@@ -1244,31 +1282,13 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const MergeParams 
     if (blockIdx.y == 0 && tid == 0) p.lse[row] = -INFINITY;
     return;
   }
-  // slot k sums splits k, k + slots, ...; kMergeUnroll of them in flight; empty splits are not read
+  // slot k sums splits k, k + slots, ...
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
   float wsum = 0.f;
-  for (int s0 = slot; s0 < splits; s0 += slots * kMergeUnroll) {
-    float wt[kMergeUnroll];
-    uint2 v[kMergeUnroll];
-#pragma unroll
-    for (int u = 0; u < kMergeUnroll; ++u) {
-      const int s = s0 + u * slots;
-      const float l = s < splits ? lse_part[part_row + s * part_stride] : -INFINITY;
-      wt[u] = l == -INFINITY ? 0.f : __expf(l - mx);
-      const uint2* src = reinterpret_cast<const uint2*>(o_part + (part_row + s * part_stride) * kLatent + col0);
-      v[u] = wt[u] > 0.f ? src[quad] : make_uint2(0, 0);
-    }
-#pragma unroll
-    for (int u = 0; u < kMergeUnroll; ++u) {
-      wsum += wt[u];
-      const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&v[u]);
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const float2 f = __bfloat1622float2(b[i]);
-        acc[2 * i] += wt[u] * f.x;
-        acc[2 * i + 1] += wt[u] * f.y;
-      }
-    }
+  round.add(mx, acc, wsum);
+  for (int s0 = slot + slots * kMergeUnroll; s0 < splits; s0 += slots * kMergeUnroll) {
+    round.load(p, part_row, part_stride, splits, s0, slots, col0, quad);
+    round.add(mx, acc, wsum);
   }
 #pragma unroll
   for (int i = 0; i < 4; ++i) red_acc[slot * cols + 4 * quad + i] = acc[i];
@@ -1386,14 +1406,17 @@ void launch_splitkv(const SplitKVParams& params, int64_t rows_per_cta, int64_t s
   }
 }
 
-// One CTA per (row, column block): up to 8 blocks of 64 columns while the grid stays within 16
-// CTAs a SM.
+// One CTA per (row, column block): as few blocks (1, 2, 4 or 8: 512..64 columns) as cover a row's
+// splits (about splits_hint) in one load round of 8 x blocks split rows a CTA, and at least one
+// CTA a SM. (Up to 8 blocks while the grid stayed within 16 CTAs a SM was 1-3% slower at b32 8k /
+// 32k, where 4 blocks took 4 x the CTAs for a quarter round each: docs/PERF.md, session 11.)
 void launch_merge(MergeParams params) {
   int device = 0, sms = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   int col_blocks = 1;
-  while (col_blocks < 8 && static_cast<int64_t>(params.rows) * col_blocks * 2 <= 16 * static_cast<int64_t>(sms))
+  while (col_blocks < 8 && (kMergeUnroll * col_blocks < params.splits_hint ||
+                            static_cast<int64_t>(params.rows) * col_blocks < static_cast<int64_t>(sms)))
     col_blocks *= 2;
   params.cols = kLatent / col_blocks;
   const dim3 grid(static_cast<unsigned>(params.rows), static_cast<unsigned>(col_blocks));
@@ -1469,6 +1492,9 @@ std::tuple<at::Tensor, at::Tensor> mla_decode_sm90(const at::Tensor& q, const at
   merge.num_requests = static_cast<int>(R);
   merge.rows_per_req = static_cast<int>(qlen * H);
   merge.balance_ctas = params.balance_ctas;
+  // a request's used splits: about balance_ctas / R whole chunks and a partial one
+  merge.splits_hint = static_cast<int>(
+      balance_ctas > 0 ? std::min<int64_t>(num_splits, balance_ctas / std::max<int64_t>(R, 1) + 2) : num_splits);
   launch_merge(merge);
   return {o, lse};
 }
@@ -1494,6 +1520,7 @@ std::tuple<at::Tensor, at::Tensor> mla_merge_sm90(const at::Tensor& o_part, cons
   params.lse = lse.data_ptr<float>();
   params.rows = static_cast<int>(rows);
   params.splits = static_cast<int>(S);
+  params.splits_hint = params.splits;
   launch_merge(params);
   return {o, lse};
 }
