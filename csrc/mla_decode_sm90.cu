@@ -53,7 +53,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <climits>
 #include <cstdint>
 
 namespace kimi_ops::sm90 {
@@ -905,9 +904,10 @@ __device__ __forceinline__ void tm_store_p(__half* p_smem, const float (&s)[HT][
 }
 
 // Scale and mask the thread's S^T elements (token tok_base + g + 8 (e / 2) against each row's
-// limit; no compares when `whole`: every row sees the whole tile); tile_max: the thread's max of each row over its two tokens (tm_warp_max reduces them
-// over the warp, on the slow path only). True when one of them exceeds the row's running max by
-// more than kMaxSlack: the CTA's vote is the same as over the reduced maxima.
+// limit; no compares when `whole`: every row sees the whole tile); tile_max: the thread's max of
+// each row over its two tokens (tm_warp_max reduces them over the warp, on the slow path only).
+// True when one of them exceeds the row's running max by more than kMaxSlack: the CTA's vote is
+// the same as over the reduced maxima.
 template <int HT>
 __device__ __forceinline__ bool tm_mask_and_max(float (&s)[HT][4], float (&tile_max)[HT][2],
                                                 const float (&row_fac)[HT][2], const int (&lim)[HT][2],
@@ -1408,8 +1408,8 @@ void launch_splitkv(const SplitKVParams& params, int64_t rows_per_cta, int64_t s
 
 // One CTA per (row, column block): as few blocks (1, 2, 4 or 8: 512..64 columns) as cover a row's
 // splits (about splits_hint) in one load round of 8 x blocks split rows a CTA, and at least one
-// CTA a SM. (Up to 8 blocks while the grid stayed within 16 CTAs a SM was 1-3% slower at b32 8k /
-// 32k, where 4 blocks took 4 x the CTAs for a quarter round each: docs/PERF.md, session 11.)
+// CTA a SM. (The previous rule, blocks doubled while the grid stayed within 16 CTAs a SM, launched
+// twice the CTAs at b32 8k / 32k and was 1-3% slower there: docs/PERF.md, session 11.)
 void launch_merge(MergeParams params) {
   int device = 0, sms = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
