@@ -905,7 +905,7 @@ __device__ __forceinline__ void tm_store_p(__half* p_smem, const float (&s)[HT][
 
 // Scale and mask the thread's S^T elements (token tok_base + g + 8 (e / 2) against each row's
 // limit; no compares when `whole`: every row sees the whole tile); tile_max: the thread's max of
-// each row over its two tokens (tm_warp_max reduces them over the warp, on the slow path only).
+// each row over its two tokens (reduced over the warp on the slow path only: tm_raise_running_max).
 // True when one of them exceeds the row's running max by more than kMaxSlack: the CTA's vote is
 // the same as over the reduced maxima.
 template <int HT>
@@ -933,10 +933,14 @@ __device__ __forceinline__ bool tm_mask_and_max(float (&s)[HT][4], float (&tile_
   return raise;
 }
 
-// The thread's row maxima (tm_mask_and_max) reduced over the warp's lanes of each row: the warp's
-// max of each row over its 16 tokens.
-template <int HT>
-__device__ __forceinline__ void tm_warp_max(float (&tile_max)[HT][2]) {
+// The slow path of lazy rescaling (every thread of the CTA): the thread's row maxima
+// (tm_mask_and_max) reduced over the warp's lanes of each row, the kTokWarps token warps' maxima
+// through red[tq * red_stride + row] (rows row0 + 8j + 2c + h), the running max raised to them, l
+// rescaled, and each row's O rescale factor to row_scale[row].
+template <int HT, int kTokWarps>
+__device__ __forceinline__ void tm_raise_running_max(float (&m_run)[HT][2], float (&l_run)[HT][2],
+                                                     float (&tile_max)[HT][2], float* red, int red_stride,
+                                                     float* row_scale, int row0, int tq, int g, int c) {
 #pragma unroll
   for (int j = 0; j < HT; ++j)
 #pragma unroll
@@ -944,15 +948,6 @@ __device__ __forceinline__ void tm_warp_max(float (&tile_max)[HT][2]) {
 #pragma unroll
       for (int o = 4; o < 32; o <<= 1)
         tile_max[j][h] = fmaxf(tile_max[j][h], __shfl_xor_sync(0xffffffffu, tile_max[j][h], o));
-}
-
-// The slow path of lazy rescaling (every thread of the CTA): the kTokWarps token warps' row maxima
-// through red[tq * red_stride + row] (rows row0 + 8j + 2c + h), the running max raised to them, l
-// rescaled, and each row's O rescale factor to row_scale[row].
-template <int HT, int kTokWarps>
-__device__ __forceinline__ void tm_raise_running_max(float (&m_run)[HT][2], float (&l_run)[HT][2],
-                                                     const float (&tile_max)[HT][2], float* red, int red_stride,
-                                                     float* row_scale, int row0, int tq, int g, int c) {
   if (g == 0)
 #pragma unroll
     for (int j = 0; j < HT; ++j)
@@ -1119,11 +1114,9 @@ __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const Spli
     const bool whole = work.lo + (t + 1) * TILE <= cta_lim;  // no token of the tile is masked
     const bool raise = tm_mask_and_max<kHT>(s, tile_max, row_fac, lim, m_run, tok_base, g, whole);
     const bool rescale = __syncthreads_or(raise);  // also: every warp is done with red, row_scale
-    if (rescale) {
-      tm_warp_max<kHT>(tile_max);
+    if (rescale)
       tm_raise_running_max<kHT, kTokWarps>(m_run, l_run, tile_max, sm.red[0], kRows, sm.row_scale, half_row0, tq, g,
                                            c);
-    }
     tm_exp<kHT>(s, m_run, l_run);
     tm_store_p<kHT, TILE>(sm.p, s, half_row0, tq * 16, g, c);
     fence_proxy_async_smem();
