@@ -15,7 +15,8 @@
 //   S  = Q K^T   warp w takes the tile's tokens [16w, 16w+16); mma.sync m16n8k16 f16 with
 //                query rows as M; K's fp8 bytes become f16 with cvt.e4m3x2 (exact), Q is the
 //                bf16 query scaled per row by 2^k into [2^14, 2^15) and stored as f16 (exact
-//                for every element above 2^-24 of the row max)
+//                for every element above 2^-24 of the row max); the A fragments of its first
+//                kQRegSteps k-steps stay in registers, the rest are read from smem every tile
 //   softmax      online, base 2, rescaled lazily (kMaxSlack): P = 2^(s - m) against the running
 //                max m, which moves only when a tile raises some row's max by more than 2^8 (a
 //                __syncthreads_or vote; then the warps' maxima go through smem and O, l rescale)
@@ -67,6 +68,7 @@ constexpr int kQStride = 584;       // f16 per smem Q row: 576 + 8 (conflict-fre
 constexpr int kPStride = 72;        // f16 per smem P row: 64 + 8
 constexpr int kLoadPieces = (kRowBytes / 16 + 7) / 8;  // TileLoader: a lane's 16-byte copies of one token row
 constexpr int kQExp = 14;           // query rows scaled so the row max is in [2^14, 2^15)
+constexpr int kQRegSteps = 16;      // splitkv_kernel: Q's k-steps (of 36) held in registers (tile_scores)
 constexpr float kLn2 = 0.6931471805599453f;
 // Lazy rescaling: P = 2^(s - m) against the running max m, which moves (the warps' maxima
 // exchanged, O and l rescaled) only when some row's tile max exceeds it by more than kMaxSlack
@@ -505,8 +507,10 @@ __device__ __forceinline__ void init_row_state(const SplitKVParams& p, const Cta
 
 // S = Q K^T over the warp's 16 tokens of a tile: s[nt] holds (row g / g+8, token nt*8 + 2c + {0,1}).
 // Four independent accumulators per n-tile (k-step mod 4) keep the MMA chains short.
-__device__ __forceinline__ void tile_scores(float (&s)[2][4], const uint8_t* tile, const __half* q_lane, int wq,
-                                            int lane) {
+// Q's A fragments of the first kQRegSteps k-steps stay in registers (q_reg, loaded once a CTA), the
+// rest are ldmatrix'd from smem every tile: Q was half the shared-memory wavefronts a tile.
+__device__ __forceinline__ void tile_scores(float (&s)[2][4], const uint8_t* tile, const __half* q_lane,
+                                            const uint32_t (&q_reg)[kQRegSteps][4], int wq, int lane) {
   float s4[4][2][4];
 #pragma unroll
   for (int i = 0; i < 4; ++i)
@@ -521,7 +525,12 @@ __device__ __forceinline__ void tile_scores(float (&s)[2][4], const uint8_t* til
     for (int half = 0; half < 2; ++half) {
       const int ks = 2 * kc + half;
       uint32_t a[4];
-      ldmatrix_x4(a, q_lane + ks * 16);
+      if (ks < kQRegSteps) {  // (ks is a constant once unrolled; the index guard is for the other branch)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) a[i] = q_reg[ks < kQRegSteps ? ks : 0][i];
+      } else {
+        ldmatrix_x4(a, q_lane + ks * 16);
+      }
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
         const F16x4 b = e4m3x4_to_f16x4(kw[2 * half + nt]);
@@ -746,6 +755,9 @@ __global__ void __launch_bounds__(32 * kWarpsPerM, 1) splitkv_kernel(const Split
   __syncthreads();  // Q and row_fac in smem
   const float row_fac[2] = {sm.row_fac[g], sm.row_fac[g + 8]};
   const __half* q_lane = &sm.q[(lane & 15) * kQStride + (lane >> 4) * 8];
+  uint32_t q_reg[kQRegSteps][4];
+#pragma unroll
+  for (int ks = 0; ks < kQRegSteps; ++ks) ldmatrix_x4(q_reg[ks], q_lane + ks * 16);
   const __half* p_lane = &sm.p[(lane & 15) * kPStride + (lane >> 4) * 8];
 
   for (int t = 0; t < ntiles; ++t) {
@@ -758,7 +770,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerM, 1) splitkv_kernel(const Split
     const int tok_base = lo + t * kTileN + wq * 16;  // request-relative token of this warp's first row
 
     float s[2][4], tile_max[2];
-    tile_scores(s, tile, q_lane, wq, lane);
+    tile_scores(s, tile, q_lane, q_reg, wq, lane);
     tile_mask_and_max(s, row_fac, lim, tok_base, c, tile_max);
     const bool raise = tile_max[0] > m_run[0] + kMaxSlack || tile_max[1] > m_run[1] + kMaxSlack;
     if (__syncthreads_or(raise)) {  // also: every warp is done with red and P

@@ -3,16 +3,21 @@
     ncu --kernel-name regex:_split_kv_kernel --launch-skip 2 --launch-count 1 --set full \\
         --clock-control none python3 scripts/profile_attention.py [--batch 32 --context 8192]
 
-Three launches: two warm-ups (compilation, caches) and the profiled one.
+Three launches: two warm-ups (compilation, caches) and the profiled one. The script's own tree
+comes first on sys.path, so run from a copy of the repository it profiles that copy's build.
 """
 
 import argparse
+import os
+import sys
 
 import torch
 
-import kimi_ops
-from kimi_ops import dispatch
-from kimi_ops.workloads import decode_workload
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import kimi_ops  # noqa: E402
+from kimi_ops import dispatch  # noqa: E402
+from kimi_ops.workloads import decode_workload  # noqa: E402
 
 
 def main():
