@@ -5,7 +5,8 @@
 # launch of PROFILE_KERNEL (a regex, default splitkv_kernel: the 16-row kernel; splitkv_tm_kernel
 # with PROFILE_ARGS="--qlen 8") of scripts/profile_attention.py $PROFILE_ARGS (default H12 q1 b32
 # 8k), its stall samples per SASS instruction in ncu_sass.csv and by loop phase in ncu_phases.txt
-# (scripts/ncu_phases.py); FULL=1: the MXFP4 / M1a variants table; VARIANT="NAME=VALUE": the cuda
+# (scripts/ncu_phases.py), and each pipe's utilization and the shared-memory wavefronts and bank
+# conflicts in ncu_pipes.txt (a second ncu run of the same launch); FULL=1: the MXFP4 / M1a variants table; VARIANT="NAME=VALUE": the cuda
 # tests (unless VARIANT_TESTS=0) and the timing table again with that environment variable set (an
 # A/B of a runtime switch in one call); BUILD_VARIANTS="name=nvcc flags;...": a copy of the tree
 # built with KIMI_OPS_NVCC_FLAGS set to those flags per entry (in parallel with the main build),
@@ -65,6 +66,12 @@ if [ "${PROFILE:-0}" = 1 ] && command -v ncu >/dev/null; then
     ncu --import /tmp/prof.ncu-rep --page details > "$OUT/ncu_details.txt" 2>&1
     ncu --import /tmp/prof.ncu-rep --page source --csv --print-source sass > "$OUT/ncu_sass.csv" 2>&1
     python3 scripts/ncu_phases.py "$OUT/ncu_sass.csv" --top 15 > "$OUT/ncu_phases.txt" 2>&1
+    pipes="regex:sm__pipe_.*cycles_active\.avg\.pct_of_peak_sustained_active"
+    pipes+=",regex:sm__inst_executed_pipe_.*\.avg\.pct_of_peak_sustained_active"
+    pipes+=",regex:l1tex__data_pipe_lsu_wavefronts.*\.sum$,regex:l1tex__data_bank_conflicts_pipe_lsu.*\.sum$"
+    timeout 120 ncu --kernel-name "regex:${PROFILE_KERNEL:-splitkv_kernel}" --launch-skip 2 --launch-count 1 \
+        --clock-control none --metrics "$pipes" python3 scripts/profile_attention.py ${PROFILE_ARGS:-} 2>&1 \
+        | grep -E "pct_of_peak|\.sum" | grep -v TriageCompute > "$OUT/ncu_pipes.txt"
     head -8 "$OUT/ncu_phases.txt"
     grep -iE "Duration|DRAM Throughput|Registers Per|Achieved Occupancy|Warp Cycles Per Issued|Issue Slots|Stall" \
         "$OUT/ncu_details.txt" | head -20
