@@ -6,13 +6,14 @@
 # with PROFILE_ARGS="--qlen 8") of scripts/profile_attention.py $PROFILE_ARGS (default H12 q1 b32
 # 8k), its stall samples per SASS instruction in ncu_sass.csv and by loop phase in ncu_phases.txt
 # (scripts/ncu_phases.py), and each pipe's utilization and the shared-memory wavefronts and bank
-# conflicts in ncu_pipes.txt (a second ncu run of the same launch); FULL=1: the MXFP4 / M1a variants table; VARIANT="NAME=VALUE": the cuda
-# tests (unless VARIANT_TESTS=0) and the timing table again with that environment variable set (an
-# A/B of a runtime switch in one call); BUILD_VARIANTS="name=nvcc flags;...": a copy of the tree
-# built with KIMI_OPS_NVCC_FLAGS set to those flags per entry (in parallel with the main build),
-# then the cuda attention tests (unless VARIANT_TESTS=0) and the timing table of each (an A/B of a
-# compile-time variant); TESTS="files": the tests to run instead of the cuda ones; SHAPES="a,b":
-# time only the shapes whose label contains one of these (gpu_cuda_check.py --shapes). Logs under $OUT:
+# conflicts in ncu_pipes.txt (a second ncu run of the same launch); FULL=1: the MXFP4 / M1a
+# variants table; VARIANT="NAME=VALUE": the cuda tests (unless VARIANT_TESTS=0) and the timing
+# table again with that environment variable set (an A/B of a runtime switch in one call);
+# BUILD_VARIANTS="name=nvcc flags;...": a copy of the tree built with KIMI_OPS_NVCC_FLAGS set to
+# those flags per entry (in parallel with the main build), then the cuda attention tests (unless
+# VARIANT_TESTS=0) and the timing table of each (an A/B of a compile-time variant);
+# TESTS="files": the tests to run instead of the cuda ones; SHAPES="a,b": time only the shapes
+# whose label contains one of these (gpu_cuda_check.py --shapes). Logs under $OUT:
 #   run(command="FULL=1 PROFILE=1 bash scripts/device_sm90_experiments.sh", carry=[".whl"])
 #   run(command="BUILD_VARIANTS='nocvt=-DMY_MACRO=1' bash scripts/device_sm90_experiments.sh", carry=[".whl"])
 set -uo pipefail
