@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Static cost of a kernel's loops, read from its SASS (no GPU needed).
 
-For every loop of the selected kernels (a backward branch spanning at least --min-size
-instructions) it prints the instructions of one iteration, the stall cycles ptxas encoded in
+For every loop of the selected kernels (a predicated backward branch spanning at least
+--min-size instructions) it prints the instructions of one iteration, the stall cycles ptxas encoded in
 their control words (a lower bound on one warp's issue time, before any scoreboard wait), the
 instructions that wait on a scoreboard (a variable-latency result: shared / global loads,
 MUFU, barriers) and the opcodes with the most stall cycles. docs/PERF.md's session 13 compares
@@ -15,8 +15,8 @@ bits 41-44 stall cycles, 45 yield, 46-48 write scoreboard, 49-51 read scoreboard
     nvcc -O3 -gencode=arch=compute_90a,code=sm_90a ... -c csrc/mla_decode_sm90.cu -o /tmp/m.o
     python3 scripts/sass_loops.py /tmp/m.o --kernel 'splitkv_kernelILi2'
 
-The input is an object / cubin (disassembled with `cuobjdump -sass`, from $CUOBJDUMP or PATH)
-(which runs nvdisasm, also from PATH) or a text file of `cuobjdump -sass` output.
+The input is an object / cubin / .so, disassembled with `cuobjdump -sass` ($CUOBJDUMP or PATH;
+it runs nvdisasm, also from PATH), or a text file of `cuobjdump -sass` output.
 """
 
 import argparse
