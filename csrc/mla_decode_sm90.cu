@@ -8,10 +8,11 @@
 //   o_part    [S, T*H, 512] bf16, lse_part [S, T*H] f32 (natural log; o = 0, lse = -inf
 //             for a row that sees no token of its split)
 //
-// splitkv_kernel (16 query rows a CTA): one CTA of 4 warps per (16 consecutive query rows of one
-// request, split or work item). The split's tokens stream through a ring of STAGES shared-memory
-// tiles of 64 rows (cp.async, 16-byte chunks, zero-filled where a token is past the split or its
-// index is out of range), read from HBM once for all the CTA's rows. Per tile:
+// splitkv_kernel (16 query rows a CTA): one CTA of 4 compute warps and a producer warp per (16
+// consecutive query rows of one request, split or work item). The split's tokens stream through a
+// ring of STAGES shared-memory tiles of 64 rows (a cp.async.bulk of 576 bytes a token row, issued
+// by the producer; a token past the split or with an index out of range reads a zero row), read
+// from HBM once for all the CTA's rows. Per tile:
 //   S  = Q K^T   warp w takes the tile's tokens [16w, 16w+16); mma.sync m16n8k16 f16 with
 //                query rows as M; K's fp8 bytes become f16 with cvt.e4m3x2 (exact), Q is the
 //                bf16 query scaled per row by 2^k into [2^14, 2^15) and stored as f16 (exact
@@ -19,7 +20,7 @@
 //                kQRegSteps k-steps stay in registers, the rest are read from smem every tile
 //   softmax      online, base 2, rescaled lazily (kMaxSlack): P = 2^(s - m) against the running
 //                max m, which moves only when a tile raises some row's max by more than 2^8 (a
-//                __syncthreads_or vote; then the warps' maxima go through smem and O, l rescale)
+//                vote on a named barrier; then the warps' maxima go through smem and O, l rescale)
 //   O += P V     warp w owns output columns [128w, 128w+128); P (f16, <= 2^8) goes through
 //                smem; V^T's fragments come from the same K tile: four 32-bit loads of two
 //                token rows each are byte-permuted (prmt) into (token, token+1) pairs and
@@ -63,7 +64,7 @@ constexpr int kRowBytes = 576;      // fp8 cache row
 constexpr int kLatent = 512;        // kv_c columns (= V and O width)
 constexpr int kSmemRow = 592;       // smem row stride of a K tile: 576 + 16 (conflict-free ldmatrix / lds)
 constexpr int kTileN = 64;          // tokens per pipeline stage
-constexpr int kWarpsPerM = 4;       // splitkv_kernel's warps, sharing its 16-row m-tile
+constexpr int kWarpsPerM = 4;       // splitkv_kernel's compute warps, sharing its 16-row m-tile
 constexpr int kQStride = 584;       // f16 per smem Q row: 576 + 8 (conflict-free ldmatrix)
 constexpr int kPStride = 72;        // f16 per smem P row: 64 + 8
 constexpr int kLoadPieces = (kRowBytes / 16 + 7) / 8;  // TileLoader: a lane's 16-byte copies of one token row
@@ -83,6 +84,7 @@ struct SplitKVSmem {
   __half p[16 * kPStride];
   float red[kWarpsPerM][16];
   float row_fac[16];
+  uint64_t full[STAGES], empty[STAGES];  // stage landed (bulk copies) / stage read by every compute warp
 };
 
 struct SplitKVParams {
@@ -123,6 +125,47 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
+// mbarrier and bulk-copy wrappers (splitkv_kernel's producer warp)
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n .reg .pred P1;\n LAB_WAIT:\n mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
+      " @P1 bra DONE;\n bra LAB_WAIT;\n DONE:\n}\n" ::"r"(smem_addr(bar)),
+      "r"(parity)
+      : "memory");
+}
+__device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+          smem_addr(dst)),
+      "l"(src), "r"(bytes), "r"(smem_addr(bar))
+      : "memory");
+}
+// named barrier 1 among kThreadsB threads (the consumer warps; the others never use it)
+template <int kThreadsB>
+__device__ __forceinline__ void named_sync() {
+  asm volatile("bar.sync 1, %0;\n" ::"n"(kThreadsB) : "memory");
+}
+template <int kThreadsB>
+__device__ __forceinline__ bool named_sync_or(bool pred) {
+  uint32_t r;
+  asm volatile(
+      "{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n bar.red.or.pred q, 1, %2, p;\n selp.u32 %0, 1, 0, q;\n}\n"
+      : "=r"(r)
+      : "r"(static_cast<uint32_t>(pred)), "n"(kThreadsB)
+      : "memory");
+  return r != 0;
+}
+
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
@@ -140,6 +183,16 @@ __device__ __forceinline__ void wgmma_wait() {
 // generic-proxy shared-memory writes (st.shared) made visible to wgmma's operand reads
 __device__ __forceinline__ void fence_proxy_async_smem() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+// keeps registers an in-flight wgmma reads alive (unreused) up to this point
+template <int A, int B, int C>
+__device__ __forceinline__ void keep_alive(const uint32_t (&x)[A][B][C]) {
+#pragma unroll
+  for (int i = 0; i < A; ++i)
+#pragma unroll
+    for (int j = 0; j < B; ++j)
+#pragma unroll
+      for (int k = 0; k < C; ++k) asm volatile("" ::"r"(x[i][j][k]) : "memory");
 }
 // keeps the compiler from moving accesses of a wgmma accumulator across the fence / wait
 template <int A, int B>
@@ -165,7 +218,8 @@ template <int N, int kTransB = 0>
 struct WgmmaF16RS;
 template <int kTransB>
 struct WgmmaF16RS<32, kTransB> {
-  __device__ __forceinline__ static void run(float (&d)[4][4], const uint32_t (&a)[4], uint64_t b_desc) {
+  __device__ __forceinline__ static void run(float (&d)[4][4], const uint32_t (&a)[4], uint64_t b_desc,
+                                             int scale_d = 1) {
     asm volatile(
         "{\n .reg .pred p;\n setp.ne.b32 p, %21, 0;\n"
         " wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {"
@@ -174,12 +228,13 @@ struct WgmmaF16RS<32, kTransB> {
         : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),
           "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
           "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(1), "n"(kTransB));
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(scale_d), "n"(kTransB));
   }
 };
 template <int kTransB>
 struct WgmmaF16RS<48, kTransB> {
-  __device__ __forceinline__ static void run(float (&d)[6][4], const uint32_t (&a)[4], uint64_t b_desc) {
+  __device__ __forceinline__ static void run(float (&d)[6][4], const uint32_t (&a)[4], uint64_t b_desc,
+                                             int scale_d = 1) {
     asm volatile(
         "{\n .reg .pred p;\n setp.ne.b32 p, %29, 0;\n"
         " wgmma.mma_async.sync.aligned.m64n48k16.f32.f16.f16 {"
@@ -190,12 +245,13 @@ struct WgmmaF16RS<48, kTransB> {
           "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
           "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]),
           "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(1), "n"(kTransB));
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(scale_d), "n"(kTransB));
   }
 };
 template <int kTransB>
 struct WgmmaF16RS<64, kTransB> {
-  __device__ __forceinline__ static void run(float (&d)[8][4], const uint32_t (&a)[4], uint64_t b_desc) {
+  __device__ __forceinline__ static void run(float (&d)[8][4], const uint32_t (&a)[4], uint64_t b_desc,
+                                             int scale_d = 1) {
     asm volatile(
         "{\n .reg .pred p;\n setp.ne.b32 p, %37, 0;\n"
         " wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
@@ -208,7 +264,7 @@ struct WgmmaF16RS<64, kTransB> {
           "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
           "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]),
           "+f"(d[7][2]), "+f"(d[7][3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(1), "n"(kTransB));
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(scale_d), "n"(kTransB));
   }
 };
 
@@ -711,18 +767,31 @@ struct TileLoader {
   }
 };
 
-// ---- M1c ---------------------------------------------------------------------------------------
+// ---- M1c, 16 rows a CTA ------------------------------------------------------------------------
+//
+// splitkv_kernel: 8 warps. Warps 0-3 (consumers) compute; the second warpgroup gives its registers
+// to them (setmaxnreg: kProducerRegs each, the consumers kConsumerRegs) and one of its warps (the
+// producer) gathers the tiles: one cp.async.bulk of 576 bytes a token row onto the stage's `full`
+// mbarrier (a row past the split or outside the cache is copied from g_zero_row). The consumers
+// wait on `full`, release the stage on its `empty` mbarrier (one arrival a warp), and synchronize
+// among themselves on named barrier 1; the other three warps of the second warpgroup exit.
+constexpr int kSplitKVThreads = 256;
+constexpr int kConsumerRegs = 232, kProducerRegs = 24;
+// setmaxnreg.inc waits until the CTA's pool has the registers: two CTAs a SM of 256 threads launch
+// with 128 a thread, so the two warpgroups' counts must sum to at most 256
+static_assert(kConsumerRegs + kProducerRegs <= 2 * (65536 / (2 * kSplitKVThreads)),
+              "setmaxnreg counts exceed the CTA's register pool");
+__device__ __align__(16) uint8_t g_zero_row[kRowBytes];
 
 template <int STAGES>
-__global__ void __launch_bounds__(32 * kWarpsPerM, 1) splitkv_kernel(const SplitKVParams p) {
+__global__ void __launch_bounds__(kSplitKVThreads, 2) splitkv_kernel(const SplitKVParams p) {
   extern __shared__ __align__(128) uint8_t smem_raw[];
   auto& sm = *reinterpret_cast<SplitKVSmem<STAGES>*>(smem_raw);
   constexpr int kRows = 16;
-  constexpr int kWarps = kWarpsPerM;
+  constexpr int kWarps = kWarpsPerM;  // consumers
   constexpr int kThreads = 32 * kWarps;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int wq = warp;  // the warp's token / column quarter
   const int g = lane / 4, c = lane % 4;
   const int rows_per_req = p.qlen * p.heads;
   const int row0 = blockIdx.x * kRows;  // first row of this CTA within its request
@@ -731,28 +800,59 @@ __global__ void __launch_bounds__(32 * kWarpsPerM, 1) splitkv_kernel(const Split
   const int lo = work.lo, ntiles = work.ntiles, valid_rows = work.valid_rows;
   const int64_t flat0 = work.flat0;
   if (ntiles == 0) {  // an empty split: the slot goes to the next CTA at once
-    write_empty_split(p, work, tid, kThreads);
+    write_empty_split(p, work, tid, kSplitKVThreads);
+    return;
+  }
+  if (tid == 0) {
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(&sm.full[s], 1);
+      mbar_init(&sm.empty[s], kWarps);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warp >= kWarps) {  // ---- the second warpgroup
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs) : "memory");
+    // the producer's scheduler (warp % 4) varies with the work item, so two CTAs of a SM rarely share it
+    if (warp != kWarps + static_cast<int>(blockIdx.y % 4)) return;
+    // lane l copies token rows l and l + 32 of each tile; their indices are fetched a tile ahead
+    const int* idx_base = p.indices + work.start;
+    int next[2];
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+      const int j = lo + lane + 32 * m;
+      next[m] = j < work.hi ? idx_base[j] : -1;
+    }
+    for (int t = 0; t < ntiles; ++t) {
+      const int s = t % STAGES;
+      const uint8_t* src[2];
+#pragma unroll
+      for (int m = 0; m < 2; ++m) {
+        const bool ok = next[m] >= 0 && next[m] < p.num_kv_rows;
+        src[m] = ok ? p.kv + static_cast<int64_t>(next[m]) * kRowBytes : g_zero_row;
+        const int j = lo + (t + 1) * kTileN + lane + 32 * m;
+        next[m] = j < work.hi ? idx_base[j] : -1;
+      }
+      if (t >= STAGES) mbar_wait(&sm.empty[s], ((t / STAGES) - 1) & 1);
+      if (lane == 0) mbar_arrive_expect_tx(&sm.full[s], kTileN * kRowBytes);
+      __syncwarp();
+#pragma unroll
+      for (int m = 0; m < 2; ++m) bulk_copy_g2s(sm.kv[s] + (lane + 32 * m) * kSmemRow, src[m], kRowBytes, &sm.full[s]);
+    }
     return;
   }
 
-  TileLoader<kWarps> loader(p, work, warp, lane);
-  // the first tiles' loads go out before the query is staged
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < ntiles) loader.load(s, sm.kv[s]);
-    cp_async_commit();
-  }
-
-  // --- Q: bf16 -> 2^k-scaled f16 in smem (stage_query_rows)
+  // ---- consumers
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs) : "memory");
+  const int wq = warp;
   stage_query_rows(p, sm.q, sm.row_fac, flat0, valid_rows, kRows, warp, kWarps, lane);
-
-  // --- per-thread row state: rows g and g+8 of the warp's m-tile
   int lim[2];
   float m_run[2], l_run[2];
   float acc[16][4];
   init_row_state(p, work, row0 + g, lim, m_run, l_run, acc);
-
-  __syncthreads();  // Q and row_fac in smem
+  named_sync<kThreads>();  // Q and row_fac in smem
   const float row_fac[2] = {sm.row_fac[g], sm.row_fac[g + 8]};
   const __half* q_lane = &sm.q[(lane & 15) * kQStride + (lane >> 4) * 8];
   uint32_t q_reg[kQRegSteps][4];
@@ -761,44 +861,43 @@ __global__ void __launch_bounds__(32 * kWarpsPerM, 1) splitkv_kernel(const Split
   const __half* p_lane = &sm.p[(lane & 15) * kPStride + (lane >> 4) * 8];
 
   for (int t = 0; t < ntiles; ++t) {
-    cp_async_wait<STAGES - 2>();
-    __syncthreads();  // tile t landed for every warp; stage (t-1) % STAGES is free
-    if (t + STAGES - 1 < ntiles) loader.load(t + STAGES - 1, sm.kv[(t + STAGES - 1) % STAGES]);
-    cp_async_commit();
-
-    const uint8_t* tile = sm.kv[t % STAGES];
+    const int s_idx = t % STAGES;
+    mbar_wait(&sm.full[s_idx], (t / STAGES) & 1);
+    const uint8_t* tile = sm.kv[s_idx];
     const int tok_base = lo + t * kTileN + wq * 16;  // request-relative token of this warp's first row
 
     float s[2][4], tile_max[2];
     tile_scores(s, tile, q_lane, q_reg, wq, lane);
     tile_mask_and_max(s, row_fac, lim, tok_base, c, tile_max);
     const bool raise = tile_max[0] > m_run[0] + kMaxSlack || tile_max[1] > m_run[1] + kMaxSlack;
-    if (__syncthreads_or(raise)) {  // also: every warp is done with red and P
+    if (named_sync_or<kThreads>(raise)) {  // also: every consumer is done with red and P
       if (c == 0) {
         sm.red[wq][g] = tile_max[0];
         sm.red[wq][g + 8] = tile_max[1];
       }
-      __syncthreads();
+      named_sync<kThreads>();
       raise_running_max(m_run, l_run, acc, sm.red[0], kRows, g);
     }
     tile_softmax(s, m_run, l_run, sm.p, wq, g, c);
-    __syncthreads();  // P
+    named_sync<kThreads>();  // P
     tile_pv(acc, tile, p_lane, wq, g, c);
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&sm.empty[s_idx]);
   }
-  cp_async_wait<0>();
 
-  // --- epilogue: row sums across the quad and the warps, O staged in smem as bf16, 16-byte stores
+  // --- epilogue: row sums across the quad and the warps, O staged in smem as bf16, 16-byte stores.
+  // Every bulk copy has landed: the producer issued ntiles tiles and the consumers waited for each.
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 1);
     l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 2);
   }
-  __syncthreads();  // every warp is done with the K tiles and the last tile's row maxima
+  named_sync<kThreads>();  // every consumer is done with the K tiles and the last tile's row maxima
   if (c == 0) {
     sm.red[wq][g] = l_run[0];
     sm.red[wq][g + 8] = l_run[1];
   }
-  __syncthreads();
+  named_sync<kThreads>();
   __nv_bfloat16* o_stage = reinterpret_cast<__nv_bfloat16*>(sm.kv[0]);  // [kRows][512]
   static_assert(kRows * kLatent * 2 <= STAGES * kTileN * kSmemRow, "O staging must fit the K ring");
   float* lse_out = work.lse_out(p);
@@ -819,7 +918,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerM, 1) splitkv_kernel(const Split
     if (wq == 0 && c == 0 && row0 + r < rows_per_req)
       lse_out[r] = l > 0.f ? (m_run[h] + log2f(l)) * kLn2 : -INFINITY;
   }
-  __syncthreads();
+  named_sync<kThreads>();
   uint4* o_out = reinterpret_cast<uint4*>(work.o_out(p));
   const uint4* o_src = reinterpret_cast<const uint4*>(o_stage);
   for (int i = tid; i < valid_rows * (kLatent / 8); i += kThreads) o_out[i] = o_src[i];
@@ -867,14 +966,13 @@ constexpr int kOStride = kLatent + 8;  // bf16 per row of the token-major epilog
 // group, and waiting for all but the newest group frees the older groups' A registers.
 // load_piece(k), k < kLoadPieces, at the start of every other chunk: the next tile's copies
 // (TileLoader::load_piece) spread over the MMAs rather than one burst before them.
-template <int HT, class LoadPiece>
+// before_first_mma(): waits for the previous tile's PV tail (tm_pv), which writes no register or
+// smem this reads, so it ran beside the first chunk's loads and conversions. S is first written by
+// a wgmma with scale-d 0 (zeroing it before the loop made ptxas serialize the wgmmas, C7515).
+template <int HT, class LoadPiece, class BeforeFirstMma>
 __device__ __forceinline__ void tm_scores(float (&s)[HT][4], const uint8_t* k_lane, uint64_t q_desc,
-                                          LoadPiece&& load_piece) {
+                                          LoadPiece&& load_piece, BeforeFirstMma&& before_first_mma) {
   constexpr int kChunks = kRowBytes / 32;
-#pragma unroll
-  for (int j = 0; j < HT; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-  fence_operands(s);
-  wgmma_fence();
   constexpr int kDist = 2, kBufs = kDist + 1;
   uint32_t kw[kBufs][4];  // (tokens 0-7, bytes 0-15), (8-15, 0-15), (0-7, 16-31), (8-15, 16-31) of a chunk
 #pragma unroll
@@ -888,8 +986,9 @@ __device__ __forceinline__ void tm_scores(float (&s)[HT][4], const uint8_t* k_la
     const F16x4 k2 = e4m3x4_to_f16x4(w[2]), k3 = e4m3x4_to_f16x4(w[3]);
     const uint32_t a0[4] = {k0.lo, k1.lo, k0.hi, k1.hi};  // k-step 2kc: Q columns 32kc..32kc+15
     const uint32_t a1[4] = {k2.lo, k3.lo, k2.hi, k3.hi};  // k-step 2kc + 1
+    if (kc == 0) before_first_mma();
     wgmma_fence();  // A written: explicit (a fence ptxas inserts itself can serialize the wgmmas)
-    WgmmaF16RS<8 * HT>::run(s, a0, q_desc + (kc * 512 >> 4));
+    WgmmaF16RS<8 * HT>::run(s, a0, q_desc + (kc * 512 >> 4), kc > 0);
     WgmmaF16RS<8 * HT>::run(s, a1, q_desc + ((kc * 512 + 256) >> 4));
     if (kc % 2 == 1 || kc + 1 == kChunks) {
       wgmma_commit();
@@ -996,11 +1095,17 @@ __device__ __forceinline__ void tm_exp(float (&s)[HT][4], const float (&m_run)[H
 }
 
 // O^T = alpha O^T + V^T P^T over the tile's TILE tokens, the warp's 64 latents and all NT n-tiles
-// of rows (alpha: row_scale, applied when `rescale`; P: p_desc).
+// of rows (alpha: row_scale, applied when `rescale`; P: p_desc). The first tile's wgmmas write O
+// with scale-d 0 (O is not zeroed before the loop: as in tm_scores). The last k-step's wgmma group
+// (the PV tail) is left in flight: its A fragments are kept in `tail` until the caller waits for
+// it (tm_scores' before_first_mma, or after the loop); it reads P, which the next tile rewrites
+// only after every warp has passed that wait and a barrier.
 template <int NT, int TILE>
 __device__ __forceinline__ void tm_pv(float (&acc)[4][NT][4], const uint8_t* tile, uint64_t p_desc,
-                                      const float* row_scale, bool rescale, int warp, int g, int c) {
-  if (rescale) {  // CTA-uniform: only a tile that raised some row's running max
+                                      const float* row_scale, bool rescale, int warp, int g, int c,
+                                      uint32_t (&tail)[2][2][4], bool first) {
+  // CTA-uniform: only a tile that raised some row's running max (tile 0's O is not written yet)
+  if (rescale && !first) {
     float2 alpha[NT];
 #pragma unroll
     for (int j = 0; j < NT; ++j) alpha[j] = *reinterpret_cast<const float2*>(&row_scale[8 * j + 2 * c]);
@@ -1032,16 +1137,17 @@ __device__ __forceinline__ void tm_pv(float (&acc)[4][NT][4], const uint8_t* til
       v_token_pairs(x[kk % 2][sp], t01, t89);
       const uint32_t a_even[4] = {t01[0], t01[1], t89[0], t89[1]};  // latents 4g, 4g+1 (rows g, g+8)
       const uint32_t a_odd[4] = {t01[2], t01[3], t89[2], t89[3]};   // latents 4g+2, 4g+3
+      if (kk + 1 == TILE / 16)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) tail[sp][0][i] = a_even[i], tail[sp][1][i] = a_odd[i];
+      const int scale_d = kk > 0 || !first;
       wgmma_fence();
-      WgmmaF16RS<8 * NT, 1>::run(acc[2 * sp], a_even, p_desc + (kk * 256 >> 4));  // tokens 16kk..16kk+15
-      WgmmaF16RS<8 * NT, 1>::run(acc[2 * sp + 1], a_odd, p_desc + (kk * 256 >> 4));
+      WgmmaF16RS<8 * NT, 1>::run(acc[2 * sp], a_even, p_desc + (kk * 256 >> 4), scale_d);  // tokens 16kk..16kk+15
+      WgmmaF16RS<8 * NT, 1>::run(acc[2 * sp + 1], a_odd, p_desc + (kk * 256 >> 4), scale_d);
     }
     wgmma_commit();
     wgmma_wait<1>();
   }
-  wgmma_wait<0>();
-#pragma unroll
-  for (int m = 0; m < 4; ++m) fence_operands(acc[m]);
 }
 
 template <int NT, int STAGES, int TILE>
@@ -1092,11 +1198,14 @@ __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const Spli
       m_run[j][h] = -INFINITY;
       l_run[j][h] = 0.f;
     }
-  float acc[4][NT][4];
+  float acc[4][NT][4];              // first written by tile 0's PV (scale-d 0)
+  uint32_t pv_tail[2][2][4] = {};  // A fragments of PV's last wgmma group, in flight into the next tile
+  auto wait_pv_tail = [&] {
+    wgmma_wait<0>();
+    keep_alive(pv_tail);
 #pragma unroll
-  for (int m = 0; m < 4; ++m)
-#pragma unroll
-    for (int j = 0; j < NT; ++j) acc[m][j][0] = acc[m][j][1] = acc[m][j][2] = acc[m][j][3] = 0.f;
+    for (int m = 0; m < 4; ++m) fence_operands(acc[m]);
+  };
 
   __syncthreads();  // Q and row_fac in smem
   float row_fac[kHT][2];
@@ -1118,9 +1227,12 @@ __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const Spli
     float s[kHT][4];
     const bool load_next = t + STAGES - 1 < ntiles;
     uint8_t* next_stage = sm.kv[(t + STAGES - 1) % STAGES];
-    tm_scores<kHT>(s, tile + k_lane, q_desc, [&](int piece) {
-      if (load_next) loader.load_piece(t + STAGES - 1, piece, next_stage);
-    });
+    tm_scores<kHT>(
+        s, tile + k_lane, q_desc,
+        [&](int piece) {
+          if (load_next) loader.load_piece(t + STAGES - 1, piece, next_stage);
+        },
+        wait_pv_tail);
     cp_async_commit();
     float tile_max[kHT][2];
     const bool whole = work.lo + (t + 1) * TILE <= cta_lim;  // no token of the tile is masked
@@ -1133,8 +1245,9 @@ __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const Spli
     tm_store_p<kHT, TILE>(sm.p, s, half_row0, tq * 16, g, c);
     fence_proxy_async_smem();
     __syncthreads();  // P and row_scale
-    tm_pv<NT, TILE>(acc, tile, p_desc, sm.row_scale, rescale, warp, g, c);
+    tm_pv<NT, TILE>(acc, tile, p_desc, sm.row_scale, rescale, warp, g, c, pv_tail, t == 0);
   }
+  wait_pv_tail();
   cp_async_wait<0>();
 
   // --- epilogue: row sums over the lanes and the token warps; lse; O^T / l staged in smem as
@@ -1337,7 +1450,7 @@ void launch_kernel(Kernel* kernel, int threads, const SplitKVParams& params, dim
 
 template <int STAGES>
 void launch_splitkv(const SplitKVParams& params, dim3 grid, cudaStream_t stream) {
-  launch_kernel<SplitKVSmem<STAGES>>(splitkv_kernel<STAGES>, 32 * kWarpsPerM, params, grid, stream);
+  launch_kernel<SplitKVSmem<STAGES>>(splitkv_kernel<STAGES>, kSplitKVThreads, params, grid, stream);
 }
 
 template <int NT, int STAGES, int TILE = kTileN>

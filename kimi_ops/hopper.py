@@ -33,7 +33,7 @@ def _ops():
 
 
 def rows_per_cta(rows_per_request: int) -> int:
-    """Query rows one CTA takes: 16 (``splitkv_kernel``, 4 warps) or 32, 48, 64
+    """Query rows one CTA takes: 16 (``splitkv_kernel``, 4 compute warps and a producer warp) or 32, 48, 64
     (``splitkv_tm_kernel``, 8 warps; the MMAs take tokens as M and these rows as N).
 
     Cost model: the padded rows computed plus half a 16-row tile for each CTA of a request (each
