@@ -33,8 +33,8 @@ def _ops():
 
 
 def rows_per_cta(rows_per_request: int) -> int:
-    """Query rows one CTA takes: 16 (``splitkv_kernel``, 4 compute warps and a producer warp) or 32, 48, 64
-    (``splitkv_tm_kernel``, 8 warps; the MMAs take tokens as M and these rows as N).
+    """Query rows one CTA takes: 16 (``splitkv_kernel``, 4 compute warps and a producer warp) or
+    32, 48, 64 (``splitkv_tm_kernel``, 8 warps; the MMAs take tokens as M and these rows as N).
 
     Cost model: the padded rows computed plus half a 16-row tile for each CTA of a request (each
     re-reads the request's KV, from L2 after the first); ties go to the bigger CTA.
