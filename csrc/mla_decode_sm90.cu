@@ -84,7 +84,7 @@ struct SplitKVSmem {
   __half p[16 * kPStride];
   float red[kWarpsPerM][16];
   float row_fac[16];
-  uint64_t full[STAGES], empty[STAGES];  // stage landed (bulk copies) / stage read by every compute warp
+  uint64_t full[STAGES], empty[STAGES];  // stage landed (bulk copies) / stage read by every compute thread
 };
 
 struct SplitKVParams {
@@ -773,8 +773,10 @@ struct TileLoader {
 // to them (setmaxnreg: kProducerRegs each, the consumers kConsumerRegs) and one of its warps (the
 // producer) gathers the tiles: one cp.async.bulk of 576 bytes a token row onto the stage's `full`
 // mbarrier (a row past the split or outside the cache is copied from g_zero_row). The consumers
-// wait on `full`, release the stage on its `empty` mbarrier (one arrival a warp), and synchronize
-// among themselves on named barrier 1; the other three warps of the second warpgroup exit.
+// wait on `full`, release the stage on its `empty` mbarrier (every consumer thread arrives: one
+// lane's arrive after __syncwarp left the other lanes' reads unordered before the producer's next
+// copy, racecheck's WAR hazards), and synchronize among themselves on named barrier 1; the other
+// three warps of the second warpgroup exit.
 constexpr int kSplitKVThreads = 256;
 constexpr int kConsumerRegs = 232, kProducerRegs = 24;
 // setmaxnreg.inc waits until the CTA's pool has the registers: two CTAs a SM of 256 threads launch
@@ -807,7 +809,7 @@ __global__ void __launch_bounds__(kSplitKVThreads, 2) splitkv_kernel(const Split
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(&sm.full[s], 1);
-      mbar_init(&sm.empty[s], kWarps);
+      mbar_init(&sm.empty[s], kThreads);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -881,8 +883,7 @@ __global__ void __launch_bounds__(kSplitKVThreads, 2) splitkv_kernel(const Split
     tile_softmax(s, m_run, l_run, sm.p, wq, g, c);
     named_sync<kThreads>();  // P
     tile_pv(acc, tile, p_lane, wq, g, c);
-    __syncwarp();
-    if (lane == 0) mbar_arrive(&sm.empty[s_idx]);
+    mbar_arrive(&sm.empty[s_idx]);  // each thread: an arrive releases only its own reads of the stage
   }
 
   // --- epilogue: row sums across the quad and the warps, O staged in smem as bf16, 16-byte stores.
