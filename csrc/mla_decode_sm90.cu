@@ -821,12 +821,11 @@ __global__ void __launch_bounds__(kSplitKVThreads, 2) splitkv_kernel(const Split
     if (warp != kWarps + static_cast<int>(blockIdx.y % 4)) return;
     // lane l copies token rows l and l + 32 of each tile; their indices are fetched a tile ahead
     const int* idx_base = p.indices + work.start;
-    int next[2];
-#pragma unroll
-    for (int m = 0; m < 2; ++m) {
-      const int j = lo + lane + 32 * m;
-      next[m] = j < work.hi ? idx_base[j] : -1;
-    }
+    auto row_index = [&](int t, int m) {  // -1 past the split
+      const int j = lo + t * kTileN + lane + 32 * m;
+      return j < work.hi ? idx_base[j] : -1;
+    };
+    int next[2] = {row_index(0, 0), row_index(0, 1)};
     for (int t = 0; t < ntiles; ++t) {
       const int s = t % STAGES;
       const uint8_t* src[2];
@@ -834,8 +833,7 @@ __global__ void __launch_bounds__(kSplitKVThreads, 2) splitkv_kernel(const Split
       for (int m = 0; m < 2; ++m) {
         const bool ok = next[m] >= 0 && next[m] < p.num_kv_rows;
         src[m] = ok ? p.kv + static_cast<int64_t>(next[m]) * kRowBytes : g_zero_row;
-        const int j = lo + (t + 1) * kTileN + lane + 32 * m;
-        next[m] = j < work.hi ? idx_base[j] : -1;
+        next[m] = row_index(t + 1, m);
       }
       if (t >= STAGES) mbar_wait(&sm.empty[s], ((t / STAGES) - 1) & 1);
       if (lane == 0) mbar_arrive_expect_tx(&sm.full[s], kTileN * kRowBytes);
