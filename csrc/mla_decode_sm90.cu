@@ -84,7 +84,9 @@ struct SplitKVSmem {
   __half p[16 * kPStride];
   float red[kWarpsPerM][16];
   float row_fac[16];
-  uint64_t full[STAGES], empty[STAGES];  // stage landed (bulk copies) / stage read by every compute thread
+  uint64_t full[STAGES];      // the stage's 64 rows landed (bulk copies)
+  uint64_t empty_lo[STAGES];  // tokens 0-31 of the stage read by every compute thread
+  uint64_t empty_hi[STAGES];  // tokens 32-63 read
 };
 
 struct SplitKVParams {
@@ -690,10 +692,13 @@ __device__ __forceinline__ void v_token_pairs(const uint32_t (&x)[4], uint32_t (
 
 // O += P V over the tile's 64 tokens and the warp's 128 columns. acc[4*grp + j] column n (0..7)
 // is latent wq*128 + grp*32 + 4n + j. V^T's fragments come from the K tile (v_token_pairs).
+// The thread arrives on low_half_read before the third k-step: its reads of tokens 0-31 are issued
+// (QK read them in warps 0-1, before the P barrier).
 __device__ __forceinline__ void tile_pv(float (&acc)[16][4], const uint8_t* tile, const __half* p_lane, int wq, int g,
-                                        int c) {
+                                        int c, uint64_t* low_half_read) {
 #pragma unroll
   for (int kk = 0; kk < kTileN / 16; ++kk) {
+    if (kk == 2) mbar_arrive(low_half_read);
     uint32_t pa[4];
     ldmatrix_x4(pa, p_lane + kk * 16);
     const uint8_t* v0 = tile + (kk * 16 + 2 * c) * kSmemRow + wq * 128 + 4 * g;
@@ -773,10 +778,12 @@ struct TileLoader {
 // to them (setmaxnreg: kProducerRegs each, the consumers kConsumerRegs) and one of its warps (the
 // producer) gathers the tiles: one cp.async.bulk of 576 bytes a token row onto the stage's `full`
 // mbarrier (a row past the split or outside the cache is copied from g_zero_row). The consumers
-// wait on `full`, release the stage on its `empty` mbarrier (every consumer thread arrives: one
-// lane's arrive after __syncwarp left the other lanes' reads unordered before the producer's next
-// copy, racecheck's WAR hazards), and synchronize among themselves on named barrier 1; the other
-// three warps of the second warpgroup exit.
+// wait on `full` and release the stage by halves: tokens 0-31 on `empty_lo` once PV's first two
+// k-steps have read them, tokens 32-63 on `empty_hi` after PV, so the producer refills the first
+// half half a PV sooner. Every consumer thread arrives (an arrive releases only the thread's own
+// reads: one lane's arrive after __syncwarp left the other lanes' reads unordered before the
+// producer's next copy, racecheck's WAR hazards). The consumers synchronize among themselves on
+// named barrier 1; the other three warps of the second warpgroup exit.
 constexpr int kSplitKVThreads = 256;
 constexpr int kConsumerRegs = 232, kProducerRegs = 24;
 // setmaxnreg.inc waits until the CTA's pool has the registers: two CTAs a SM of 256 threads launch
@@ -809,7 +816,8 @@ __global__ void __launch_bounds__(kSplitKVThreads, 2) splitkv_kernel(const Split
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(&sm.full[s], 1);
-      mbar_init(&sm.empty[s], kThreads);
+      mbar_init(&sm.empty_lo[s], kThreads);
+      mbar_init(&sm.empty_hi[s], kThreads);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -835,11 +843,13 @@ __global__ void __launch_bounds__(kSplitKVThreads, 2) splitkv_kernel(const Split
         src[m] = ok ? p.kv + static_cast<int64_t>(next[m]) * kRowBytes : g_zero_row;
         next[m] = row_index(t + 1, m);
       }
-      if (t >= STAGES) mbar_wait(&sm.empty[s], ((t / STAGES) - 1) & 1);
+      const uint32_t parity = ((t / STAGES) - 1) & 1;
+      if (t >= STAGES) mbar_wait(&sm.empty_lo[s], parity);
       if (lane == 0) mbar_arrive_expect_tx(&sm.full[s], kTileN * kRowBytes);
       __syncwarp();
-#pragma unroll
-      for (int m = 0; m < 2; ++m) bulk_copy_g2s(sm.kv[s] + (lane + 32 * m) * kSmemRow, src[m], kRowBytes, &sm.full[s]);
+      bulk_copy_g2s(sm.kv[s] + lane * kSmemRow, src[0], kRowBytes, &sm.full[s]);
+      if (t >= STAGES) mbar_wait(&sm.empty_hi[s], parity);
+      bulk_copy_g2s(sm.kv[s] + (lane + 32) * kSmemRow, src[1], kRowBytes, &sm.full[s]);
     }
     return;
   }
@@ -880,8 +890,8 @@ __global__ void __launch_bounds__(kSplitKVThreads, 2) splitkv_kernel(const Split
     }
     tile_softmax(s, m_run, l_run, sm.p, wq, g, c);
     named_sync<kThreads>();  // P
-    tile_pv(acc, tile, p_lane, wq, g, c);
-    mbar_arrive(&sm.empty[s_idx]);  // each thread: an arrive releases only its own reads of the stage
+    tile_pv(acc, tile, p_lane, wq, g, c, &sm.empty_lo[s_idx]);
+    mbar_arrive(&sm.empty_hi[s_idx]);
   }
 
   // --- epilogue: row sums across the quad and the warps, O staged in smem as bf16, 16-byte stores.
