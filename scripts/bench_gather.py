@@ -1,9 +1,9 @@
 """The gather roofline: the read bandwidth a kernel that does nothing but gather the cache's
 576-byte rows attains, against the same rows read in order.
 
-M1c's floor (scripts/bench_attention.py) divides the KV bytes by 4.31 TB/s, a sequential-copy
-figure. A decode batch reads its rows through a page-size-1 index: random 576-byte rows of a
-large pool. This script times a Triton kernel that loads every indexed row (as 144 int32) and
+M1c's floor (scripts/bench_attention.py) divides the KV bytes by 4.31 TB/s, DESIGN.md's measured
+HBM read rate (a sequential read). A decode batch reads its rows through a page-size-1 index:
+random 576-byte rows of a large pool. This script times a Triton kernel that loads every indexed row (as 144 int32) and
 folds it into one xor checksum a program, so the only traffic is the rows (plus 4 bytes of index a
 row), for three index patterns over the same pool:
   random      a random permutation of the pool (bench_attention's default layout)
@@ -15,7 +15,8 @@ compared against torch's, so a config that skipped rows would fail rather than l
     python3 scripts/bench_gather.py [--tokens 1048576] [--pool 2000000] [--reps 20]
 
 Timing: CUDA-graph replays (scripts/graph_timing.py), median; the pool (1.15 GB by default) is
-far larger than the 50 MB L2 and each replay reads a different random permutation.
+far larger than the 50 MB L2, a call's rows (604 MB by default) too, and the graph cycles through
+--sets index sets (different random permutations, for the random patterns).
 """
 import argparse
 import itertools
@@ -81,6 +82,7 @@ def expected_checksum(kv_words, idx):
 
 
 def index_sets(pattern, n, pool, sets, gen):
+    """`sets` int32 index vectors of n distinct rows of [0, pool) (the module docstring's patterns)."""
     if pattern == "sequential":
         return [torch.arange(n, dtype=torch.int32)] * sets
     if pattern == "random":
@@ -100,6 +102,8 @@ def main(argv=None):
     ap.add_argument("--sets", type=int, default=4, help="rotating index sets")
     ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args(argv)
+    if not 0 < args.tokens <= args.pool - args.pool % 64:
+        sys.exit("--tokens must be in [1, pool rounded down to 64-row pages]")
     if not torch.cuda.is_available():
         sys.exit("bench_gather.py needs a CUDA GPU")
     gen = torch.Generator().manual_seed(0)
