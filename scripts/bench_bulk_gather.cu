@@ -27,6 +27,7 @@
 namespace kimi_ops::sm90::bench {
 
 constexpr int kRowBytes = 576, kSmemRow = 592, kTileN = 64, kConsumers = 128;
+constexpr int kBulkThreads = kConsumers + 32;  // bulk_ring: the consumers and the producer warp
 
 #define CHECK(x)                                                                         \
   do {                                                                                   \
@@ -49,7 +50,7 @@ __device__ __forceinline__ uint32_t consume_tile(const uint8_t* tile, int rows, 
 
 // CTA b streams tokens [b * per_cta, (b + 1) * per_cta) of idx (rows of kv); out[b] = its xor.
 template <int STAGES>
-__global__ void __launch_bounds__(160) bulk_ring(const uint8_t* kv, const int* idx, int n, int per_cta,
+__global__ void __launch_bounds__(kBulkThreads) bulk_ring(const uint8_t* kv, const int* idx, int n, int per_cta,
                                                  uint32_t* out) {
   extern __shared__ __align__(128) uint8_t smem[];
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + STAGES * kTileN * kSmemRow);
@@ -99,7 +100,7 @@ __global__ void __launch_bounds__(160) bulk_ring(const uint8_t* kv, const int* i
 }
 
 template <int STAGES>
-__global__ void __launch_bounds__(128) cpasync_ring(const uint8_t* kv, const int* idx, int n, int per_cta,
+__global__ void __launch_bounds__(kConsumers) cpasync_ring(const uint8_t* kv, const int* idx, int n, int per_cta,
                                                     uint32_t* out) {
   extern __shared__ __align__(128) uint8_t smem[];
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -167,10 +168,20 @@ uint32_t xor_all(const std::vector<uint32_t>& v) {
   return x;
 }
 
+using RingKernel = void (*)(const uint8_t*, const int*, int, int, uint32_t*);
 struct Case {
   const char* name;
-  int stages, ctas_per_sm;
+  RingKernel kernel;
+  int threads, stages, ctas_per_sm;
 };
+template <int STAGES>
+Case bulk_case(int ctas_per_sm) {
+  return {"bulk", bulk_ring<STAGES>, kBulkThreads, STAGES, ctas_per_sm};
+}
+template <int STAGES>
+Case cpasync_case(int ctas_per_sm) {
+  return {"cpasync", cpasync_ring<STAGES>, kConsumers, STAGES, ctas_per_sm};
+}
 
 }  // namespace kimi_ops::sm90::bench
 
@@ -212,10 +223,9 @@ int main(int argc, char** argv) {
 
   std::printf("%s, %d SMs; %d random rows of 576 B from a pool of %d; TB/s of rows, median of 20\n", prop.name,
               sms, n, pool);
-  const Case cases[] = {{"bulk", 2, 1}, {"bulk", 2, 2}, {"bulk", 2, 3}, {"bulk", 4, 1},
-                        {"cpasync", 2, 2}, {"cpasync", 2, 3}, {"cpasync", 3, 2}, {"cpasync", 4, 1}};
+  const Case cases[] = {bulk_case<2>(1),    bulk_case<2>(2),    bulk_case<2>(3),    bulk_case<4>(1),
+                        cpasync_case<2>(2), cpasync_case<2>(3), cpasync_case<3>(2), cpasync_case<4>(1)};
   for (const Case& c : cases) {
-    const bool bulk = c.name[0] == 'b';
     const size_t ring = static_cast<size_t>(c.stages) * kTileN * kSmemRow + 2 * c.stages * sizeof(uint64_t);
     // pad the CTA's shared memory so that exactly ctas_per_sm fit a SM (1 KB a CTA is reserved)
     const size_t smem = std::max(ring, static_cast<size_t>(smem_per_sm / (c.ctas_per_sm + 1) + 1024));
@@ -223,14 +233,10 @@ int main(int argc, char** argv) {
       std::printf("%-8s stages %d, %d CTAs a SM: does not fit\n", c.name, c.stages, c.ctas_per_sm);
       continue;
     }
-    void (*kernel)(const uint8_t*, const int*, int, int, uint32_t*) =
-        bulk ? (c.stages == 2 ? bulk_ring<2> : bulk_ring<4>)
-             : (c.stages == 2 ? cpasync_ring<2> : c.stages == 3 ? cpasync_ring<3> : cpasync_ring<4>);
-    CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    CHECK(cudaFuncSetAttribute(c.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
     const int ctas = std::min(4096, sms * c.ctas_per_sm);
     const int per_cta = (n + ctas - 1) / ctas;
-    const int threads = bulk ? 160 : 128;
-    auto launch = [&] { kernel<<<ctas, threads, smem>>>(kv, idx, n, per_cta, out); };
+    auto launch = [&] { c.kernel<<<ctas, c.threads, smem>>>(kv, idx, n, per_cta, out); };
     CHECK(cudaMemset(out, 0, ctas * sizeof(uint32_t)));
     launch();
     CHECK(cudaGetLastError());
