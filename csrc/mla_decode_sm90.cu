@@ -1273,7 +1273,8 @@ __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const Spli
 // ---- M1b ---------------------------------------------------------------------------------------
 
 constexpr int kMergeThreads = 128;
-constexpr int kMergeUnroll = 8;
+// split rows a thread loads a round: 4 where rows have few splits (b128 8k: 2), else 8
+constexpr int kMergeUnrollFew = 4, kMergeUnrollMany = 8;
 
 // One CTA per (row, block of `cols` output columns: 64..512). Thread t reads 4 columns (8 bytes)
 // of split rows t / (cols / 4), + slots, ...: with 64 columns a CTA has 8 x 8 split rows in
@@ -1296,15 +1297,16 @@ struct MergeParams {
   int splits_hint;  // about how many splits a row has (sets launch_merge's grid)
 };
 
-// The thread's split rows s0, s0 + slots, ... (kMergeUnroll of them): lse and o loaded together.
+// The thread's split rows s0, s0 + slots, ... (UNROLL of them): lse and o loaded together.
 // o is loaded whatever its lse (an empty split's o may be unwritten); add drops it.
+template <int UNROLL>
 struct MergeRound {
-  float lse[kMergeUnroll];
-  uint2 o[kMergeUnroll];  // 4 columns, bf16
+  float lse[UNROLL];
+  uint2 o[UNROLL];  // 4 columns, bf16
   __device__ __forceinline__ void load(const MergeParams& p, int64_t part_row, int64_t part_stride, int splits,
                                        int s0, int slots, int col0, int quad) {
 #pragma unroll
-    for (int u = 0; u < kMergeUnroll; ++u) {
+    for (int u = 0; u < UNROLL; ++u) {
       const int s = s0 + u * slots;
       const int64_t at = part_row + static_cast<int64_t>(s < splits ? s : 0) * part_stride;
       lse[u] = s < splits ? p.lse_part[at] : -INFINITY;
@@ -1314,7 +1316,7 @@ struct MergeRound {
   // acc += 2^(lse - mx) o over the round's non-empty splits, wsum += their weights
   __device__ __forceinline__ void add(float mx, float (&acc)[4], float& wsum) const {
 #pragma unroll
-    for (int u = 0; u < kMergeUnroll; ++u) {
+    for (int u = 0; u < UNROLL; ++u) {
       const float wt = lse[u] == -INFINITY ? 0.f : __expf(lse[u] - mx);
       wsum += wt;
       const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&o[u]);
@@ -1328,7 +1330,9 @@ struct MergeRound {
   }
 };
 
-__global__ void __launch_bounds__(kMergeThreads) merge_kernel(const MergeParams p) {
+// (12 CTAs a SM with UNROLL 4: 40 registers, the build measured in session 16; 8 keeps its 48)
+template <int UNROLL>
+__global__ void __launch_bounds__(kMergeThreads, UNROLL == kMergeUnrollFew ? 12 : 0) merge_kernel(const MergeParams p) {
   __shared__ float red[kMergeThreads / 32];
   __shared__ float red_acc[kLatent];         // [slots][cols]
   __shared__ float red_sum[kLatent / 64];    // [slots], at most 8
@@ -1352,7 +1356,7 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const MergeParams 
   const int slot = tid / quads, quad = tid % quads;
 
   // the first round's lse and o go out with the lse loads of the row's max
-  MergeRound round;
+  MergeRound<UNROLL> round;
   round.load(p, part_row, part_stride, splits, slot, slots, col0, quad);
   float mx = -INFINITY;
   for (int s = tid; s < splits; s += kMergeThreads) mx = fmaxf(mx, p.lse_part[part_row + s * part_stride]);
@@ -1372,7 +1376,7 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const MergeParams 
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
   float wsum = 0.f;
   round.add(mx, acc, wsum);
-  for (int s0 = slot + slots * kMergeUnroll; s0 < splits; s0 += slots * kMergeUnroll) {
+  for (int s0 = slot + slots * UNROLL; s0 < splits; s0 += slots * UNROLL) {
     round.load(p, part_row, part_stride, splits, s0, slots, col0, quad);
     round.add(mx, acc, wsum);
   }
@@ -1493,20 +1497,24 @@ void launch_splitkv(const SplitKVParams& params, int64_t rows_per_cta, int64_t s
 }
 
 // One CTA per (row, column block): as few blocks (1, 2, 4 or 8: 512..64 columns) as cover a row's
-// splits (about splits_hint) in one load round of 8 x blocks split rows a CTA, and at least one
-// CTA a SM. (The previous rule, blocks doubled while the grid stayed within 16 CTAs a SM, launched
-// twice the CTAs at b32 8k / 32k and was 1-3% slower there: docs/PERF.md, session 11.)
+// splits (about splits_hint) in one load round of UNROLL x blocks split rows a CTA, and at least
+// one CTA a SM. (The previous rule, blocks doubled while the grid stayed within 16 CTAs a SM,
+// launched twice the CTAs at b32 8k / 32k and was 1-3% slower there: docs/PERF.md, session 11.)
+// UNROLL 4 for rows of at most 4 splits: 1.9 us less than 8 at b128 8k (2 splits a row), but
+// 0.3-1.1 us more at 8 or more splits (docs/PERF.md, session 16, call 8).
 void launch_merge(MergeParams params) {
   int device = 0, sms = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int unroll = params.splits_hint <= kMergeUnrollFew ? kMergeUnrollFew : kMergeUnrollMany;
   int col_blocks = 1;
-  while (col_blocks < 8 && (kMergeUnroll * col_blocks < params.splits_hint ||
+  while (col_blocks < 8 && (unroll * col_blocks < params.splits_hint ||
                             static_cast<int64_t>(params.rows) * col_blocks < static_cast<int64_t>(sms)))
     col_blocks *= 2;
   params.cols = kLatent / col_blocks;
   const dim3 grid(static_cast<unsigned>(params.rows), static_cast<unsigned>(col_blocks));
-  merge_kernel<<<grid, kMergeThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(params);
+  auto kernel = unroll == kMergeUnrollFew ? merge_kernel<kMergeUnrollFew> : merge_kernel<kMergeUnrollMany>;
+  kernel<<<grid, kMergeThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(params);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -278,8 +278,10 @@ def test_merge(monkeypatch):
     import kimi_ops.kernels.attention as triton_kernels
     monkeypatch.setattr(triton_kernels, "mla_merge", hopper.mla_merge)  # check_merge calls it from there
     g = torch.Generator().manual_seed(5)
-    # rows 12..1536, 1..130 splits: each of the kernel's column block counts (1, 2, 4, 8 of 512..64)
-    for S, T, H in [(64, 40, 12), (1, 3, 128), (5, 6, 3), (17, 2, 96), (130, 1, 12), (5, 64, 12), (9, 128, 12)]:
+    # rows 12..1536, 1..130 splits: each of the kernel's column block counts (1, 2, 4, 8 of 512..64),
+    # and both unrolls (4 split rows a thread a round for S <= 4, else 8)
+    for S, T, H in [(64, 40, 12), (1, 3, 128), (5, 6, 3), (17, 2, 96), (130, 1, 12), (5, 64, 12), (9, 128, 12),
+                    (2, 96, 12), (4, 7, 16), (3, 1, 12)]:
         check_merge(S, T, H, device="cuda", gen=g)
         check_merge(S, T, H, device="cuda", gen=g, spread=80.0)
         # the kernel loads an empty split's o with its lse (one round of latency less): NaN there
