@@ -54,24 +54,30 @@ __device__ __forceinline__ uint32_t consume_tile(const uint8_t* tile, int rows, 
   return x;
 }
 
-// The ring's barriers after its STAGES tiles: full[s] (the tile landed), empty[s] (every consumer
-// thread read it).
+// A CTA's ring and its chunk of the tokens: STAGES tiles in shared memory, then full[s] (the tile
+// landed; full_count arrivals) and empty[s] (every consumer thread read it); CTA b streams tokens
+// [lo, hi) = [b * per_cta, (b + 1) * per_cta) of idx in ntiles tiles.
 template <int STAGES>
-__device__ __forceinline__ uint64_t* ring_barriers(uint8_t* smem) {
-  return reinterpret_cast<uint64_t*>(smem + STAGES * kTileN * kSmemRow);
-}
-
-template <int STAGES>
-__device__ __forceinline__ void init_ring(uint64_t* full, uint64_t* empty, int full_count) {
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < STAGES; ++s) {
-      mbar_init(&full[s], full_count);
-      mbar_init(&empty[s], kConsumers);
+struct RingCta {
+  uint8_t* smem;
+  uint64_t *full, *empty;
+  int lo, hi, ntiles;
+  __device__ __forceinline__ RingCta(uint8_t* smem_, int n, int per_cta, int full_count) : smem(smem_) {
+    full = reinterpret_cast<uint64_t*>(smem + STAGES * kTileN * kSmemRow);
+    empty = full + STAGES;
+    lo = blockIdx.x * per_cta;
+    hi = min(n, lo + per_cta);
+    ntiles = hi > lo ? (hi - lo + kTileN - 1) / kTileN : 0;
+    if (threadIdx.x == 0) {
+      for (int s = 0; s < STAGES; ++s) {
+        mbar_init(&full[s], full_count);
+        mbar_init(&empty[s], kConsumers);
+      }
+      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    __syncthreads();
   }
-  __syncthreads();
-}
+};
 
 // Hold a stage hold_cycles SM clocks after reading it (a stand-in for the kernel's compute; the
 // warps sleep, so they take no issue slots).
@@ -84,16 +90,15 @@ __device__ __forceinline__ void hold(int hold_cycles) {
 // Threads 0..127: wait for each tile on full, xor it, hold it, release it on empty;
 // out[blockIdx.x] ^= the xor.
 template <int STAGES>
-__device__ __forceinline__ void consume_ring(const uint8_t* smem, uint64_t* full, uint64_t* empty, int ntiles,
-                                             int chunk_rows, int hold_cycles, uint32_t* out) {
+__device__ __forceinline__ void consume_ring(const RingCta<STAGES>& ring, int hold_cycles, uint32_t* out) {
   const int tid = threadIdx.x;
   uint32_t x = 0;
-  for (int t = 0; t < ntiles; ++t) {
+  for (int t = 0; t < ring.ntiles; ++t) {
     const int s = t % STAGES;
-    mbar_wait(&full[s], (t / STAGES) & 1);
-    x ^= consume_tile(smem + s * kTileN * kSmemRow, min(kTileN, chunk_rows - t * kTileN), tid);
+    mbar_wait(&ring.full[s], (t / STAGES) & 1);
+    x ^= consume_tile(ring.smem + s * kTileN * kSmemRow, min(kTileN, ring.hi - ring.lo - t * kTileN), tid);
     hold(hold_cycles);
-    mbar_arrive(&empty[s]);
+    mbar_arrive(&ring.empty[s]);
   }
   for (int o = 16; o > 0; o >>= 1) x ^= __shfl_xor_sync(0xffffffffu, x, o);
   if (tid % 32 == 0) atomicXor(&out[blockIdx.x], x);
@@ -126,43 +131,39 @@ struct TileRows {
 // rows first + l and first + l + 32. It arms full[s] with their bytes itself (full counts one
 // arrival a copying warp).
 template <int STAGES>
-__device__ __forceinline__ void bulk_rows(uint8_t* smem, uint64_t* full, uint64_t* empty, const uint8_t* kv,
-                                          const int* idx, int lo, int hi, int ntiles, int first, int count) {
+__device__ __forceinline__ void bulk_rows(const RingCta<STAGES>& ring, const uint8_t* kv, const int* idx, int first,
+                                          int count) {
   const int lane = threadIdx.x % 32;
-  TileRows rows(idx, lo, hi);
-  for (int t = 0; t < ntiles; ++t) {
+  TileRows rows(idx, ring.lo, ring.hi);
+  for (int t = 0; t < ring.ntiles; ++t) {
     const int s = t % STAGES;
     rows.advance(t);
     const int src[2] = {rows.row(first + lane), rows.row(first + lane + 32)};
-    const int n_rows = max(0, min(count, min(kTileN, hi - lo - t * kTileN) - first));
-    if (t >= STAGES) mbar_wait(&empty[s], ((t / STAGES) - 1) & 1);
-    if (lane == 0) mbar_arrive_expect_tx(&full[s], n_rows * kRowBytes);
+    const int n_rows = max(0, min(count, min(kTileN, ring.hi - ring.lo - t * kTileN) - first));
+    if (t >= STAGES) mbar_wait(&ring.empty[s], ((t / STAGES) - 1) & 1);
+    if (lane == 0) mbar_arrive_expect_tx(&ring.full[s], n_rows * kRowBytes);
     __syncwarp();
     for (int m = 0; m < 2; ++m)
       if (lane + 32 * m < n_rows)
-        bulk_copy_g2s(smem + (s * kTileN + first + lane + 32 * m) * kSmemRow,
-                      kv + static_cast<int64_t>(src[m]) * kRowBytes, kRowBytes, &full[s]);
+        bulk_copy_g2s(ring.smem + (s * kTileN + first + lane + 32 * m) * kSmemRow,
+                      kv + static_cast<int64_t>(src[m]) * kRowBytes, kRowBytes, &ring.full[s]);
   }
 }
 
-// CTA b streams tokens [b * per_cta, (b + 1) * per_cta) of idx (rows of kv); out[b] = its xor.
-// PRODUCERS warps after the consumers, warp p copying rows [64p / P, 64(p + 1) / P) of each tile.
+// Each kernel: CTA b streams its chunk of idx (rows of kv) through the ring; out[b] = its xor.
+// bulk_ring: PRODUCERS warps after the consumers, warp p copying rows [64p / P, 64(p + 1) / P) of each tile.
 template <int STAGES, int PRODUCERS>
 __global__ void __launch_bounds__(kConsumers + 32 * PRODUCERS)
     bulk_ring(const uint8_t* kv, const int* idx, int n, int per_cta, int hold_cycles, uint32_t* out) {
   extern __shared__ __align__(128) uint8_t smem[];
-  uint64_t* full = ring_barriers<STAGES>(smem);
-  uint64_t* empty = full + STAGES;
-  const int lo = blockIdx.x * per_cta, hi = min(n, lo + per_cta);
-  const int ntiles = hi > lo ? (hi - lo + kTileN - 1) / kTileN : 0;
-  init_ring<STAGES>(full, empty, PRODUCERS);
+  const RingCta<STAGES> ring(smem, n, per_cta, PRODUCERS);
   const int warp = threadIdx.x / 32;
   constexpr int kShare = kTileN / PRODUCERS;
   if (warp >= kConsumers / 32) {
-    bulk_rows<STAGES>(smem, full, empty, kv, idx, lo, hi, ntiles, (warp - kConsumers / 32) * kShare, kShare);
+    bulk_rows(ring, kv, idx, (warp - kConsumers / 32) * kShare, kShare);
     return;
   }
-  consume_ring<STAGES>(smem, full, empty, ntiles, hi - lo, hold_cycles, out);
+  consume_ring(ring, hold_cycles, out);
 }
 
 // One producer warp bulk-copies rows 0-31 of each tile; LOADERS warps cp.async rows 32-63 (lane i
@@ -172,35 +173,32 @@ template <int STAGES, int LOADERS>
 __global__ void __launch_bounds__(kConsumers + 32 + 32 * LOADERS)
     mixed_ring(const uint8_t* kv, const int* idx, int n, int per_cta, int hold_cycles, uint32_t* out) {
   extern __shared__ __align__(128) uint8_t smem[];
-  uint64_t* full = ring_barriers<STAGES>(smem);
-  uint64_t* empty = full + STAGES;
-  const int lo = blockIdx.x * per_cta, hi = min(n, lo + per_cta);
-  const int ntiles = hi > lo ? (hi - lo + kTileN - 1) / kTileN : 0;
-  init_ring<STAGES>(full, empty, 1 + 32 * LOADERS);
+  const RingCta<STAGES> ring(smem, n, per_cta, 1 + 32 * LOADERS);
   const int warp = threadIdx.x / 32;
   if (warp == kConsumers / 32) {
-    bulk_rows<STAGES>(smem, full, empty, kv, idx, lo, hi, ntiles, 0, 32);
+    bulk_rows(ring, kv, idx, 0, 32);
     return;
   }
   if (warp > kConsumers / 32) {
     const int li = threadIdx.x - kConsumers - 32;
-    TileRows rows(idx, lo, hi);
-    for (int t = 0; t < ntiles; ++t) {
+    TileRows rows(idx, ring.lo, ring.hi);
+    for (int t = 0; t < ring.ntiles; ++t) {
       const int s = t % STAGES;
       rows.advance(t);
-      if (t >= STAGES) mbar_wait(&empty[s], ((t / STAGES) - 1) & 1);
+      if (t >= STAGES) mbar_wait(&ring.empty[s], ((t / STAGES) - 1) & 1);
       for (int k = li; k < 32 * kChunks; k += 32 * LOADERS) {  // the same trip count in every lane
         const int r = k / kChunks, c = k % kChunks;
         const int src_row = rows.row(32 + r);
         if (src_row >= 0)
-          cp_async_16(smem + (s * kTileN + 32 + r) * kSmemRow + 16 * c,
+          cp_async_16(ring.smem + (s * kTileN + 32 + r) * kSmemRow + 16 * c,
                       kv + static_cast<int64_t>(src_row) * kRowBytes + 16 * c, 16);
       }
-      asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_addr(&full[s])) : "memory");
+      asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_addr(&ring.full[s]))
+                   : "memory");
     }
     return;
   }
-  consume_ring<STAGES>(smem, full, empty, ntiles, hi - lo, hold_cycles, out);
+  consume_ring(ring, hold_cycles, out);
 }
 
 // GROUPS groups of 4 loader warps; group g fills tiles g, g + GROUPS, ...: each thread loads its 18
@@ -210,17 +208,13 @@ template <int STAGES, int GROUPS>
 __global__ void __launch_bounds__(kConsumers + 128 * GROUPS, GROUPS == 1 ? 2 : 1)
     ldg_ring(const uint8_t* kv, const int* idx, int n, int per_cta, int hold_cycles, uint32_t* out) {
   extern __shared__ __align__(128) uint8_t smem[];
-  uint64_t* full = ring_barriers<STAGES>(smem);
-  uint64_t* empty = full + STAGES;
-  const int lo = blockIdx.x * per_cta, hi = min(n, lo + per_cta);
-  const int ntiles = hi > lo ? (hi - lo + kTileN - 1) / kTileN : 0;
-  init_ring<STAGES>(full, empty, 128);
+  const RingCta<STAGES> ring(smem, n, per_cta, 128);
   if (threadIdx.x >= kConsumers) {
     const int li = (threadIdx.x - kConsumers) % 128, group = (threadIdx.x - kConsumers) / 128;
     constexpr int kPieces = kTileN * kChunks / 128;
-    TileRows rows(idx, lo, hi);
+    TileRows rows(idx, ring.lo, ring.hi);
     rows.fetch(group);
-    for (int t = group; t < ntiles; t += GROUPS) {
+    for (int t = group; t < ring.ntiles; t += GROUPS) {
       const int s = t % STAGES;
       rows.advance(t + GROUPS - 1);  // cur = tile t's rows, next = tile t + GROUPS's
       uint4 v[kPieces];
@@ -236,17 +230,17 @@ __global__ void __launch_bounds__(kConsumers + 128 * GROUPS, GROUPS == 1 ? 2 : 1
                        : "l"(src));
         }
       }
-      if (t >= STAGES) mbar_wait(&empty[s], ((t / STAGES) - 1) & 1);
+      if (t >= STAGES) mbar_wait(&ring.empty[s], ((t / STAGES) - 1) & 1);
 #pragma unroll
       for (int j = 0; j < kPieces; ++j) {
         const int k = li + 128 * j, r = k / kChunks, c = k % kChunks;
-        *reinterpret_cast<uint4*>(smem + (s * kTileN + r) * kSmemRow + 16 * c) = v[j];
+        *reinterpret_cast<uint4*>(ring.smem + (s * kTileN + r) * kSmemRow + 16 * c) = v[j];
       }
-      mbar_arrive(&full[s]);
+      mbar_arrive(&ring.full[s]);
     }
     return;
   }
-  consume_ring<STAGES>(smem, full, empty, ntiles, hi - lo, hold_cycles, out);
+  consume_ring(ring, hold_cycles, out);
 }
 
 template <int STAGES>
