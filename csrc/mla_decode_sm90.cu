@@ -1277,7 +1277,7 @@ constexpr int kMergeThreads = 128;
 constexpr int kMergeUnrollFew = 4, kMergeUnrollMany = 8;
 
 // One CTA per (row, block of `cols` output columns: 64..512). Thread t reads 4 columns (8 bytes)
-// of split rows t / (cols / 4), + slots, ...: with 64 columns a CTA has 8 x 8 split rows in
+// of split rows t / (cols / 4), + slots, ...: with 64 columns a CTA has 8 x UNROLL split rows in
 // flight, so a few rows with many splits (one request, long context) take ~1 round of latency.
 // Two rounds of global-memory latency before the sums: the request's kv_indptr bounds with its
 // first slot, then the first round's lse and o with the lse loads of the row's max.

@@ -33,7 +33,7 @@
 namespace kimi_ops::sm90::bench {
 
 constexpr int kRowBytes = 576, kSmemRow = 592, kTileN = 64, kConsumers = 128;
-constexpr int kChunks = kRowBytes / 16;  // 16-byte pieces of a row
+constexpr int kChunks = kRowBytes / 16, kRowWords = kRowBytes / 4;  // 16-byte pieces, 4-byte words of a row
 
 #define CHECK(x)                                                                         \
   do {                                                                                   \
@@ -47,8 +47,8 @@ constexpr int kChunks = kRowBytes / 16;  // 16-byte pieces of a row
 // The consumer threads' share of a landed tile: thread t xors words t, t + 128, ... of its rows.
 __device__ __forceinline__ uint32_t consume_tile(const uint8_t* tile, int rows, int tid) {
   uint32_t x = 0;
-  for (int w = tid; w < rows * (kRowBytes / 4); w += kConsumers) {
-    const int r = w / (kRowBytes / 4), c = w % (kRowBytes / 4);
+  for (int w = tid; w < rows * kRowWords; w += kConsumers) {
+    const int r = w / kRowWords, c = w % kRowWords;
     x ^= *reinterpret_cast<const uint32_t*>(tile + r * kSmemRow + 4 * c);
   }
   return x;
@@ -77,6 +77,12 @@ struct RingCta {
     }
     __syncthreads();
   }
+  __device__ __forceinline__ int tile_rows(int t) const { return min(kTileN, hi - lo - t * kTileN); }
+  __device__ __forceinline__ uint8_t* row_ptr(int s, int r) const { return smem + (s * kTileN + r) * kSmemRow; }
+  // a filler's wait until tile t's stage is free (its tile t - STAGES released)
+  __device__ __forceinline__ void wait_free(int t) const {
+    if (t >= STAGES) mbar_wait(&empty[t % STAGES], ((t / STAGES) - 1) & 1);
+  }
 };
 
 // Hold a stage hold_cycles SM clocks after reading it (a stand-in for the kernel's compute; the
@@ -96,7 +102,7 @@ __device__ __forceinline__ void consume_ring(const RingCta<STAGES>& ring, int ho
   for (int t = 0; t < ring.ntiles; ++t) {
     const int s = t % STAGES;
     mbar_wait(&ring.full[s], (t / STAGES) & 1);
-    x ^= consume_tile(ring.smem + s * kTileN * kSmemRow, min(kTileN, ring.hi - ring.lo - t * kTileN), tid);
+    x ^= consume_tile(ring.row_ptr(s, 0), ring.tile_rows(t), tid);
     hold(hold_cycles);
     mbar_arrive(&ring.empty[s]);
   }
@@ -139,14 +145,14 @@ __device__ __forceinline__ void bulk_rows(const RingCta<STAGES>& ring, const uin
     const int s = t % STAGES;
     rows.advance(t);
     const int src[2] = {rows.row(first + lane), rows.row(first + lane + 32)};
-    const int n_rows = max(0, min(count, min(kTileN, ring.hi - ring.lo - t * kTileN) - first));
-    if (t >= STAGES) mbar_wait(&ring.empty[s], ((t / STAGES) - 1) & 1);
+    const int n_rows = max(0, min(count, ring.tile_rows(t) - first));
+    ring.wait_free(t);
     if (lane == 0) mbar_arrive_expect_tx(&ring.full[s], n_rows * kRowBytes);
     __syncwarp();
     for (int m = 0; m < 2; ++m)
       if (lane + 32 * m < n_rows)
-        bulk_copy_g2s(ring.smem + (s * kTileN + first + lane + 32 * m) * kSmemRow,
-                      kv + static_cast<int64_t>(src[m]) * kRowBytes, kRowBytes, &ring.full[s]);
+        bulk_copy_g2s(ring.row_ptr(s, first + lane + 32 * m), kv + static_cast<int64_t>(src[m]) * kRowBytes, kRowBytes,
+                      &ring.full[s]);
   }
 }
 
@@ -185,12 +191,12 @@ __global__ void __launch_bounds__(kConsumers + 32 + 32 * LOADERS)
     for (int t = 0; t < ring.ntiles; ++t) {
       const int s = t % STAGES;
       rows.advance(t);
-      if (t >= STAGES) mbar_wait(&ring.empty[s], ((t / STAGES) - 1) & 1);
+      ring.wait_free(t);
       for (int k = li; k < 32 * kChunks; k += 32 * LOADERS) {  // the same trip count in every lane
         const int r = k / kChunks, c = k % kChunks;
         const int src_row = rows.row(32 + r);
         if (src_row >= 0)
-          cp_async_16(ring.smem + (s * kTileN + 32 + r) * kSmemRow + 16 * c,
+          cp_async_16(ring.row_ptr(s, 32 + r) + 16 * c,
                       kv + static_cast<int64_t>(src_row) * kRowBytes + 16 * c, 16);
       }
       asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_addr(&ring.full[s]))
@@ -230,11 +236,11 @@ __global__ void __launch_bounds__(kConsumers + 128 * GROUPS, GROUPS == 1 ? 2 : 1
                        : "l"(src));
         }
       }
-      if (t >= STAGES) mbar_wait(&ring.empty[s], ((t / STAGES) - 1) & 1);
+      ring.wait_free(t);
 #pragma unroll
       for (int j = 0; j < kPieces; ++j) {
         const int k = li + 128 * j, r = k / kChunks, c = k % kChunks;
-        *reinterpret_cast<uint4*>(ring.smem + (s * kTileN + r) * kSmemRow + 16 * c) = v[j];
+        *reinterpret_cast<uint4*>(ring.row_ptr(s, r) + 16 * c) = v[j];
       }
       mbar_arrive(&ring.full[s]);
     }
@@ -267,7 +273,7 @@ __global__ void __launch_bounds__(kConsumers) cpasync_ring(const uint8_t* kv, co
     for (int pass = 0; pass < 4; ++pass) {
       const int r = warp * 16 + pass * 4 + lane / 8;
       const uint8_t* src = kv + static_cast<int64_t>(max(cur[pass], 0)) * kRowBytes;
-      for (int chunk = lane % 8; chunk < kRowBytes / 16; chunk += 8)
+      for (int chunk = lane % 8; chunk < kChunks; chunk += 8)
         cp_async_16(smem + (s * kTileN + r) * kSmemRow + 16 * chunk, src + 16 * chunk, cur[pass] >= 0 ? 16 : 0);
     }
   };
@@ -292,9 +298,10 @@ __global__ void __launch_bounds__(kConsumers) cpasync_ring(const uint8_t* kv, co
 // The same checksum by plain loads (the reference for both rings), one thread a word.
 __global__ void xor_rows(const uint8_t* kv, const int* idx, int n, uint32_t* out) {
   uint32_t x = 0;
-  for (int64_t w = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; w < static_cast<int64_t>(n) * 144;
+  for (int64_t w = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; w < static_cast<int64_t>(n) * kRowWords;
        w += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    x ^= *reinterpret_cast<const uint32_t*>(kv + static_cast<int64_t>(idx[w / 144]) * kRowBytes + 4 * (w % 144));
+    x ^= *reinterpret_cast<const uint32_t*>(kv + static_cast<int64_t>(idx[w / kRowWords]) * kRowBytes +
+                                           4 * (w % kRowWords));
   atomicXor(out, x);
 }
 
