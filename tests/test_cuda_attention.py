@@ -5,6 +5,8 @@ GPU tests run on an sm_90 GPU with kimi_ops._C built; they reuse the Triton test
 empty and short requests) and oracle. CPU (CI): the extension's private op schemas.
 """
 
+import itertools
+
 import pytest
 import torch
 
@@ -244,6 +246,23 @@ def test_work_list_launch_order(monkeypatch):
 
 
 @sm90
+def test_work_list_merge_rounds(monkeypatch):
+    """A request with more splits than the merge was sized for: beside 127 requests of 64 tokens
+    (one split each) the merge is told rows have about 3 splits (merge_rows_kernel), but the
+    8192-token request takes 16, its rows merged in 4 rounds of 4 split rows."""
+    import kimi_ops.hopper as hopper
+    monkeypatch.delenv(hopper.BALANCE_WAVES_ENV, raising=False)
+    monkeypatch.delenv(hopper.WORK_LIST_ENV, raising=False)
+    lens = [64] * 127 + [8192]
+    q = torch.empty(len(lens), 12, 576, dtype=torch.bfloat16, device="cuda")
+    indptr = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32, device="cuda")
+    balance = hopper.balance_ctas(q, indptr, torch.empty(sum(lens), dtype=torch.int32, device="cuda"), 1)
+    assert balance // len(lens) + 2 <= 4  # the hint mla_decode_sm90 gives launch_merge
+    err, lerr = check_work_list_decode(lens, 1, 12, 16, torch.Generator().manual_seed(53))
+    print(f"cuda work list, a 16-split request among 4-split hints: rel L2 {err:.2e}, |lse| {lerr:.2e}")
+
+
+@sm90
 @pytest.mark.parametrize("work_list", ["0", "1"])
 @pytest.mark.parametrize("waves", ["1", "2"])
 def test_private_partials(waves, work_list, monkeypatch):
@@ -278,10 +297,11 @@ def test_merge(monkeypatch):
     import kimi_ops.kernels.attention as triton_kernels
     monkeypatch.setattr(triton_kernels, "mla_merge", hopper.mla_merge)  # check_merge calls it from there
     g = torch.Generator().manual_seed(5)
-    # rows 12..1536, 1..130 splits: each of the kernel's column block counts (1, 2, 4, 8 of 512..64),
-    # and both unrolls (4 split rows a thread a round for S <= 4, else 8)
+    # rows 12..1536, 1..130 splits: merge_kernel's column block counts (4, 8 of 128, 64) for S > 16,
+    # merge_rows_kernel (a warp a row, 4 rows a CTA) for S <= 16 in rounds of 4 (S <= 4) or 8 split
+    # rows, one round or two (S = 9, 13), its last CTA part empty (15, 18, 45 rows)
     for S, T, H in [(64, 40, 12), (1, 3, 128), (5, 6, 3), (17, 2, 96), (130, 1, 12), (5, 64, 12), (9, 128, 12),
-                    (2, 96, 12), (4, 7, 16), (3, 1, 12)]:
+                    (2, 96, 12), (4, 7, 16), (3, 1, 12), (3, 5, 3), (8, 33, 4), (13, 9, 5)]:
         check_merge(S, T, H, device="cuda", gen=g)
         check_merge(S, T, H, device="cuda", gen=g, spread=80.0)
         # the kernel loads an empty split's o with its lse (one round of latency less): NaN there
