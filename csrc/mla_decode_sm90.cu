@@ -40,11 +40,13 @@
 // short. A request of one split writes o / lse directly; the others' go to
 //   o_part [W, qlen*H, 512] bf16, lse_part [W, qlen*H] f32: slot w's rows of its request
 // with W >= the items (an upper bound from shapes), a request's splits in consecutive slots, and
-// merge_kernel finds a row's slots from kv_indptr and work_first (each request's first slot,
+// the merge finds a row's slots from kv_indptr and work_first (each request's first slot,
 // written by its split 0).
 //
-// merge_kernel: one CTA of 4 warps per (query row, block of 64..512 output columns); thread t
-// reads 8 bytes of split rows t / (columns / 4), ... with 8 split rows a thread in flight.
+// M1b: merge_rows_kernel for rows of about 16 splits or fewer (one warp a row, lane l reading 32
+// bytes of 4 or 8 split rows a round), merge_kernel above (one CTA of 4 warps per (query row,
+// block of 64 or 128 output columns); thread t reads 8 bytes of split rows t / (columns / 4), ...
+// with 8 split rows a thread in flight).
 
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
@@ -1272,15 +1274,16 @@ __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const Spli
 
 // ---- M1b ---------------------------------------------------------------------------------------
 
-constexpr int kMergeThreads = 128;
-constexpr int kMergeUnroll = 8;    // merge_kernel: split rows a thread loads a round
+constexpr int kMergeThreads = 128;   // merge_kernel's CTA
+constexpr int kMergeUnroll = 8;      // merge_kernel: split rows a thread loads a round
 constexpr int kMergeFewSplits = 16;  // rows of about this many splits or fewer: merge_rows_kernel
 constexpr int kMergeWarpRows = 4;    // merge_rows_kernel: rows a CTA (a warp each)
 
 // Two kernels, both with two rounds of global-memory latency before the sums (the request's
 // kv_indptr bounds with its first slot, then the first round's lse and o with the lse loads of the
 // row's max):
-//   merge_kernel       one CTA per (row, block of `cols` output columns: 64..512). Thread t reads
+//   merge_kernel       one CTA per (row, block of `cols` output columns: 64..512, launch_merge
+//                      picks 64 or 128 for the rows of more splits it is used for). Thread t reads
 //                      4 columns (8 bytes) of split rows t / (cols / 4), + slots, ...: with 64
 //                      columns a CTA has 8 x kMergeUnroll split rows in flight, so a few rows with
 //                      many splits (one request, long context) take ~1 round of latency.
