@@ -1581,12 +1581,11 @@ void launch_splitkv(const SplitKVParams& params, int64_t rows_per_cta, int64_t s
 }
 
 // Rows of about kMergeFewSplits splits or fewer: merge_rows_kernel, in rounds of 4 split rows up to
-// 4 splits, else 8 (docs/PERF.md, session 17). Else
-// merge_kernel, one CTA per (row, column block): as few blocks (1, 2, 4 or 8: 512..64 columns) as
-// cover a row's splits (about splits_hint) in one load round of kMergeUnroll x blocks split rows a
-// CTA, and at least one CTA a SM. (The previous rule, blocks doubled while the grid stayed within
-// 16 CTAs a SM, launched twice the CTAs at b32 8k / 32k and was 1-3% slower there: docs/PERF.md,
-// session 11.)
+// 4 splits, else 8 (docs/PERF.md, session 17). Else merge_kernel, one CTA per (row, column block):
+// as few blocks (1, 2, 4 or 8: 512..64 columns) as cover a row's splits (about splits_hint) in one
+// load round of kMergeUnroll x blocks split rows a CTA, and at least one CTA a SM. (The previous
+// rule, blocks doubled while the grid stayed within 16 CTAs a SM, launched twice the CTAs at b32
+// 8k / 32k and was 1-3% slower there: docs/PERF.md, session 11.)
 void launch_merge(MergeParams params) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   if (params.splits_hint <= kMergeFewSplits) {

@@ -259,7 +259,7 @@ def test_work_list_merge_rounds(monkeypatch):
     balance = hopper.balance_ctas(q, indptr, torch.empty(sum(lens), dtype=torch.int32, device="cuda"), 1)
     assert balance // len(lens) + 2 <= 4  # the hint mla_decode_sm90 gives launch_merge
     err, lerr = check_work_list_decode(lens, 1, 12, 16, torch.Generator().manual_seed(53))
-    print(f"cuda work list, a 16-split request among 4-split hints: rel L2 {err:.2e}, |lse| {lerr:.2e}")
+    print(f"cuda work list, a 16-split request among hints of 3 splits: rel L2 {err:.2e}, |lse| {lerr:.2e}")
 
 
 @sm90
