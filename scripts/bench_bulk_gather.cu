@@ -295,7 +295,7 @@ __global__ void __launch_bounds__(kConsumers) cpasync_ring(const uint8_t* kv, co
   if (lane == 0) atomicXor(&out[blockIdx.x], x);
 }
 
-// The same checksum by plain loads (the reference for both rings), one thread a word.
+// The same checksum by plain loads (the reference for every ring case), one thread a word.
 __global__ void xor_rows(const uint8_t* kv, const int* idx, int n, uint32_t* out) {
   uint32_t x = 0;
   for (int64_t w = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; w < static_cast<int64_t>(n) * kRowWords;
