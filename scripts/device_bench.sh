@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One call on the H200: issue 27's table. Installs the carried peers (scripts/setup_peers.sh),
+# builds kimi_ops._C in place, runs scripts/bench_attention.py --grid issue27 beside FlashMLA
+# (fp8 and bf16-KV), FlashInfer (fp8 and bf16-KV) and vLLM's Triton MLA, and prints the peer
+# table last. Logs, json and md under $OUT (or ./out). Carry the prepared peers with it:
+#   run(command="bash scripts/device_bench.sh", carry=[".whl", ".peers"])
+# BENCH_ARGS: more bench_attention.py arguments (e.g. "--reps 7"; a later --mma / --peers wins);
+# BENCH_TIMEOUT: seconds for the benchmark (default 420; the json / md are written after every shape).
+set -uo pipefail
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+start=$(date +%s)
+{
+    nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
+    python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+    bash scripts/setup_peers.sh
+} > "$OUT/setup.log" 2>&1
+grep -E "torch|MISSING|WARNING|prebuilt|peer file" "$OUT/setup.log"
+( time MAX_JOBS=16 python3 setup.py build_ext --inplace ) > "$OUT/build.log" 2>&1
+echo "build rc=$? ($(( $(date +%s) - start )) s since start)" | tee -a "$OUT/build.log"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+python3 -c "import kimi_ops._C, torch; print(torch.ops.kimi_ops._build_info())" 2>&1 | tail -n 3 | tee -a "$OUT/build.log"
+timeout "${BENCH_TIMEOUT:-420}" python3 scripts/bench_attention.py --grid issue27 --out "$OUT" --mma bf16 \
+    --peers flashmla_fp8,flashmla_bf16,flashinfer,flashinfer_bf16,vllm_triton ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
+echo "bench rc=$? ($(( $(date +%s) - start )) s since start)" | tee -a "$OUT/bench.log"
+grep -E "^(backend |kimi_ops fp8|device )|Traceback|Error" "$OUT/bench.log" | head -n 20
+grep -E "^H[0-9]+ B" "$OUT/bench.log" | cut -c1-600
+echo
+cat "$OUT/bench_attention_peers.md" 2>/dev/null || echo "no peer table: see $OUT/bench.log"
