@@ -3,7 +3,8 @@
 Each ``make_<peer>(case)`` builds everything a peer needs for one input set (its own index
 layout, workspaces, plans) OUTSIDE any timed region and returns a closure ``f() -> (o, lse)``
 (``lse`` may be None) that only launches the peer's kernels, so the benchmark can capture it
-in a CUDA graph like ours. Anything that goes wrong raises :class:`PeerUnavailable` (or any
+in a CUDA graph like ours (``lse`` may also be any view whose ``reshape(T, H)`` is ours:
+FlashMLA's). Anything that goes wrong raises :class:`PeerUnavailable` (or any
 other exception) with a reason; the benchmark records "did not run: <reason>" and carries on.
 
 None of the peers' code lives in this repository:
