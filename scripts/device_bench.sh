@@ -5,7 +5,9 @@
 # table last. Logs, json and md under $OUT (or ./out). Carry the prepared peers with it:
 #   run(command="bash scripts/device_bench.sh", carry=[".whl", ".peers"])
 # BENCH_ARGS: more bench_attention.py arguments (e.g. "--reps 7"; a later --mma / --peers wins);
-# BENCH_TIMEOUT: seconds for the benchmark (default 420; the json / md are written after every shape).
+# CALL_BUDGET: seconds the whole script may take (default 570, inside run()'s 600 s limit); the
+# benchmark gets what the build left (the json / md are written after every shape, so a stopped
+# run still leaves the shapes it measured, and the table below still prints).
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -21,7 +23,9 @@ grep -E "torch|MISSING|WARNING|prebuilt|peer file" "$OUT/setup.log"
 echo "build rc=$? ($(( $(date +%s) - start )) s since start)" | tee -a "$OUT/build.log"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 python3 -c "import kimi_ops._C, torch; print(torch.ops.kimi_ops._build_info())" 2>&1 | tail -n 3 | tee -a "$OUT/build.log"
-timeout "${BENCH_TIMEOUT:-420}" python3 scripts/bench_attention.py --grid issue27 --out "$OUT" --mma bf16 \
+left=$(( ${CALL_BUDGET:-570} - ($(date +%s) - start) ))
+echo "benchmark: ${left} s left for it"
+timeout "$left" python3 scripts/bench_attention.py --grid issue27 --out "$OUT" --mma bf16 \
     --peers flashmla_fp8,flashmla_bf16,flashinfer,flashinfer_bf16,vllm_triton ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
 echo "bench rc=$? ($(( $(date +%s) - start )) s since start)" | tee -a "$OUT/bench.log"
 grep -E "^(backend |kimi_ops fp8|device )|Traceback|Error" "$OUT/bench.log" | head -n 20
