@@ -27,6 +27,8 @@ from collections.abc import Callable
 
 import torch
 
+from .device import device_index, multiprocessor_count
+
 BACKENDS = ("auto", "reference", "triton", "cuda")
 ENV_VAR = "KIMI_OPS_BACKEND"
 
@@ -36,12 +38,12 @@ IMPLEMENTATIONS: dict[str, dict[str, str]] = {
     "mla_decode_splitkv": {
         "reference": "kimi_ops.reference.attention:mla_decode_splitkv",
         "triton": "kimi_ops.kernels.attention:mla_decode_splitkv",
-        "cuda": "kimi_ops.hopper:mla_decode_splitkv",
+        "cuda": "kimi_ops.kernels.sm90:mla_decode_splitkv",
     },
     "mla_merge": {
         "reference": "kimi_ops.reference.attention:mla_merge",
         "triton": "kimi_ops.kernels.attention:mla_merge",
-        "cuda": "kimi_ops.hopper:mla_merge",
+        "cuda": "kimi_ops.kernels.sm90:mla_merge",
     },
     "mla_cache_write": {
         "reference": "kimi_ops.reference.attention:mla_cache_write",
@@ -140,18 +142,13 @@ def implementation(op: str, device: torch.device) -> Callable:
     return _load(IMPLEMENTATIONS[op][backend_for(op, device)])
 
 
-@functools.cache
-def _multiprocessor_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def default_num_splits(num_requests: int, num_rows: int, num_heads: int, num_indices: int,
                        device: torch.device) -> int:
     """A split count from shapes and the device alone (never device data).
 
     GPU tensors: the heuristic of the kernel that will run, with ``num_indices / num_requests``
     as a request's length (a fixed-capacity index buffer overestimates it, which only adds
-    splits): :func:`kimi_ops.hopper.suggest_num_splits` for the ``cuda`` backend (one wave of
+    splits): :func:`kimi_ops.kernels.sm90.suggest_num_splits` for the ``cuda`` backend (one wave of
     CTAs), :func:`kimi_ops.kernels.attention.suggest_num_splits` for Triton (about four
     programs per multiprocessor, at least 256 tokens per split, at most 64).
     CPU tensors: 1 (the reference gains nothing from splitting).
@@ -159,9 +156,8 @@ def default_num_splits(num_requests: int, num_rows: int, num_heads: int, num_ind
     if device.type != "cuda" or num_requests == 0:
         return 1
     if backend_for("mla_decode_splitkv", device) == "cuda":
-        from .hopper import suggest_num_splits
+        from .kernels.sm90 import suggest_num_splits
     else:
         from .kernels.attention import suggest_num_splits
-    index = device.index if device.index is not None else torch.cuda.current_device()
     return suggest_num_splits(num_requests, max(1, num_rows // num_requests), num_heads, num_indices,
-                              _multiprocessor_count(index))
+                              multiprocessor_count(device_index(device)))

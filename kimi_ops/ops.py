@@ -116,7 +116,7 @@ def _decode_real(q, kv_cache, kv_indptr, kv_indices, *, qlen, scale, kv_scale, n
     checks.check_decode_args("mla_decode", q, kv_cache, kv_indptr, kv_indices, qlen, num_splits,
                              seq_lens, dcp_rank, dcp_world_size)
     if dispatch.backend_for("mla_decode_splitkv", q.device) == "cuda":
-        from .hopper import mla_decode as cuda_decode
+        from .kernels.sm90 import mla_decode as cuda_decode
         return cuda_decode(q.contiguous(), _flat_rows(kv_cache), kv_indptr, kv_indices, qlen, scale, kv_scale,
                            num_splits, seq_lens, dcp_rank, dcp_world_size)
     if num_splits is None:

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Time an M1b merge alone on the GPU: Triton's (``kimi_ops.kernels.attention.mla_merge``) or,
-with ``--backend cuda``, the Hopper kernel's (``kimi_ops.hopper.mla_merge``, needs kimi_ops._C).
+with ``--backend cuda``, the Hopper kernel's (``kimi_ops.kernels.sm90.mla_merge``, needs kimi_ops._C).
 
     python3 scripts/bench_merge.py [--backend triton|cuda] [--calls 64] [--reps 50] [--sweep] [--json FILE]
 
@@ -92,7 +92,7 @@ def main():
     print(f"device {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, "
           f"triton {triton.__version__}", flush=True)
     if args.backend == "cuda":
-        import kimi_ops.hopper as hopper
+        import kimi_ops.kernels.sm90 as hopper
         merge = hopper.mla_merge
     else:
         merge = A.mla_merge  # reads A._merge_config at each call: the sweep patches that

@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 from graph_timing import time_graph  # noqa: E402
 from test_triton_attention import SCALE, make_inputs, oracle  # noqa: E402
 
-import kimi_ops.hopper as hopper  # noqa: E402
+import kimi_ops.kernels.sm90 as hopper  # noqa: E402
 import kimi_ops.kernels.attention as triton_kernels  # noqa: E402
 
 

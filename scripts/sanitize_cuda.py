@@ -18,7 +18,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
-import kimi_ops.hopper as hopper  # noqa: E402
+import kimi_ops.kernels.sm90 as hopper  # noqa: E402
 from test_triton_attention import SCALE, make_inputs, oracle  # noqa: E402
 
 

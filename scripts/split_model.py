@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from kimi_ops.hopper import _split_cap, one_wave_splits  # noqa: E402
+from kimi_ops.kernels.sm90 import _split_cap, one_wave_splits  # noqa: E402
 
 TAIL_CLASSES = 4  # csrc: kTailClasses
 

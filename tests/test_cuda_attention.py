@@ -26,8 +26,8 @@ sm90 = pytest.mark.skipif(not _sm90_ready(), reason="needs an sm_90 GPU and kimi
 
 @pytest.mark.skipif(dispatch.cuda_extension_unavailable_reason() is not None, reason="kimi_ops._C not built")
 def test_private_op_schemas():
-    import kimi_ops.hopper
-    ops = kimi_ops.hopper._ops()
+    import kimi_ops.kernels.sm90
+    ops = kimi_ops.kernels.sm90._ops()
     split = ops._mla_decode_splitkv_sm90.default._schema
     decode = ops._mla_decode_sm90.default._schema
     merge = ops._mla_merge_sm90.default._schema
@@ -39,7 +39,7 @@ def test_private_op_schemas():
 
 
 def test_split_heuristic_fills_one_wave():
-    from kimi_ops.hopper import one_wave_splits, suggest_num_splits
+    from kimi_ops.kernels.sm90 import one_wave_splits, suggest_num_splits
     # splitkv_kernel's 2-stage 16-row CTAs: two a SM
     assert one_wave_splits(1, 1, 12, 65536) == 128             # one long request: as many as allowed
     assert one_wave_splits(32, 1, 12, 32 * 8192) == 8          # 256 CTAs in 264 slots
@@ -56,7 +56,7 @@ def test_split_heuristic_fills_one_wave():
 
 
 def test_cta_shape_and_ring_depth(monkeypatch):
-    from kimi_ops.hopper import STAGES_ENV, ring_stages, rows_per_cta
+    from kimi_ops.kernels.sm90 import STAGES_ENV, ring_stages, rows_per_cta
     # fewest padded rows, then fewest KV re-reads, ties to the bigger CTA
     assert [rows_per_cta(r) for r in (1, 12, 16, 17, 24, 32, 48, 64, 96, 128, 1536)] == \
         [16, 16, 16, 32, 32, 32, 48, 64, 48, 64, 64]
@@ -86,7 +86,7 @@ def test_auto_backend_is_cuda():
 
 def test_balance_waves(monkeypatch):
     """KIMI_OPS_SM90_BALANCE_WAVES scales the split suggestion (one-wave splits and headroom)."""
-    from kimi_ops.hopper import BALANCE_WAVES_ENV, suggest_num_splits
+    from kimi_ops.kernels.sm90 import BALANCE_WAVES_ENV, suggest_num_splits
     tokens = 64 * 12128  # bench_attention.py's variable-length batch, 64 requests
     monkeypatch.setenv(BALANCE_WAVES_ENV, "1")
     assert suggest_num_splits(64, 1, 12, tokens) == 4 + 8        # one wave + two waves of empty CTAs
@@ -103,7 +103,7 @@ def test_balance_waves(monkeypatch):
 @pytest.mark.parametrize("H", [12, 16, 96, 128])
 def test_grid(H, stages, monkeypatch):
     """splitkv_kernel at each forced ring depth over the grid (the (split, request) grid)."""
-    import kimi_ops.hopper as hopper
+    import kimi_ops.kernels.sm90 as hopper
     qlens = [qlen for qlen in (1, 2, 3, 4, 8) if int(stages) <= hopper.MAX_STAGES[hopper.rows_per_cta(qlen * H)]]
     if not qlens:
         pytest.skip(f"no {stages} CTA serves {H} heads")
@@ -114,14 +114,14 @@ def test_grid(H, stages, monkeypatch):
 
 @sm90
 def test_variable_lengths():
-    import kimi_ops.hopper as hopper
+    import kimi_ops.kernels.sm90 as hopper
     check_variable_lengths(torch.Generator().manual_seed(7), kernels=hopper)
 
 
 @sm90
 def test_kv_scale_and_extreme_queries():
     """Query rows of very different magnitudes (the per-row 2^k scaling) and other kv_scales."""
-    import kimi_ops.hopper as hopper
+    import kimi_ops.kernels.sm90 as hopper
     g = torch.Generator().manual_seed(17)
     q, kv, indptr, idx = make_inputs([700, 33], 2, 12, kv_scale=0.03, device="cuda", gen=g)
     mags = torch.tensor([1e-30, 1e-6, 1.0, 1e4, 3e30, 0.0], device="cuda")
@@ -149,7 +149,7 @@ def test_rising_scores(H, qlen, rise):
     tile (a rise of 40 natural-log units a tile), every other tile (4), every ~11 tiles (0.5: P
     grows toward 2^8 against a stale max) or only on the first tile (falling scores); 16-, 32-
     and 48-row CTAs. kv_scale 2 keeps the values (<= 135) inside e4m3's range."""
-    import kimi_ops.hopper as hopper
+    import kimi_ops.kernels.sm90 as hopper
     g = torch.Generator().manual_seed(23)
     lens = [1000, 300]
     kv_scale = 2.0
@@ -173,7 +173,7 @@ def test_rising_scores(H, qlen, rise):
 def check_work_list_decode(lens, qlen, H, S, gen, oob=0):
     """hopper.mla_decode (work-list grid + its merge) against the oracle, its partials drawn from
     an allocator block poisoned with NaN: a row the kernel or the merge misses shows as NaN."""
-    import kimi_ops.hopper as hopper
+    import kimi_ops.kernels.sm90 as hopper
     q, kv, indptr, idx = make_inputs(lens, qlen, H, device="cuda", gen=gen, oob=oob)
     poison = torch.full((1 << 22,), float("nan"), dtype=torch.float32, device="cuda")
     del poison  # the partials below reuse the block
@@ -194,7 +194,7 @@ def test_tile_edges(rows, monkeypatch):
     """Lengths at the 64- and 128-token tile edges, 1-3 splits, on each token-major CTA height:
     32 and 48 rows stream 128-token tiles, whose last one reaches past the split's end when the
     split holds an odd number of 64-token tiles (its rows zero-filled and masked)."""
-    import kimi_ops.hopper as hopper
+    import kimi_ops.kernels.sm90 as hopper
     monkeypatch.setenv(hopper.ROWS_ENV, rows)
     g = torch.Generator().manual_seed(int(rows))
     lens = [1, 63, 64, 65, 127, 128, 129, 191, 192, 193, 320, 0]
@@ -210,7 +210,7 @@ def test_work_list_grid(H, waves, monkeypatch):
     """mla_decode's work-list grid over the grid's shapes, each balance depth: the items bound
     by requests x splits (small S) and by balance + requests (S = None: the default cap),
     requests past the scan's 32-request steps, empty requests among them."""
-    import kimi_ops.hopper as hopper
+    import kimi_ops.kernels.sm90 as hopper
     monkeypatch.setenv(hopper.BALANCE_WAVES_ENV, waves)
     monkeypatch.delenv(hopper.WORK_LIST_ENV, raising=False)
     g = torch.Generator().manual_seed(31 + H)
@@ -234,7 +234,7 @@ def test_work_list_launch_order(monkeypatch):
     request's splits keep consecutive partials slots: 2000 requests (63 scan steps) of 0-23 tokens
     (one split each: partial chunks of two tail classes, or empty) with long ones among them of two
     splits each (a whole and a partial chunk, launched far apart), against the oracle."""
-    import kimi_ops.hopper as hopper
+    import kimi_ops.kernels.sm90 as hopper
     monkeypatch.delenv(hopper.BALANCE_WAVES_ENV, raising=False)
     monkeypatch.delenv(hopper.WORK_LIST_ENV, raising=False)
     g = torch.Generator().manual_seed(47)
@@ -250,7 +250,7 @@ def test_work_list_merge_rounds(monkeypatch):
     """A request with more splits than the merge was sized for: beside 127 requests of 64 tokens
     (one split each) the merge is told rows have about 3 splits (merge_rows_kernel), but the
     8192-token request takes 16, its rows merged in 4 rounds of 4 split rows."""
-    import kimi_ops.hopper as hopper
+    import kimi_ops.kernels.sm90 as hopper
     monkeypatch.delenv(hopper.BALANCE_WAVES_ENV, raising=False)
     monkeypatch.delenv(hopper.WORK_LIST_ENV, raising=False)
     lens = [64] * 127 + [8192]
@@ -268,7 +268,7 @@ def test_work_list_merge_rounds(monkeypatch):
 def test_private_partials(waves, work_list, monkeypatch):
     """zero_empty=False: empty splits leave o unwritten (NaN from a poisoned allocator block) and
     say lse = -inf; both merges must skip them. Then mla_decode on either grid."""
-    import kimi_ops.hopper as hopper
+    import kimi_ops.kernels.sm90 as hopper
     import kimi_ops.kernels.attention as triton_kernels
     monkeypatch.setenv(hopper.BALANCE_WAVES_ENV, waves)
     monkeypatch.setenv(hopper.WORK_LIST_ENV, work_list)
@@ -293,7 +293,7 @@ def test_private_partials(waves, work_list, monkeypatch):
 
 @sm90
 def test_merge(monkeypatch):
-    import kimi_ops.hopper as hopper
+    import kimi_ops.kernels.sm90 as hopper
     import kimi_ops.kernels.attention as triton_kernels
     monkeypatch.setattr(triton_kernels, "mla_merge", hopper.mla_merge)  # check_merge calls it from there
     g = torch.Generator().manual_seed(5)
@@ -315,7 +315,7 @@ def test_public_ops_and_cuda_graph(work_list, monkeypatch):
     """mla_decode through the dispatcher (auto -> cuda), captured in a CUDA graph, replayed after
     the lengths, indices and q changed in place: equal to eager and to the oracle, on the
     work-list grid (its items found on the device) and on the (split, request) grid."""
-    import kimi_ops.hopper as hopper
+    import kimi_ops.kernels.sm90 as hopper
     monkeypatch.setenv(hopper.WORK_LIST_ENV, work_list)
     assert dispatch.backend_for("mla_decode_splitkv", torch.device("cuda")) == "cuda"
     check_graph_replay(lambda q, kv, indptr, idx, qlen, S: kimi_ops.mla_decode(
@@ -325,7 +325,7 @@ def test_public_ops_and_cuda_graph(work_list, monkeypatch):
 @sm90
 def test_agrees_with_triton():
     """The two GPU backends on one input: both within the contract of each other."""
-    import kimi_ops.hopper as hopper
+    import kimi_ops.kernels.sm90 as hopper
     import kimi_ops.kernels.attention as triton_kernels
     g = torch.Generator().manual_seed(23)
     q, kv, indptr, idx = make_inputs([3000, 1, 700], 4, 16, device="cuda", gen=g)
@@ -365,7 +365,7 @@ class _RecordOps:
 @pytest.fixture
 def recorded_sm90(monkeypatch):
     """The cuda backend's host code on CPU tensors, the kernels replaced by _RecordOps."""
-    import kimi_ops.hopper as hopper
+    import kimi_ops.kernels.sm90 as hopper
     rec = _RecordOps()
     monkeypatch.setattr(hopper, "_ops", lambda: rec)
     monkeypatch.setattr(hopper, "_multiprocessor_count", lambda device: 132)
@@ -428,7 +428,7 @@ def _used_splits(n, num_splits, balanced):
 def test_work_list_items_bound_the_used_splits():
     """work_list_items (the grid the host launches and the partials it allocates) is never fewer
     than the splits the device finds, for any mix of lengths and any balance."""
-    from kimi_ops.hopper import work_list_items
+    from kimi_ops.kernels.sm90 import work_list_items
     g = torch.Generator().manual_seed(3)
     for trial in range(400):
         R = int(torch.randint(1, 80, (1,), generator=g))

@@ -32,7 +32,7 @@ def test_num_splits_is_one_on_cpu():
 
 def test_num_splits_fills_the_gpu(monkeypatch):
     monkeypatch.setenv("KIMI_OPS_BACKEND", "triton")  # the Triton kernel's heuristic
-    monkeypatch.setattr(dispatch, "_multiprocessor_count", lambda index: 132)
+    monkeypatch.setattr(dispatch, "multiprocessor_count", lambda index: 132)
     gpu = torch.device("cuda", 0)
     one_long = dispatch.default_num_splits(1, 1, 12, 65536, gpu)
     many_short = dispatch.default_num_splits(128, 128, 12, 128 * 1024, gpu)
@@ -43,10 +43,10 @@ def test_num_splits_fills_the_gpu(monkeypatch):
 
 
 def test_num_splits_follows_the_backend(monkeypatch):
-    from kimi_ops import hopper
+    from kimi_ops.kernels import sm90
     from kimi_ops.kernels import attention
-    monkeypatch.setattr(dispatch, "_multiprocessor_count", lambda index: 132)
+    monkeypatch.setattr(dispatch, "multiprocessor_count", lambda index: 132)
     gpu = torch.device("cuda", 0)
-    for backend, module in (("cuda", hopper), ("triton", attention)):
+    for backend, module in (("cuda", sm90), ("triton", attention)):
         monkeypatch.setattr(dispatch, "backend_for", lambda op, device, b=backend: b)
         assert dispatch.default_num_splits(8, 8, 12, 8 * 8192, gpu) == module.suggest_num_splits(8, 1, 12, 8 * 8192, 132)

@@ -352,7 +352,7 @@ def mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: floa
 
     ``seq_lens`` [R] int32 (global lengths), ``dcp_rank`` / ``dcp_world_size``: decode context
     parallel, as :func:`kimi_ops.mla_decode_splitkv` documents. ``zero_empty=False`` permits
-    leaving an empty split's o unwritten (see :func:`kimi_ops.hopper.mla_decode_splitkv`); this
+    leaving an empty split's o unwritten (see :func:`kimi_ops.kernels.sm90.mla_decode_splitkv`); this
     kernel writes it anyway."""
     assert q.dim() == 3 and q.shape[2] == KV_ROW and q.dtype == torch.bfloat16 and q.is_contiguous()
     assert kv_rows.dim() == 2 and kv_rows.shape[1] == KV_ROW and kv_rows.is_contiguous()

@@ -19,6 +19,8 @@ import os
 
 import torch
 
+from ..device import device_index, multiprocessor_count
+
 LOG2E = 1.4426950408889634
 STAGES_ENV = "KIMI_OPS_SM90_STAGES"  # K-ring depth override (MAX_STAGES by CTA height), for tuning
 ROWS_ENV = "KIMI_OPS_SM90_ROWS"  # CTA rows override (16, 32, 48, 64), for tuning
@@ -93,7 +95,7 @@ def mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: floa
     split leave its o unwritten (for a caller whose merge never reads a -inf split's o); with
     one split o is always written."""
     if kv_rows.dtype != torch.float8_e4m3fn:
-        from .kernels.attention import mla_decode_splitkv as triton_splitkv
+        from .attention import mla_decode_splitkv as triton_splitkv
         return triton_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits,
                               seq_lens, dcp_rank, dcp_world_size)
     balance = balance_ctas(q, kv_indptr, kv_indices, qlen)
@@ -163,8 +165,7 @@ def mla_decode(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: float, kv_sc
 
 
 def _multiprocessor_count(device) -> int:
-    from .dispatch import _multiprocessor_count as by_index
-    return by_index(device.index if device.index is not None else torch.cuda.current_device())
+    return multiprocessor_count(device_index(device))
 
 
 def mla_merge(o_part, lse_part):

@@ -1,0 +1,16 @@
+"""Facts about the GPU a call runs on, shared by the dispatcher and the kernels' host code."""
+
+import functools
+
+import torch
+
+
+@functools.cache
+def multiprocessor_count(device_index: int) -> int:
+    """The streaming multiprocessors (CUDA) / compute units (ROCm) of GPU ``device_index``."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def device_index(device: torch.device) -> int:
+    """``device``'s index, the current device where it names none."""
+    return device.index if device.index is not None else torch.cuda.current_device()
