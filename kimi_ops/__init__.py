@@ -3,12 +3,13 @@
 Ops (``torch.ops.kimi_ops.*``, re-exported here): :func:`mla_decode_splitkv`
 (M1c), :func:`mla_merge` (M1b), :func:`mla_decode`, :func:`mla_cache_write`,
 :func:`mxfp4_quantize`, :func:`mxfp4_dequantize`, :func:`bmm_a16wfp4`,
-:func:`mla_query` (M1a). ``KIMI_OPS_BACKEND`` picks the implementation
+:func:`mla_query` (M1a), :func:`gemm_a16w8_block` (fp8 block-scaled weights). ``KIMI_OPS_BACKEND`` picks the implementation
 (:mod:`kimi_ops.dispatch`).
 """
 
 from .ops import (
     bmm_a16wfp4,
+    gemm_a16w8_block,
     mla_cache_write,
     mla_decode,
     mla_decode_splitkv,
@@ -23,6 +24,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "mla_decode_splitkv", "mla_merge", "mla_decode", "mla_cache_write",
-    "mxfp4_quantize", "mxfp4_dequantize", "bmm_a16wfp4", "mla_query",
+    "mxfp4_quantize", "mxfp4_dequantize", "bmm_a16wfp4", "mla_query", "gemm_a16w8_block",
     "validate_decode_inputs",
 ]

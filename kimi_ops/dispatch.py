@@ -59,6 +59,10 @@ IMPLEMENTATIONS: dict[str, dict[str, str]] = {
         "reference": "kimi_ops.reference.mxfp4:mla_query",
         "triton": "kimi_ops.kernels.query:mla_query",
     },
+    "gemm_a16w8_block": {
+        "reference": "kimi_ops.reference.fp8:gemm_a16w8_block",
+        "triton": "kimi_ops.kernels.fp8_gemm:gemm_a16w8_block",
+    },
 }
 
 _FALLBACK_ORDER = ("cuda", "triton", "reference")

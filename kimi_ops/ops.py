@@ -38,6 +38,9 @@ SCHEMAS: dict[str, str] = {
         "mla_query(Tensor q_nope, Tensor q_pe, Tensor w_uk, Tensor? w_uk_scale=None, *, "
         "int? pad_heads=None) -> Tensor"
     ),
+    "gemm_a16w8_block": (
+        "gemm_a16w8_block(Tensor x, Tensor w, Tensor w_scale_inv, *, int block_n=128, int block_k=128) -> Tensor"
+    ),
 }
 """One schema per op: the public contract, pinned by tests/test_schemas.py."""
 
@@ -216,6 +219,45 @@ def _query_real(q_nope, q_pe, w_uk, w_uk_scale=None, *, pad_heads=None):
 _register("mla_query", fake=_query_fake, real=_query_real)
 
 
+# --- fp8 block-scaled GEMM ---------------------------------------------------------------------
+
+FP8_WEIGHT_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+
+
+def _check_gemm_a16w8_block_args(name, x, w, w_scale_inv, block_n, block_k):
+    if x.dim() != 2 or x.dtype != torch.bfloat16:
+        raise ValueError(f"kimi_ops.{name}: x must be a bf16 [M, K] tensor, got {x.dtype} {tuple(x.shape)}")
+    if w.dim() != 2 or w.dtype not in FP8_WEIGHT_DTYPES:
+        raise ValueError(f"kimi_ops.{name}: w must be an fp8 (float8_e4m3fn) [N, K] tensor, "
+                         f"got {w.dtype} {tuple(w.shape)}")
+    if w.shape[1] != x.shape[1]:
+        raise ValueError(f"kimi_ops.{name}: x is [M, {x.shape[1]}] but w is [N, {w.shape[1]}]: K must agree")
+    if block_n < 1 or block_k < 1:
+        raise ValueError(f"kimi_ops.{name}: block_n and block_k must be >= 1, got {block_n}, {block_k}")
+    n, k = w.shape
+    expected = (-(-n // block_n), -(-k // block_k))
+    if w_scale_inv.dtype != torch.float32 or tuple(w_scale_inv.shape) != expected:
+        raise ValueError(f"kimi_ops.{name}: w_scale_inv must be float32 [ceil(N / block_n), ceil(K / block_k)] = "
+                         f"{list(expected)}, got {w_scale_inv.dtype} {tuple(w_scale_inv.shape)}")
+    if not (x.device == w.device == w_scale_inv.device):
+        raise ValueError(f"kimi_ops.{name}: x, w and w_scale_inv must be on one device, got "
+                         f"{x.device}, {w.device}, {w_scale_inv.device}")
+
+
+def _gemm_fp8_fake(x, w, w_scale_inv, *, block_n=128, block_k=128):
+    _check_gemm_a16w8_block_args("gemm_a16w8_block", x, w, w_scale_inv, block_n, block_k)
+    return x.new_empty((x.shape[0], w.shape[0]))
+
+
+def _gemm_fp8_real(x, w, w_scale_inv, *, block_n=128, block_k=128):
+    _check_gemm_a16w8_block_args("gemm_a16w8_block", x, w, w_scale_inv, block_n, block_k)
+    impl = dispatch.implementation("gemm_a16w8_block", x.device)
+    return impl(x, w, w_scale_inv, block_n=block_n, block_k=block_k)
+
+
+_register("gemm_a16w8_block", fake=_gemm_fp8_fake, real=_gemm_fp8_real)
+
+
 # --- Python entry points ------------------------------------------------------------------------
 
 def mla_decode_splitkv(q, kv_cache, kv_indptr, kv_indices, *, qlen, scale, kv_scale, num_splits,
@@ -312,7 +354,18 @@ def mla_query(q_nope, q_pe, w_uk, w_uk_scale=None, *, pad_heads=None):
     return torch.ops.kimi_ops.mla_query(q_nope, q_pe, w_uk, w_uk_scale, pad_heads=pad_heads)
 
 
+def gemm_a16w8_block(x, w, w_scale_inv, *, block_n=128, block_k=128):
+    """bf16 activations times an fp8 block-scaled weight: ``y = x @ dequant(w)^T``.
+
+    x [M, K] bf16 (any strides); w [N, K] ``float8_e4m3fn``; w_scale_inv [ceil(N / block_n),
+    ceil(K / block_k)] float32 with ``dequant(w)[n, k] = w[n, k] * w_scale_inv[n // block_n,
+    k // block_k]`` (DeepSeek-V3's / Kimi-K2's ``*.weight`` + ``*.weight_scale_inv``) -> y [M, N]
+    bf16, float32 accumulation, no dequantized copy of w. See :mod:`kimi_ops.reference.fp8`.
+    """
+    return torch.ops.kimi_ops.gemm_a16w8_block(x, w, w_scale_inv, block_n=block_n, block_k=block_k)
+
+
 __all__ = [
     "mla_decode_splitkv", "mla_merge", "mla_decode", "mla_cache_write",
-    "mxfp4_quantize", "mxfp4_dequantize", "bmm_a16wfp4", "mla_query",
+    "mxfp4_quantize", "mxfp4_dequantize", "bmm_a16wfp4", "mla_query", "gemm_a16w8_block",
 ]

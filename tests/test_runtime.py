@@ -51,21 +51,45 @@ def mxfp4_decode(packed, scale):
     return (vals.unflatten(-1, (-1, 32)) * s[..., None]).flatten(-2)
 
 
+def e4m3_decode(t):
+    """float8_e4m3fn bytes -> float64 by the format's bit fields (sign, 4-bit exponent bias 7,
+    3-bit mantissa; exponent 0 subnormal; 0x7F / 0xFF NaN)."""
+    b = t.cpu().contiguous().view(torch.uint8).long()
+    sign = torch.where(b >= 128, -1.0, 1.0).double()
+    e, m = (b >> 3) & 15, (b & 7).double()
+    mag = torch.where(e == 0, m / 8 * 2.0 ** -6, (1 + m / 8) * torch.pow(2.0, e.double() - 7))
+    return torch.where((b & 127) == 127, float("nan"), sign * mag)
+
+
+def fp8_dense64(w, scale, block_n, block_k):
+    """fp8 [N, K] x its block's scale (float32 [ceil(N / bn), ceil(K / bk)]) -> float64 [N, K]."""
+    n, k = w.shape
+    s = scale.cpu().double().repeat_interleave(block_n, 0)[:n].repeat_interleave(block_k, 1)[:, :k]
+    return e4m3_decode(w) * s
+
+
+def proj64(proj):
+    """One of the layer's projection modules as float64 on the CPU (fp8 ones decoded here)."""
+    if getattr(proj, "weight_scale_inv", None) is None:
+        return proj.weight.cpu().double()
+    return fp8_dense64(proj.weight, proj.weight_scale_inv, proj.block_n, proj.block_k)
+
+
 def weights64(layer):
     """The weights the layer applies, float64 on the CPU, the gate unmerged."""
     c = layer.config
-    w = layer.fused_qkv_a_proj.weight.cpu().double()
+    w = proj64(layer.fused_qkv_a_proj)
     gate = None
     if c.gate:
-        gate = w[c.qkv_a_rows:] if layer.merge_gate else layer.g_proj.weight.cpu().double()
-    if layer.weight_format == "bf16":
+        gate = w[c.qkv_a_rows:] if layer.merge_gate else proj64(layer.g_proj)
+    if layer.weight_format in ("bf16", "fp8"):
         w_uk, w_uv = layer.W_UK.cpu().double(), layer.W_UV.cpu().double()
     else:
         w_uk = mxfp4_decode(layer.W_UK, layer.W_UK_scale).transpose(1, 2)   # [H, 128, 512]
         w_uv = mxfp4_decode(layer.W_UV, layer.W_UV_scale)                   # [H, v, 512]
     return dict(qkv=w[:c.qkv_a_rows], gate=gate, q_a_norm=layer.q_a_layernorm.weight.cpu().double(),
-                kv_a_norm=layer.kv_a_layernorm.weight.cpu().double(), q_b=layer.q_b_proj.weight.cpu().double(),
-                w_uk=w_uk, w_uv=w_uv, o=layer.o_proj.weight.cpu().double() if layer.o_proj is not None else None)
+                kv_a_norm=layer.kv_a_layernorm.weight.cpu().double(), q_b=proj64(layer.q_b_proj),
+                w_uk=w_uk, w_uv=w_uv, o=proj64(layer.o_proj) if layer.o_proj is not None else None)
 
 
 def rope64(x, positions, inv_freq):
@@ -76,11 +100,12 @@ def rope64(x, positions, inv_freq):
     return torch.view_as_real(z * rot).flatten(-2)
 
 
-def reference_step(layer, hidden, kv_cache_after, seq_lens, block_table, block_size, qlen):
+def reference_step(layer, hidden, kv_cache_after, seq_lens, block_table, block_size, qlen, w=None):
     """float64 (out [T, hidden or H*v], new KV rows [T, 576] before fp8) of one decode step.
-    Attention reads ``kv_cache_after`` (the cache with this step's rows as the layer wrote them)."""
+    Attention reads ``kv_cache_after`` (the cache with this step's rows as the layer wrote them).
+    ``w``: the float64 weights (:func:`weights64`'s keys) to use instead of the layer's."""
     c, h = layer.config, layer.config.num_heads
-    w = weights64(layer)
+    w = w if w is not None else weights64(layer)
     x = hidden.cpu().double()
     qkv = x @ w["qkv"].T
 
@@ -142,11 +167,12 @@ def make_step(config, seq_lens, *, qlen=1, block_size=4, weights="bf16", seed=0,
     return layer, cache.to(device), md, hidden, block_table
 
 
-def check_step(layer, cache, md, hidden, block_table, seq_lens, out=None, rtol=LAYER_RTOL):
-    """Run (or take) the layer's output and hold it and the written rows to the reference."""
+def check_step(layer, cache, md, hidden, block_table, seq_lens, out=None, rtol=LAYER_RTOL, w=None):
+    """Run (or take) the layer's output and hold it and the written rows to the reference
+    (on the layer's weights, or on the float64 weights ``w``)."""
     if out is None:
         out = layer(hidden, cache, md)
-    ref, new_rows = reference_step(layer, hidden, cache, seq_lens, block_table, md.block_size, md.qlen)
+    ref, new_rows = reference_step(layer, hidden, cache, seq_lens, block_table, md.block_size, md.qlen, w=w)
     assert out.dtype == torch.bfloat16 and tuple(out.shape) == tuple(ref.shape)
     assert torch.isfinite(out).all(), "no NaN / inf (unused cache rows hold NaN)"
     err = float((out.cpu().double() - ref).norm() / ref.norm())
@@ -155,7 +181,9 @@ def check_step(layer, cache, md, hidden, block_table, seq_lens, out=None, rtol=L
     slots = md.slot_mapping.cpu()
     written = cache.cpu().reshape(-1, KV_ROW)[slots[slots >= 0]].double() * layer.kv_scale
     expected = new_rows[slots >= 0]
-    bound = 0.075 * expected.abs() + 2.0 ** -9 * layer.kv_scale
+    # fp8 rounding (<= 2^-4 relative) plus the bf16 roundings upstream (~2^-8 of the row's typical
+    # size, which RoPE's x0 cos - x1 sin leaves as is on an element that cancels to near 0)
+    bound = 0.075 * expected.abs() + 2.0 ** -7 * expected.abs().mean(-1, keepdim=True) + 2.0 ** -9 * layer.kv_scale
     assert ((written - expected).abs() <= bound).all(), "cache rows match fp8 rounding of the reference rows"
     return err
 
@@ -250,7 +278,7 @@ def test_metadata_updates_in_place():
 SMALL = [5, 0, 17, 1, 33]
 
 
-@pytest.mark.parametrize("weights", ["bf16", "mxfp4"])
+@pytest.mark.parametrize("weights", ["bf16", "mxfp4", "fp8"])
 @pytest.mark.parametrize("variant", ["gate_merged", "gate_separate", "rope_no_gate", "no_o_proj"])
 @pytest.mark.parametrize("qlen", [1, 2])
 def test_small_layer_matches_float64(weights, variant, qlen):
@@ -263,7 +291,7 @@ def test_small_layer_matches_float64(weights, variant, qlen):
     check_step(layer, cache, md, hidden, bt, SMALL)
 
 
-@pytest.mark.parametrize("weights", ["bf16", "mxfp4"])
+@pytest.mark.parametrize("weights", ["bf16", "mxfp4", "fp8"])
 def test_kimi_k3_layer_matches_float64(weights):
     lens = [9, 40]
     layer, cache, md, hidden, bt = make_step(MLAConfig.kimi_k3(), lens, qlen=2, weights=weights, block_size=16)
@@ -311,7 +339,7 @@ def test_pieces_compose_and_m1c_inputs():
 
 # --- weights in and out -----------------------------------------------------------------------
 
-@pytest.mark.parametrize("weights", ["bf16", "mxfp4"])
+@pytest.mark.parametrize("weights", ["bf16", "mxfp4", "fp8"])
 def test_safetensors_round_trip(tmp_path, weights):
     a, cache, md, hidden, _ = make_step(MLAConfig.small(), SMALL, weights=weights, seed=3)
     path = tmp_path / "layer.safetensors"
@@ -348,7 +376,7 @@ def test_hf_checkpoint_names_and_tp_slicing():
 
 def test_bad_arguments():
     with pytest.raises(ValueError, match="weights must be"):
-        MLADecodeLayer(MLAConfig.small(), weights="fp8")
+        MLADecodeLayer(MLAConfig.small(), weights="int4")
     with pytest.raises(ValueError, match="bf16"):
         MLADecodeLayer(MLAConfig.small(), dtype=torch.float16)
 

@@ -7,6 +7,7 @@ for tests work the same way as Kimi-K3's.
 """
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from ..formats import KV_LORA_RANK, ROPE_DIM
@@ -37,7 +38,10 @@ class MLAConfig:
     position (DeepSeek-V3); Kimi-K3 is NoPE (the 64 "rope" channels carry
     un-rotated keys). ``o_proj``: whether the layer holds this rank's row-parallel
     ``o_proj [hidden_size, num_heads * v_head_dim]`` (its all-reduce is the
-    caller's).
+    caller's). ``quantization_config``: the HF config's ``quantization_config`` (a dict such as
+    ``{"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}``; kept as a tuple of
+    its items, so the config stays hashable): :attr:`weight_block_size` reads the block size of
+    fp8 block-scaled checkpoints from it.
     """
     name: str = "custom"
     hidden_size: int = 7168
@@ -54,9 +58,19 @@ class MLAConfig:
     rope_scaling: RopeScaling | None = None
     rms_norm_eps: float = 1e-6
     o_proj: bool = True
+    quantization_config: tuple | None = None
     softmax_scale_override: float | None = field(default=None, repr=False)
 
     def __post_init__(self):
+        qc = self.quantization_config
+        if isinstance(qc, Mapping):
+            object.__setattr__(self, "quantization_config", tuple(sorted(
+                (str(k), tuple(v) if isinstance(v, list) else v) for k, v in qc.items())))
+        elif qc is not None and not isinstance(qc, tuple):
+            raise ValueError(f"MLAConfig: quantization_config must be a dict (HF's), got {type(qc).__name__}")
+        bn, bk = self.weight_block_size
+        if bn < 1 or bk < 1:
+            raise ValueError(f"MLAConfig: quantization_config.weight_block_size must be positive, got {(bn, bk)}")
         if self.kv_lora_rank != KV_LORA_RANK or self.qk_rope_head_dim != ROPE_DIM:
             raise ValueError(f"MLAConfig: the 576-byte cache row fixes kv_lora_rank = {KV_LORA_RANK} and "
                              f"qk_rope_head_dim = {ROPE_DIM}, got {self.kv_lora_rank} and {self.qk_rope_head_dim}")
@@ -68,6 +82,18 @@ class MLAConfig:
                                  f"got {getattr(self, name)}")
         if self.hidden_size < 1 or self.q_lora_rank < 1:
             raise ValueError("MLAConfig: hidden_size and q_lora_rank must be positive")
+
+    @property
+    def weight_block_size(self) -> tuple[int, int]:
+        """(rows, cols) of one fp8 weight block: ``quantization_config.weight_block_size`` where
+        given, else (128, 128) (DeepSeek-V3's / Kimi-K2's)."""
+        qc = dict(self.quantization_config or ())
+        size = qc.get("weight_block_size")
+        if size is None:
+            return (128, 128)
+        if len(size) != 2:
+            raise ValueError(f"MLAConfig: quantization_config.weight_block_size must be [rows, cols], got {size}")
+        return int(size[0]), int(size[1])
 
     # --- derived sizes ---------------------------------------------------------------------
     @property

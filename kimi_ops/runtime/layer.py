@@ -17,6 +17,21 @@ applied after the attention), in bf16 or in MXFP4 (``weights='mxfp4'``; via
 128 axis ``[H, 512, 64]`` + scales ``[H, 512, 4]``; ``W_UV`` ``[H, v, 256]`` + ``[H, v, 16]``
 for :func:`kimi_ops.bmm_a16wfp4`).
 
+``weights='fp8'``: the projections (``fused_qkv_a_proj`` with the gate rows, ``q_b_proj``,
+``g_proj`` when separate, ``o_proj``) are held as fp8 e4m3 with float32 block scales, as
+DeepSeek-V3 / Kimi-K2 checkpoints ship them (``<proj>.weight`` fp8 + ``<proj>.weight_scale_inv``
+``[ceil(rows / bn), ceil(cols / bk)]``, real weight = fp8 x its block's scale; ``(bn, bk)`` is
+``config.weight_block_size``), and run as :func:`kimi_ops.gemm_a16w8_block` (no dequantized copy).
+Each fp8 projection's ``weight_scale_inv`` has one row per ``block_n`` rows (a module attribute):
+``bn`` for ``q_b_proj`` / ``g_proj`` / ``o_proj``; for the fused ``[q_a | kv_a | gate]`` weight
+the gcd of ``bn`` and its segment boundaries (Kimi-K3: 64, since kv_a's 576 rows end mid-block),
+each checkpoint block's scale repeated over its 64-row halves: exact, 57 x 56 floats.
+``kv_b_proj`` of an fp8 checkpoint is dequantized on load to bf16 W_UK / W_UV (they are
+applied per head as [128, 512] / [v, 512] products, M1a and the W_UV bmm, whose kernels take
+bf16 or MXFP4; 3.1 MB at Kimi-K3 TP8). A bf16 / mxfp4 layer given an fp8 checkpoint dequantizes
+every projection to bf16 (float32 product, one rounding); an fp8 layer given bf16 weights
+quantizes them per block (scale = amax / 448, :func:`kimi_ops.reference.fp8.quantize_fp8_blocks`).
+
 ``merge_gate=True`` (the default where there is a gate) keeps ``g_proj``'s rows at the
 end of ``fused_qkv_a_proj`` (one GEMM, vLLM's ``KimiK3MergedQKVGateLinear``);
 :func:`kimi_ops.runtime.mla.qkv_gate_weights` returns the two row slices.
@@ -30,18 +45,96 @@ from torch import nn
 
 from .. import ops
 from ..formats import KV_LORA_RANK, ROPE_DIM
+from ..reference.fp8 import dequantize_fp8_blocks, quantize_fp8_blocks
 from . import aiter_fallback, dcp
 from .config import MLAConfig
 
-WEIGHT_FORMATS = ("bf16", "mxfp4")
+WEIGHT_FORMATS = ("bf16", "mxfp4", "fp8")
 
 
 class _Weight(nn.Module):
-    """Holds one ``weight`` buffer, so the layer's state_dict keys are ``<name>.weight``."""
+    """Holds one ``weight`` buffer, so the layer's state_dict keys are ``<name>.weight``.
+    fp8 projections also hold ``weight_scale_inv`` (float32 ``[ceil(rows / block_n),
+    ceil(cols / block_k)]``) and the ints ``block_n`` / ``block_k``."""
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor | None = None, block_n: int = 128,
+                 block_k: int = 128):
         super().__init__()
         self.register_buffer("weight", weight)
+        if scale is not None:
+            self.register_buffer("weight_scale_inv", scale)
+            self.block_n, self.block_k = int(block_n), int(block_k)
+        else:
+            self.weight_scale_inv = None
+
+    def dense(self, dtype=torch.float32) -> torch.Tensor:
+        """The weight as applied, ``dtype`` (fp8 ones dequantized, float32 product)."""
+        if self.weight_scale_inv is None:
+            return self.weight.to(dtype)
+        return dequantize_fp8_blocks(self.weight, self.weight_scale_inv, self.block_n, self.block_k, dtype)
+
+
+class _Proj:
+    """A projection as read from a checkpoint: a dense weight [rows, cols], or fp8 with its
+    scales expanded to one row per weight row (``srow [rows, ceil(cols / bk)]``), so that row
+    slices and concatenations are exact whatever the checkpoint's block grid."""
+
+    def __init__(self, w: torch.Tensor, srow: torch.Tensor | None, bn: int, bk: int, name: str):
+        self.w, self.srow, self.bn, self.bk, self.name = w, srow, bn, bk, name
+
+    @property
+    def fp8(self) -> bool:
+        return self.srow is not None
+
+    @property
+    def shape(self):
+        return self.w.shape
+
+    def rows(self, r0: int, r1: int) -> "_Proj":
+        return _Proj(self.w[r0:r1], None if self.srow is None else self.srow[r0:r1], self.bn, self.bk, self.name)
+
+    def tp_rows(self, r0: int, r1: int, tp_rank: int) -> "_Proj":
+        """Rows r0:r1 (a tensor-parallel rank's); an fp8 cut must fall on block boundaries."""
+        if self.fp8 and (r0 % self.bn or (r1 % self.bn and r1 != self.w.shape[0])):
+            raise ValueError(f"MLADecodeLayer.load_weights: tensor-parallel rank {tp_rank}'s rows {r0}:{r1} of "
+                             f"{self.name} split a {self.bn}-row fp8 scale block (weight_block_size "
+                             f"{self.bn} x {self.bk}): this TP size cannot keep the checkpoint's block scales")
+        return self.rows(r0, r1)
+
+    def tp_cols(self, c0: int, c1: int, tp_rank: int) -> "_Proj":
+        """Columns c0:c1 (a row-parallel rank's input slice); fp8: on block boundaries."""
+        if not self.fp8:
+            return _Proj(self.w[:, c0:c1], None, self.bn, self.bk, self.name)
+        if c0 % self.bk or (c1 % self.bk and c1 != self.w.shape[1]):
+            raise ValueError(f"MLADecodeLayer.load_weights: tensor-parallel rank {tp_rank}'s columns {c0}:{c1} of "
+                             f"{self.name} split a {self.bk}-column fp8 scale block (weight_block_size "
+                             f"{self.bn} x {self.bk}): this TP size cannot keep the checkpoint's block scales")
+        return _Proj(self.w[:, c0:c1], self.srow[:, c0 // self.bk:-(-c1 // self.bk)], self.bn, self.bk, self.name)
+
+    def dense(self, dtype) -> torch.Tensor:
+        if not self.fp8:
+            return self.w.to(dtype)
+        k = self.w.shape[1]
+        return (self.w.to(torch.float32) * self.srow.to(torch.float32).repeat_interleave(self.bk, 1)[:, :k]).to(dtype)
+
+    def as_fp8(self) -> "_Proj":
+        """fp8 with per-row scales: as is, or quantized in (bn, bk) blocks from its first row."""
+        if self.fp8:
+            return self
+        q, scale = quantize_fp8_blocks(self.w, self.bn, self.bk)
+        return _Proj(q, scale.repeat_interleave(self.bn, 0)[:q.shape[0]], self.bn, self.bk, self.name)
+
+    @staticmethod
+    def cat(parts: list["_Proj"], fp8: bool) -> "_Proj":
+        """Rows of the parts, one after another; ``fp8``: each part quantized on its own grid first
+        (a dense part), else dense unless some part is fp8."""
+        if len(parts) == 1:
+            return parts[0]
+        if not fp8 and all(not p.fp8 for p in parts):
+            return _Proj(torch.cat([p.w for p in parts], 0), None, parts[0].bn, parts[0].bk, parts[0].name)
+        parts = [p.as_fp8() for p in parts]
+        return _Proj(torch.cat([p.w for p in parts], 0), torch.cat([p.srow for p in parts], 0),
+                     parts[0].bn, parts[0].bk, " + ".join(p.name for p in parts))
 
 
 def _yarn_inv_freq(config: MLAConfig) -> torch.Tensor:
@@ -66,11 +159,15 @@ def _yarn_inv_freq(config: MLAConfig) -> torch.Tensor:
     return freq_inter * (1 - extra_mask) + freq_extra * extra_mask
 
 
-def random_hf_weights(config: MLAConfig, *, seed: int = 0, dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
+def random_hf_weights(config: MLAConfig, *, seed: int = 0, dtype=torch.bfloat16,
+                      fp8: bool = False) -> dict[str, torch.Tensor]:
     """Seeded random weights of one rank, HF names, ``g_proj`` separate, ``kv_b_proj`` whole.
 
     Scales keep activations about unit size: linear weights N(0, 1/fan_in), norm weights
     1 + N(0, 0.1^2), so the softmax logits come out with a standard deviation near 1.
+    ``fp8=True``: the linear weights in the fp8 checkpoint format (``q_a_proj`` and
+    ``kv_a_proj_with_mqa`` unfused, each ``.weight`` fp8 + ``.weight_scale_inv``, blocks of
+    ``config.weight_block_size``), as DeepSeek-V3 / Kimi-K2 ship them.
     """
     gen = torch.Generator().manual_seed(seed)
     c, h = config, config.num_heads
@@ -92,6 +189,12 @@ def random_hf_weights(config: MLAConfig, *, seed: int = 0, dtype=torch.bfloat16)
         sd["g_proj.weight"] = linear(c.gate_rows, c.hidden_size)
     if c.o_proj:
         sd["o_proj.weight"] = linear(c.hidden_size, c.o_proj_in)
+    if fp8:
+        qkv = sd.pop("fused_qkv_a_proj.weight")
+        sd["q_a_proj.weight"], sd["kv_a_proj_with_mqa.weight"] = qkv[:c.q_lora_rank], qkv[c.q_lora_rank:]
+        bn, bk = c.weight_block_size
+        for name in [k for k in sd if k.endswith("proj.weight") or k == "kv_a_proj_with_mqa.weight"]:
+            sd[name], sd[name + "_scale_inv"] = quantize_fp8_blocks(sd[name], bn, bk)
     return sd
 
 
@@ -105,7 +208,8 @@ class MLADecodeLayer(nn.Module):
 
     Args:
         config: :class:`MLAConfig` (default ``MLAConfig.kimi_k3(tp=8)``).
-        weights: ``'bf16'`` or ``'mxfp4'``: the format of W_UK / W_UV (other weights are bf16).
+        weights: ``'bf16'`` or ``'mxfp4'``: the format of W_UK / W_UV (other weights are bf16);
+            ``'fp8'``: fp8 block-scaled projections, bf16 W_UK / W_UV (module docstring).
         dtype: activation / weight dtype; the ops take bf16.
         device: where the weights live.
         seed: seed of the random init (``None``: leave the weights zero, to be loaded).
@@ -149,14 +253,24 @@ class MLADecodeLayer(nn.Module):
         def zeros(*shape, dt=dtype):
             return torch.zeros(*shape, dtype=dt, device=dev)
 
-        self.fused_qkv_a_proj = _Weight(zeros(c.qkv_a_rows + (c.gate_rows if self.merge_gate else 0), c.hidden_size))
+        bn, bk = c.weight_block_size
+
+        def proj(rows, cols, block_n=bn):
+            if weights != "fp8":
+                return _Weight(zeros(rows, cols))
+            scale = torch.ones(-(-rows // block_n), -(-cols // bk), dtype=torch.float32, device=dev)
+            return _Weight(zeros(rows, cols, dt=torch.float8_e4m3fn), scale, block_n, bk)
+
+        qkv_rows = c.qkv_a_rows + (c.gate_rows if self.merge_gate else 0)
+        # the fused weight's scale rows: one per gcd(bn, segment boundaries) rows (module docstring)
+        self.fused_qkv_a_proj = proj(qkv_rows, c.hidden_size, math.gcd(bn, c.q_lora_rank, c.qkv_a_rows, qkv_rows))
         self.q_a_layernorm = _Weight(zeros(c.q_lora_rank))
-        self.q_b_proj = _Weight(zeros(h * c.qk_head_dim, c.q_lora_rank))
+        self.q_b_proj = proj(h * c.qk_head_dim, c.q_lora_rank)
         self.kv_a_layernorm = _Weight(zeros(c.kv_lora_rank))
-        self.g_proj = _Weight(zeros(c.gate_rows, c.hidden_size)) if c.gate and not self.merge_gate else None
-        self.o_proj = _Weight(zeros(c.hidden_size, c.o_proj_in)) if c.o_proj else None
+        self.g_proj = proj(c.gate_rows, c.hidden_size) if c.gate and not self.merge_gate else None
+        self.o_proj = proj(c.hidden_size, c.o_proj_in) if c.o_proj else None
         nope, v = c.qk_nope_head_dim, c.v_head_dim
-        if weights == "bf16":
+        if weights in ("bf16", "fp8"):
             self.register_buffer("W_UK", zeros(h, nope, KV_LORA_RANK))
             self.register_buffer("W_UV", zeros(h, v, KV_LORA_RANK))
             self.W_UK_scale = self.W_UV_scale = None
@@ -170,7 +284,7 @@ class MLADecodeLayer(nn.Module):
         else:
             self.rotary_inv_freq = None
         if seed is not None:
-            self.load_weights(random_hf_weights(c, seed=seed, dtype=dtype))
+            self.load_weights(random_hf_weights(c, seed=seed, dtype=dtype, fp8=weights == "fp8"))
 
     # --- properties ------------------------------------------------------------------------
     @property
@@ -184,6 +298,24 @@ class MLADecodeLayer(nn.Module):
     @property
     def num_heads(self) -> int:
         return self.config.num_heads
+
+    def dense_weights(self, dtype=torch.float32) -> dict[str, torch.Tensor | None]:
+        """The projections as the layer applies them, dense in ``dtype`` (fp8 ones dequantized):
+        ``qkv [q_lora + 576, hidden]``, ``gate [H * v, hidden]`` (None without a gate),
+        ``q_b [H * 192, q_lora]``, ``o [hidden, H * v]`` (None without o_proj)."""
+        from .mla import qkv_gate_weights
+        if self.weight_format != "fp8":
+            qkv, gate = qkv_gate_weights(self)
+            qkv, gate = qkv.to(dtype), (gate.to(dtype) if gate is not None else None)
+        else:
+            qkv = self.fused_qkv_a_proj.dense(dtype)
+            gate = None
+            if self.g_proj is not None:
+                gate = self.g_proj.dense(dtype)
+            elif self.merge_gate:
+                qkv, gate = qkv[:self.config.qkv_a_rows], qkv[self.config.qkv_a_rows:]
+        return dict(qkv=qkv, gate=gate, q_b=self.q_b_proj.dense(dtype),
+                    o=self.o_proj.dense(dtype) if self.o_proj is not None else None)
 
     def weight_bytes(self) -> int:
         """Bytes of every weight a decode step reads (the performance floor counts them)."""
@@ -199,10 +331,18 @@ class MLADecodeLayer(nn.Module):
         ``o_proj``. Per-head weights holding all ``total_heads`` heads (an unsharded
         checkpoint) are sliced to rank ``tp_rank``'s heads. ``prefix`` (e.g.
         ``'model.layers.0.self_attn.'``) is stripped.
+
+        fp8 checkpoints: any projection may come as ``<proj>.weight`` ``float8_e4m3fn`` beside
+        ``<proj>.weight_scale_inv`` float32 ``[ceil(rows / bn), ceil(cols / bk)]`` (``(bn, bk)`` =
+        ``config.weight_block_size``); a tensor-parallel slice must then start and end on block
+        boundaries (else ValueError). The fp8 layer keeps them as fp8 (bf16 ones are quantized);
+        bf16 / mxfp4 layers dequantize them (the module docstring).
         """
         sd = _read_safetensors(source) if isinstance(source, (str, os.PathLike)) else source
         sd = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}
         c, h = self.config, self.num_heads
+        bn, bk = c.weight_block_size
+        fp8 = self.weight_format == "fp8"
         used = set()
 
         def take(name, required=True):
@@ -213,47 +353,69 @@ class MLADecodeLayer(nn.Module):
                 raise KeyError(f"MLADecodeLayer.load_weights: missing {prefix}{name}")
             return None
 
-        def heads_rows(w, per_head, name):
+        def take_proj(name, required=True) -> _Proj | None:
+            w = take(f"{name}.weight", required)
+            if w is None:
+                return None
+            scale = take(f"{name}.weight_scale_inv", required=False)
+            is_fp8 = w.dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+            if is_fp8 != (scale is not None):
+                raise ValueError(f"MLADecodeLayer.load_weights: {prefix}{name}.weight is {w.dtype} "
+                                 + ("without" if is_fp8 else "with") + f" {prefix}{name}.weight_scale_inv: an fp8 "
+                                 "weight needs its float32 block scales and only an fp8 weight has them")
+            if scale is None:
+                return _Proj(w, None, bn, bk, name)
+            if w.dtype != torch.float8_e4m3fn:
+                w = w.to(torch.float32).to(torch.float8_e4m3fn)   # e4m3fnuz values are e4m3fn values
+            expected = (-(-w.shape[0] // bn), -(-w.shape[1] // bk))
+            if tuple(scale.shape) != expected:
+                raise ValueError(f"MLADecodeLayer.load_weights: {prefix}{name}.weight_scale_inv must be "
+                                 f"[ceil({w.shape[0]} / {bn}), ceil({w.shape[1]} / {bk})] = {list(expected)} "
+                                 f"(weight_block_size {bn} x {bk}), got {list(scale.shape)}")
+            srow = scale.to(torch.float32).repeat_interleave(bn, 0)[:w.shape[0]]
+            return _Proj(w, srow, bn, bk, name)
+
+        def heads_rows(p: _Proj, per_head):
             """Rank tp_rank's rows of a per-head [heads * per_head, ...] weight."""
-            if w.shape[0] == c.total_heads * per_head and c.total_heads != h:
-                return w[tp_rank * h * per_head:(tp_rank + 1) * h * per_head]
-            if w.shape[0] != h * per_head:
-                raise ValueError(f"MLADecodeLayer.load_weights: {name} has {w.shape[0]} rows, expected "
+            if p.shape[0] == c.total_heads * per_head and c.total_heads != h:
+                return p.tp_rows(tp_rank * h * per_head, (tp_rank + 1) * h * per_head, tp_rank)
+            if p.shape[0] != h * per_head:
+                raise ValueError(f"MLADecodeLayer.load_weights: {p.name} has {p.shape[0]} rows, expected "
                                  f"{h} * {per_head} (this rank) or {c.total_heads} * {per_head} (all heads)")
-            return w
+            return p
 
         if "fused_qkv_a_proj.weight" in sd:
-            qkv = take("fused_qkv_a_proj.weight")
+            qkv = take_proj("fused_qkv_a_proj")
         else:
-            qkv = torch.cat([take("q_a_proj.weight"), take("kv_a_proj_with_mqa.weight")], 0)
+            qkv = _Proj.cat([take_proj("q_a_proj"), take_proj("kv_a_proj_with_mqa")], fp8)
         gate = None
         if c.gate:
             if qkv.shape[0] == c.qkv_a_rows + c.gate_rows:      # merged checkpoint
-                qkv, gate = qkv[:c.qkv_a_rows], qkv[c.qkv_a_rows:]
+                qkv, gate = qkv.rows(0, c.qkv_a_rows), qkv.rows(c.qkv_a_rows, qkv.shape[0])
             else:
-                gate = heads_rows(take("g_proj.weight"), c.v_head_dim, "g_proj.weight")
+                gate = heads_rows(take_proj("g_proj"), c.v_head_dim)
         if tuple(qkv.shape) != (c.qkv_a_rows, c.hidden_size):
             raise ValueError(f"MLADecodeLayer.load_weights: fused_qkv_a_proj must be "
                              f"[{c.qkv_a_rows}, {c.hidden_size}], got {tuple(qkv.shape)}")
         if self.merge_gate:
-            self.fused_qkv_a_proj.weight.copy_(torch.cat([qkv, gate], 0))
+            self._set_proj(self.fused_qkv_a_proj, _Proj.cat([qkv, gate], fp8), "fused_qkv_a_proj")
         else:
-            self.fused_qkv_a_proj.weight.copy_(qkv)
+            self._set_proj(self.fused_qkv_a_proj, qkv, "fused_qkv_a_proj")
             if gate is not None:
-                self.g_proj.weight.copy_(gate)
+                self._set_proj(self.g_proj, gate, "g_proj")
         self.q_a_layernorm.weight.copy_(take("q_a_layernorm.weight"))
         self.kv_a_layernorm.weight.copy_(take("kv_a_layernorm.weight"))
-        self.q_b_proj.weight.copy_(heads_rows(take("q_b_proj.weight"), c.qk_head_dim, "q_b_proj.weight"))
+        self._set_proj(self.q_b_proj, heads_rows(take_proj("q_b_proj"), c.qk_head_dim), "q_b_proj")
         nope, v = c.qk_nope_head_dim, c.v_head_dim
-        kv_b = heads_rows(take("kv_b_proj.weight"), nope + v, "kv_b_proj.weight")
+        kv_b = heads_rows(take_proj("kv_b_proj"), nope + v).dense(torch.float32)
         kv_b = kv_b.to(device=self.device, dtype=self.dtype).view(h, nope + v, KV_LORA_RANK)
         self.set_kv_b(kv_b[:, :nope], kv_b[:, nope:])
         if self.o_proj is not None:
-            o = take("o_proj.weight", required=strict)
+            o = take_proj("o_proj", required=strict)
             if o is not None:
                 if o.shape[1] == c.total_heads * v and c.total_heads != h:
-                    o = o[:, tp_rank * h * v:(tp_rank + 1) * h * v]
-                self.o_proj.weight.copy_(o)
+                    o = o.tp_cols(tp_rank * h * v, (tp_rank + 1) * h * v, tp_rank)
+                self._set_proj(self.o_proj, o, "o_proj")
         if strict:
             extra = sorted(set(sd) - used)
             if extra:
@@ -261,11 +423,34 @@ class MLADecodeLayer(nn.Module):
         return self
 
     @torch.no_grad()
+    def _set_proj(self, target: _Weight, p: _Proj, name: str) -> None:
+        """Copy a checkpoint projection into one of the layer's: dense (dequantized where fp8), or
+        fp8 with the target's scale grid (``target.block_n`` rows a scale row)."""
+        if tuple(p.shape) != tuple(target.weight.shape):
+            raise ValueError(f"MLADecodeLayer.load_weights: {name} must be {list(target.weight.shape)}, "
+                             f"got {list(p.shape)}")
+        if target.weight_scale_inv is None:
+            target.weight.copy_(p.dense(torch.float32))
+            return
+        p = p.as_fp8()
+        unit = target.block_n
+        rows = p.srow.shape[0]
+        srow = p.srow.to(torch.float32)
+        pad = (-rows) % unit
+        grid = torch.cat([srow, srow[-1:].expand(pad, -1)], 0).view(-1, unit, srow.shape[1])
+        if not torch.equal(grid, grid[:, :1].expand_as(grid)):
+            raise ValueError(f"MLADecodeLayer.load_weights: {name}'s fp8 block scales change inside a {unit}-row "
+                             f"group of the layer's scale grid (its segments must start on multiples of {unit})")
+        target.weight.copy_(p.w)
+        target.weight_scale_inv.copy_(grid[:, 0])
+
+    @torch.no_grad()
     def set_kv_b(self, w_uk: torch.Tensor, w_uv: torch.Tensor) -> None:
-        """Set W_UK [H, 128, 512] and W_UV [H, v, 512] from bf16 (quantized here for MXFP4)."""
+        """Set W_UK [H, 128, 512] and W_UV [H, v, 512] from bf16 (quantized here for MXFP4;
+        bf16 in the bf16 and fp8 layers)."""
         w_uk = w_uk.to(device=self.device, dtype=self.dtype)
         w_uv = w_uv.to(device=self.device, dtype=self.dtype)
-        if self.weight_format == "bf16":
+        if self.W_UK_scale is None:
             self.W_UK.copy_(w_uk)
             self.W_UV.copy_(w_uv)
         else:
@@ -278,7 +463,7 @@ class MLADecodeLayer(nn.Module):
 
     def dequantized_kv_b(self, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_UK [H, 128, 512], W_UV [H, v, 512]) as the layer applies them, in ``dtype``."""
-        if self.weight_format == "bf16":
+        if self.W_UK_scale is None:
             return self.W_UK.to(dtype), self.W_UV.to(dtype)
         w_uk = ops.mxfp4_dequantize(self.W_UK, self.W_UK_scale, dtype=dtype).transpose(1, 2)
         w_uv = ops.mxfp4_dequantize(self.W_UV, self.W_UV_scale, dtype=dtype)
@@ -286,8 +471,13 @@ class MLADecodeLayer(nn.Module):
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's weights under HF names (``g_proj`` separate, ``kv_b_proj`` whole;
-        MXFP4 W_UK / W_UV come back dequantized, which reloads to the same bytes)."""
+        MXFP4 W_UK / W_UV come back dequantized, which reloads to the same bytes). The fp8
+        layer's projections come back in the checkpoint format (``q_a_proj``,
+        ``kv_a_proj_with_mqa``, ``g_proj``, ``q_b_proj``, ``o_proj``: fp8 ``.weight`` +
+        ``.weight_scale_inv`` in ``config.weight_block_size`` blocks; ``kv_b_proj`` bf16)."""
         from .mla import qkv_gate_weights
+        if self.weight_format == "fp8":
+            return self._hf_state_dict_fp8()
         qkv, gate = qkv_gate_weights(self)
         w_uk, w_uv = self.dequantized_kv_b(self.dtype)
         sd = {
@@ -301,6 +491,34 @@ class MLADecodeLayer(nn.Module):
             sd["g_proj.weight"] = gate
         if self.o_proj is not None:
             sd["o_proj.weight"] = self.o_proj.weight
+        return {k: t.detach().contiguous().clone() for k, t in sd.items()}
+
+    def _fp8_rows(self, proj: _Weight, r0: int, r1: int, name: str) -> dict[str, torch.Tensor]:
+        """Rows r0:r1 of an fp8 projection as a checkpoint's ``name.weight`` / ``.weight_scale_inv``."""
+        bn, _ = self.config.weight_block_size
+        n = proj.weight.shape[0]
+        srow = proj.weight_scale_inv.repeat_interleave(proj.block_n, 0)[:n][r0:r1]
+        blocks = srow[::bn]
+        if not torch.equal(blocks.repeat_interleave(bn, 0)[:r1 - r0], srow):
+            raise ValueError(f"MLADecodeLayer.hf_state_dict: {name}'s scales are not on its own {bn}-row blocks")
+        return {f"{name}.weight": proj.weight[r0:r1], f"{name}.weight_scale_inv": blocks}
+
+    def _hf_state_dict_fp8(self) -> dict[str, torch.Tensor]:
+        c = self.config
+        w_uk, w_uv = self.dequantized_kv_b(self.dtype)
+        fused = self.fused_qkv_a_proj
+        sd = {**self._fp8_rows(fused, 0, c.q_lora_rank, "q_a_proj"),
+              **self._fp8_rows(fused, c.q_lora_rank, c.qkv_a_rows, "kv_a_proj_with_mqa"),
+              "q_a_layernorm.weight": self.q_a_layernorm.weight,
+              **self._fp8_rows(self.q_b_proj, 0, self.q_b_proj.weight.shape[0], "q_b_proj"),
+              "kv_a_layernorm.weight": self.kv_a_layernorm.weight,
+              "kv_b_proj.weight": torch.cat([w_uk, w_uv], 1).reshape(-1, KV_LORA_RANK)}
+        if self.g_proj is not None:
+            sd.update(self._fp8_rows(self.g_proj, 0, c.gate_rows, "g_proj"))
+        elif self.merge_gate:
+            sd.update(self._fp8_rows(fused, c.qkv_a_rows, fused.weight.shape[0], "g_proj"))
+        if self.o_proj is not None:
+            sd.update({"o_proj.weight": self.o_proj.weight, "o_proj.weight_scale_inv": self.o_proj.weight_scale_inv})
         return {k: t.detach().contiguous().clone() for k, t in sd.items()}
 
     def save_safetensors(self, path) -> None:
@@ -331,7 +549,7 @@ class MLADecodeLayer(nn.Module):
             md, _, kv_cache, _ = mla.context(self)
         out = mla.layer(self, hidden, kv_cache, md)
         if self.o_proj is not None:
-            out = torch.nn.functional.linear(out, self.o_proj.weight)
+            out = mla.project(out, self.o_proj)
         return out
 
     def extra_repr(self) -> str:

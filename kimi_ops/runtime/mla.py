@@ -1,6 +1,7 @@
 """An MLA layer's decode step, split where the seeds' mono kernels split it.
 
-* :func:`pre`: the qkv_a GEMM (g_proj merged in or beside it), the q / kv RMSNorms,
+* :func:`pre`: the qkv_a GEMM (g_proj merged in or beside it; bf16, or fp8 block-scaled
+  through :func:`project`), the q / kv RMSNorms,
   q_b, RoPE where the config has it, W_UK absorbed into the query (M1a,
   :func:`kimi_ops.mla_query`), this step's KV rows into the fp8 cache
   (:func:`kimi_ops.mla_cache_write`), the output gate ``sigmoid(g_proj)``.
@@ -72,6 +73,15 @@ def qkv_gate_weights(layer):
     return w[:n], w[n:]
 
 
+def project(x: torch.Tensor, proj) -> torch.Tensor:
+    """``x [T, in] @ W^T`` for one of the layer's projections: ``F.linear`` on a bf16 weight, or
+    :func:`kimi_ops.gemm_a16w8_block` on an fp8 block-scaled one (``proj.weight_scale_inv``)."""
+    scale = getattr(proj, "weight_scale_inv", None)
+    if scale is None:
+        return F.linear(x, proj.weight)
+    return ops.gemm_a16w8_block(x, proj.weight, scale, block_n=proj.block_n, block_k=proj.block_k)
+
+
 # --- pieces -----------------------------------------------------------------------------------
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -100,10 +110,9 @@ def pre(layer, hidden: torch.Tensor, kv_cache: torch.Tensor, md):
     (``None`` without a gate)."""
     c = layer.config
     nope, rope = c.qk_nope_head_dim, c.qk_rope_head_dim
-    w_qkv = layer.fused_qkv_a_proj.weight
-    qkv = F.linear(hidden, w_qkv)                         # [T, q_lora + 576 (+ gate)]
+    qkv = project(hidden, layer.fused_qkv_a_proj)        # [T, q_lora + 576 (+ gate)]
     if layer.g_proj is not None:
-        g = F.linear(hidden, layer.g_proj.weight)
+        g = project(hidden, layer.g_proj)
     elif layer.merge_gate:
         qkv, g = qkv.split([c.qkv_a_rows, c.gate_rows], -1)
     else:
@@ -111,7 +120,7 @@ def pre(layer, hidden: torch.Tensor, kv_cache: torch.Tensor, md):
     q_c, kv_c, k_pe = qkv.split([c.q_lora_rank, KV_LORA_RANK, ROPE_DIM], -1)
     q_c = rms_norm(q_c, layer.q_a_layernorm.weight, c.rms_norm_eps)
     kv_c = rms_norm(kv_c, layer.kv_a_layernorm.weight, c.rms_norm_eps)
-    q = F.linear(q_c, layer.q_b_proj.weight).view(-1, layer.num_heads, nope + rope)
+    q = project(q_c, layer.q_b_proj).view(-1, layer.num_heads, nope + rope)
     q_nope, q_pe = q.split([nope, rope], -1)
     if c.rope:
         q_pe = apply_rope(q_pe, md.positions, layer.rotary_inv_freq)

@@ -1,6 +1,6 @@
 """A float64 computation of a whole decode step of an :class:`MLADecodeLayer` (the demo's check).
 
-Plain float64 matmuls on the weights the layer applies (MXFP4 ones dequantized exactly),
+Plain float64 matmuls on the weights the layer applies (MXFP4 and fp8 ones dequantized exactly),
 the absorbed attention over the fp8 cache as it stands after the step (the layer's own
 rows for this step included), explicit softmax. Host-side and slow: for checking only.
 (The tests hold the layer to an oracle of their own, written in the un-absorbed form.)
@@ -9,7 +9,6 @@ rows for this step included), explicit softmax. Host-side and slow: for checking
 import torch
 
 from ..formats import KV_LORA_RANK, KV_ROW
-from . import mla
 
 
 @torch.no_grad()
@@ -17,7 +16,8 @@ def layer_float64(layer, hidden: torch.Tensor, kv_cache_after: torch.Tensor, md)
     """float64 ``[T, hidden]`` (``[T, H * v]`` without o_proj) of the step ``layer(hidden, kv_cache, md)``."""
     c, h = layer.config, layer.num_heads
     x = hidden.detach().cpu().double()
-    w_qkv, w_gate = (w.cpu().double() if w is not None else None for w in mla.qkv_gate_weights(layer))
+    dense = {k: (w.cpu().double() if w is not None else None) for k, w in layer.dense_weights(torch.float64).items()}
+    w_qkv, w_gate = dense["qkv"], dense["gate"]
     w_uk, w_uv = (w.cpu().double() for w in layer.dequantized_kv_b(torch.float32))
     qkv = x @ w_qkv.T
 
@@ -25,7 +25,7 @@ def layer_float64(layer, hidden: torch.Tensor, kv_cache_after: torch.Tensor, md)
         return v / torch.sqrt(v.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps) * g.cpu().double()
 
     q_c = rms(qkv[:, :c.q_lora_rank], layer.q_a_layernorm.weight)
-    q = (q_c @ layer.q_b_proj.weight.cpu().double().T).view(-1, h, c.qk_head_dim)
+    q = (q_c @ dense["q_b"].T).view(-1, h, c.qk_head_dim)
     q_nope, q_pe = q[..., :c.qk_nope_head_dim], q[..., c.qk_nope_head_dim:]
     if c.rope:
         pos = md.positions.cpu().double()[:, None] * layer.rotary_inv_freq.cpu().double()[None, :]
@@ -53,7 +53,7 @@ def layer_float64(layer, hidden: torch.Tensor, kv_cache_after: torch.Tensor, md)
     if w_gate is not None:
         core = core * torch.sigmoid(x @ w_gate.T)
     if layer.o_proj is not None:
-        core = core @ layer.o_proj.weight.cpu().double().T
+        core = core @ dense["o"].T
     return core
 
 

@@ -1,0 +1,195 @@
+"""Triton ``gemm_a16w8_block``: bf16 activations times fp8 e4m3 block-scaled weights, f32
+accumulation, bf16 out, with no dequantized copy of the weight.
+
+``y [M, N] = x [M, K] @ dequant(w)^T``, ``dequant(w)[n, k] = w[n, k] * w_scale_inv[n // block_n,
+k // block_k]`` (the layout of :mod:`kimi_ops.reference.fp8`: DeepSeek-V3's / Kimi-K2's
+checkpoints). x bf16 (any strides), w ``torch.float8_e4m3fn`` ``[N, K]`` (any strides), scales
+float32 ``[ceil(N / block_n), ceil(K / block_k)]``; y bf16 contiguous.
+
+One program per (N tile, M tile, K split). Each K tile of BLOCK_K columns lies inside one scale
+block column (``block_k % BLOCK_K == 0``): the fp8 tile is converted to bf16 in registers
+(exact: every e4m3 value is a bf16 value), ``tl.dot`` gives the tile's float32 product, and
+that is multiplied by its columns' scales (``[BLOCK_N]``, one per output column n: scale row
+``n // block_n``, so any ``block_n`` works, including the layer's 64-row grid of a fused
+``[q_a | kv_a | gate]`` weight) before it is added to the accumulator: the sum is exactly
+``sum_k x w s`` up to float32 rounding, as the reference computes it.
+
+Split K (``SPLIT_K > 1``): decode's M is 1..64 rows, so an [N, K] weight gives few (N, M) tiles
+(Kimi-K3's fused qkv_a + gate: N 3648; at BLOCK_N 128 that is 29 programs for 132 SMs); the K
+tiles are then shared out among SPLIT_K programs, each writing a float32 partial ``[SPLIT_K, M,
+N]``, and :func:`_reduce_splits_kernel` sums them into y (one more launch). A wide N tile keeps
+the activations' re-reads from L2 (``N / BLOCK_N`` times ``M x K x 2`` bytes) below the weight's
+``N x K`` bytes; split K restores the parallelism. Config: :func:`gemm_config` from shapes and
+the SM count, or ``KIMI_OPS_FP8_GEMM_CONFIG="BLOCK_M,BLOCK_N,BLOCK_K,SPLIT_K,num_warps,num_stages"``
+(every call; for sweeps).
+"""
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from . import interpreting
+
+CONFIG_ENV = "KIMI_OPS_FP8_GEMM_CONFIG"
+
+
+@triton.jit
+def _operand(v, INTERP: tl.constexpr):
+    """bf16 for the MMA; float32 under the interpreter (whose tl.dot multiplies bf16's raw bits)."""
+    if INTERP:
+        return v.to(tl.float32)
+    else:
+        return v.to(tl.bfloat16)
+
+
+@triton.jit
+def _gemm_a16w8_block_kernel(
+    x_ptr, w_ptr, s_ptr, y_ptr, p_ptr,
+    M, N, K, block_n, block_k,
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sk,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    K_TILES: tl.constexpr, TILES_PER_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr, INTERP: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    s_rows = s_ptr + (offs_n // block_n) * stride_sn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for i in range(TILES_PER_SPLIT):
+        kt = pid_s * TILES_PER_SPLIT + i
+        k0 = kt * BLOCK_K
+        kx = k0 + offs_k
+        mask_k = kx < K
+        x = tl.load(x_rows + kx[None, :] * stride_xk, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        w = tl.load(w_rows + kx[None, :] * stride_wk, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        s = tl.load(s_rows + (k0 // block_k) * stride_sk, mask=mask_n & (kt < K_TILES), other=0.0)
+        part = tl.dot(_operand(x, INTERP), tl.trans(_operand(w, INTERP)))
+        acc += part * s[None, :]
+    if SPLIT_K == 1:
+        y = y_ptr + offs_m[:, None] * N + offs_n[None, :]
+        tl.store(y, acc.to(tl.bfloat16), mask=mask_m[:, None] & mask_n[None, :])
+    else:
+        p = p_ptr + pid_s.to(tl.int64) * M * N + offs_m[:, None] * N + offs_n[None, :]
+        tl.store(p, acc, mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _reduce_splits_kernel(p_ptr, y_ptr, total, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    """y[i] = bf16(sum_s p[s, i]) over the flat [M * N] elements."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < total
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(p_ptr + s * total + offs, mask=mask, other=0.0)
+    tl.store(y_ptr + offs, acc.to(tl.bfloat16), mask=mask)
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132
+    from ..device import device_index, multiprocessor_count
+    return multiprocessor_count(device_index(device))
+
+
+def _pow2_floor(v: int) -> int:
+    return 1 << (max(1, int(v)).bit_length() - 1)
+
+
+def max_block_k(block_k: int) -> int:
+    """The largest BLOCK_K (a power of two, at most 128) that divides the scale block's width."""
+    return min(128, block_k & -block_k)
+
+
+def gemm_config(m: int, n: int, k: int, block_k: int = 128, sms: int = 132) -> tuple[int, int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) from shapes and the SM count.
+
+    * BLOCK_M: M's power of two, 16..64 (the MMA's smallest M is 16; larger M gets more M tiles).
+    * BLOCK_N: about 4 x M (16..128), so the activation tiles re-read from L2 by the N tiles
+      (``2 M / BLOCK_N`` of the weight's bytes) stay below the weight's own bytes.
+    * SPLIT_K: the power of two that brings the programs to about 2 per SM, each split at least
+      2 K tiles, and its float32 partials (``SPLIT_K x M x N x 4`` bytes) at most half the weight's.
+    * BLOCK_K = 128 (or the largest power of two dividing ``block_k``); 4 warps; 6 stages for
+      small tiles (more loads in flight), 4 for large.
+
+    Not tuned on the device yet (the layer bench measures the result): a first guess from the
+    byte counts above; ``KIMI_OPS_FP8_GEMM_CONFIG`` overrides it.
+    """
+    bm = min(64, max(16, triton.next_power_of_2(max(1, m))))
+    bn = min(128, max(16, triton.next_power_of_2(4 * min(max(1, m), bm))))
+    bk = max_block_k(block_k)
+    k_tiles = max(1, triton.cdiv(k, bk))
+    tiles = triton.cdiv(n, bn) * triton.cdiv(max(1, m), bm)
+    split = _pow2_floor(max(1, (2 * sms) // tiles))
+    split = min(split, _pow2_floor(max(1, k_tiles // 2)), _pow2_floor(max(1, k // (8 * max(1, m)))))
+    stages = 6 if (bm * bk * 2 + bn * bk) < 16384 else 4
+    return bm, bn, bk, max(1, split), 4, stages
+
+
+def _env_config() -> tuple[int, ...] | None:
+    env = os.environ.get(CONFIG_ENV, "").strip()
+    if not env:
+        return None
+    try:
+        vals = tuple(int(v) for v in env.split(","))
+    except ValueError:
+        vals = ()
+    if len(vals) != 6 or min(vals) < 1:
+        raise ValueError(f"{CONFIG_ENV} must be 'BLOCK_M,BLOCK_N,BLOCK_K,SPLIT_K,num_warps,num_stages' "
+                         f"(positive integers), got {env!r}")
+    return vals
+
+
+def gemm_a16w8_block(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor, *, block_n: int = 128,
+                     block_k: int = 128, config: tuple[int, ...] | None = None) -> torch.Tensor:
+    """``y = x @ dequant(w)^T`` -> bf16 ``[M, N]`` (inputs validated by the op layer).
+
+    ``config``: (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages); default
+    ``KIMI_OPS_FP8_GEMM_CONFIG`` when set, else :func:`gemm_config`. BLOCK_K must divide
+    ``block_k`` and be a power of two >= 16 (else ValueError).
+    """
+    m, k = x.shape
+    n = w.shape[0]
+    y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
+    if m == 0 or n == 0:
+        return y
+    if k == 0:
+        return y.zero_()
+    cfg = config or _env_config() or gemm_config(m, n, k, block_k, _sm_count(x.device))
+    bm, bn, bk, split, warps, stages = cfg
+    if bk < 16 or bk & (bk - 1) or block_k % bk:
+        raise ValueError(f"gemm_a16w8_block: BLOCK_K must be a power of two >= 16 dividing block_k = {block_k}, "
+                         f"got {bk}")
+    k_tiles = triton.cdiv(k, bk)
+    split = max(1, min(split, k_tiles))
+    per_split = triton.cdiv(k_tiles, split)
+    split = triton.cdiv(k_tiles, per_split)           # no empty split
+    partial = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split)
+    _gemm_a16w8_block_kernel[grid](
+        x, w, w_scale_inv, y, partial, m, n, k, block_n, block_k,
+        *x.stride(), *w.stride(), *w_scale_inv.stride(),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, K_TILES=k_tiles, TILES_PER_SPLIT=per_split, SPLIT_K=split,
+        INTERP=interpreting(), num_warps=warps, num_stages=stages,
+    )
+    if split > 1:
+        block = 1024
+        _reduce_splits_kernel[(triton.cdiv(m * n, block),)](partial, y, m * n, SPLIT_K=split, BLOCK=block,
+                                                            num_warps=4)
+    return y
+
+
+def split_count(m: int, n: int, k: int, block_k: int = 128, sms: int = 132) -> int:
+    """The K splits :func:`gemm_a16w8_block` runs for these shapes by default (tests, benches)."""
+    bm, bn, bk, split, _, _ = gemm_config(m, n, k, block_k, sms)
+    k_tiles = math.ceil(k / bk)
+    split = max(1, min(split, k_tiles))
+    return math.ceil(k_tiles / math.ceil(k_tiles / split))
