@@ -31,13 +31,16 @@ import triton
 import triton.language as tl
 
 from . import interpreting
+from .mxfp4 import _to_bf16
 
 CONFIG_ENV = "KIMI_OPS_FP8_GEMM_CONFIG"
 
 
 @triton.jit
 def _operand(v, INTERP: tl.constexpr):
-    """bf16 for the MMA; float32 under the interpreter (whose tl.dot multiplies bf16's raw bits)."""
+    """bf16 for the MMA; float32 under the interpreter (whose tl.dot multiplies bf16's raw bits).
+    (The output's float32 -> bf16 is :func:`kimi_ops.kernels.mxfp4._to_bf16`, whose interpreter
+    path rounds by integer ops: the interpreter's own cast does not carry into the exponent.)"""
     if INTERP:
         return v.to(tl.float32)
     else:
@@ -76,21 +79,21 @@ def _gemm_a16w8_block_kernel(
         acc += part * s[None, :]
     if SPLIT_K == 1:
         y = y_ptr + offs_m[:, None] * N + offs_n[None, :]
-        tl.store(y, acc.to(tl.bfloat16), mask=mask_m[:, None] & mask_n[None, :])
+        tl.store(y, _to_bf16(acc, INTERP), mask=mask_m[:, None] & mask_n[None, :])
     else:
         p = p_ptr + pid_s.to(tl.int64) * M * N + offs_m[:, None] * N + offs_n[None, :]
         tl.store(p, acc, mask=mask_m[:, None] & mask_n[None, :])
 
 
 @triton.jit
-def _reduce_splits_kernel(p_ptr, y_ptr, total, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+def _reduce_splits_kernel(p_ptr, y_ptr, total, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, INTERP: tl.constexpr):
     """y[i] = bf16(sum_s p[s, i]) over the flat [M * N] elements."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < total
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for s in tl.static_range(SPLIT_K):
         acc += tl.load(p_ptr + s * total + offs, mask=mask, other=0.0)
-    tl.store(y_ptr + offs, acc.to(tl.bfloat16), mask=mask)
+    tl.store(y_ptr + offs, _to_bf16(acc, INTERP), mask=mask)
 
 
 def _sm_count(device: torch.device) -> int:
@@ -183,7 +186,7 @@ def gemm_a16w8_block(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor
     if split > 1:
         block = 1024
         _reduce_splits_kernel[(triton.cdiv(m * n, block),)](partial, y, m * n, SPLIT_K=split, BLOCK=block,
-                                                            num_warps=4)
+                                                            INTERP=interpreting(), num_warps=4)
     return y
 
 
