@@ -116,7 +116,66 @@ def step_bytes(layer, num_tokens: int, num_rows: int) -> dict[str, int]:
     return {"weights": layer.weight_bytes(), "kv": num_tokens * (576 + 4), "activations": act}
 
 
+WEIGHTS_DESCRIPTION = {
+    "bf16": "bf16 W_UK/W_UV",
+    "mxfp4": "mxfp4 W_UK/W_UV",
+    "fp8": "fp8 projections (128x128 block scales, gemm_a16w8_block), bf16 W_UK/W_UV",
+}
+
+
+def attention_bytes(layer, num_tokens: int, num_rows: int) -> int:
+    """The part of :func:`step_bytes` the attention moves: the visible tokens' cache rows and
+    indices, the query read and its output written (o bf16, lse float32)."""
+    h = layer.config.num_heads
+    return num_tokens * (576 + 4) + num_rows * h * (576 * 2 + 512 * 2 + 4)
+
+
+def time_attention(layer, cache, md, hidden, device: torch.device, repeats: int = 20) -> float:
+    """Median seconds of the step's attention alone (``mla.attend`` on the query ``mla.pre``
+    makes of ``hidden``; a copy of the cache), a CUDA graph replay on the GPU, eager on the CPU."""
+    from .runtime import mla
+    cache = cache.clone()
+    with torch.no_grad():
+        q, _ = mla.pre(layer, hidden, cache, md)
+        if device.type != "cuda":
+            return time_call(lambda: mla.attend(layer, q, cache, md), device, max(1, repeats // 4))
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                mla.attend(layer, q, cache, md)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            mla.attend(layer, q, cache, md)
+        samples = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            samples.append((start, end))
+        torch.cuda.synchronize(device)
+    return statistics.median(s.elapsed_time(e) * 1e-3 for s, e in samples)
+
+
+def step_table(step_s: float, attn_s: float, total_bytes: int, attn_bytes: int) -> list[str]:
+    """The demo's table: the step, its attention and the rest, each with its time, its floor
+    (bytes / 4.31 TB/s), % of that floor and its share of the step's time."""
+    rows = [("step", step_s, total_bytes), ("attention", attn_s, attn_bytes),
+            ("rest", max(step_s - attn_s, 0.0), total_bytes - attn_bytes)]
+    lines = [f"{'part':<10} {'time':>10} {'floor':>10} {'% of floor':>11} {'share of step':>14}"]
+    lines.append("-" * len(lines[0]))
+    for name, sec, nbytes in rows:
+        floor = nbytes / HBM_BYTES_PER_S
+        pct = f"{100 * floor / sec:.0f}%" if sec > 0 else "-"
+        lines.append(f"{name:<10} {_fmt(sec):>10} {_fmt(floor):>10} {pct:>11} {100 * sec / step_s:>13.0f}%")
+    return lines
+
+
 def _fmt(seconds: float) -> str:
+    if seconds < 1e-6:
+        return f"{seconds * 1e6:.3f} us"
     return f"{seconds * 1e6:.1f} us" if seconds < 1e-2 else f"{seconds * 1e3:.1f} ms"
 
 
@@ -175,7 +234,7 @@ def run_layer_demo(args) -> int:
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
         print(f"kimi_ops demo: Kimi-K3 TP8 MLA decode layer ({config.num_heads} heads of {config.total_heads}, "
               f"hidden {config.hidden_size}, q_lora {config.q_lora_rank}, NoPE, sigmoid gate, o_proj), "
-              f"{args.weights} W_UK/W_UV, fp8 cache, on {device} ({name})")
+              f"{WEIGHTS_DESCRIPTION[args.weights]}, fp8 cache, on {device} ({name})")
         print(f"batch {batch} x qlen {qlen}, context {min(lengths)}..{max(lengths)} tokens "
               f"(+{steps * qlen} over the run), block size {args.block_size}, {steps} steps, {how}, "
               f"backend {dispatch.backend_for('mla_decode_splitkv', device)}")
@@ -214,6 +273,12 @@ def run_layer_demo(args) -> int:
           f"activations {parts['activations'] / 1e6:.2f}); effective {total / med / 1e12:.3f} TB/s; "
           f"H200 floor {floor * 1e6:.1f} us at 4.31 TB/s -> {100 * floor / med:.2g}% of floor"
           + ("" if device.type == "cuda" else " (the floor is the H200's; this ran on the CPU)"))
+    attn_s = time_attention(layer, cache, md, hiddens[0], device)
+    attn_bytes = attention_bytes(layer, int(mean_tokens), batch * qlen)
+    print(f"where the step's time goes (attention: mla.attend alone, {'a CUDA graph' if graphed else 'eager'}; "
+          f"rest = step - attention: the projections, norms, M1a, cache write, W_UV, gate):")
+    for line in step_table(med, attn_s, total, attn_bytes):
+        print("  " + line)
     failed = False
     for i, err in checks:
         ok = err <= LAYER_RTOL
@@ -241,7 +306,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="about this many cached tokens a request (default 512; attention-only: 300)")
     parser.add_argument("--qlen", type=int, default=1, help="query positions a request a step (1..8)")
     parser.add_argument("--steps", type=int, default=32, help="decode steps (default 32)")
-    parser.add_argument("--weights", choices=("bf16", "mxfp4"), default="mxfp4", help="W_UK / W_UV format")
+    parser.add_argument("--weights", choices=("bf16", "mxfp4", "fp8"), default="mxfp4",
+                        help="W_UK / W_UV format (bf16, mxfp4), or fp8: fp8 block-scaled projections")
     parser.add_argument("--block-size", type=int, default=16, help="KV cache block size (default 16)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     parser.add_argument("--eager", action="store_true", help="GPU: run eagerly, no CUDA graph")

@@ -2,9 +2,11 @@
 """Benchmark the whole Kimi-K3 TP8 MLA decode layer on the GPU (H200).
 
     python scripts/bench_layer.py [--out DIR] [--batches 1,8,32,64] [--context 8192] [--qlen 1]
-                                  [--weights mxfp4] [--budget SECONDS]
+                                  [--weights bf16,mxfp4,fp8] [--variants ...] [--budget SECONDS] [--gemms]
 
-Per batch size, the decode step (pre / attend / post + o_proj; the metadata is built once,
+Weights (``--weights``, a comma list): ``bf16`` / ``mxfp4`` W_UK / W_UV with bf16 projections, or
+``fp8``: fp8 block-scaled projections (kimi_ops.gemm_a16w8_block) and bf16 W_UK / W_UV. Per
+weights and batch size, the decode step (pre / attend / post + o_proj; the metadata is built once,
 outside) of:
 
 * ours, graph:        MLADecodeLayer (kimi_ops ops) eager, captured in a torch.cuda.CUDAGraph
@@ -14,10 +16,18 @@ outside) of:
 * plain, compiled:    that, torch.compile'd (fullgraph, default mode)
 * plain, compiled+graph: that, captured in a CUDA graph
 
+The plain PyTorch layer runs bf16 projections whatever ``--weights`` says (an fp8 layer's
+dequantized: plain PyTorch has no bf16 x fp8-block GEMM) and the layer's W_UK / W_UV in bf16.
+``--variants`` picks among the five (default all; ``--only-ours``: the first two).
+``--gemms``: first, each fp8 projection GEMM alone (Kimi-K3 TP8 shapes, the batches' M) against
+its floor (fp8 weight + scales + activations at 4.31 TB/s) and against bf16 ``F.linear`` of the
+same shape, CUDA-graph replays rotating 4 weights (more than the L2); and whether this torch's
+``torch._scaled_mm`` takes 1x128 / 128x128 block scales on this device.
+
 Timing: CUDA-graph replays alternate between two independent sets (layer weights, cache,
 metadata), each larger than the 60 MB L2, so no replay finds its data in L2; median of the
 replays (CUDA events around each). Floor = (weight bytes + KV bytes + activations) /
-4.31 TB/s (kimi_ops.demo.step_bytes; the weights are ours: MXFP4 W_UK / W_UV).
+4.31 TB/s (kimi_ops.demo.step_bytes; the weights as our layer stores them).
 Compiles are skipped once ``--budget`` seconds have passed (they take tens of seconds each).
 """
 from __future__ import annotations
@@ -53,10 +63,10 @@ class PlainInputs:
 
 
 def plain_weights(layer):
-    w_qkv, w_gate = mla.qkv_gate_weights(layer)
+    dense = layer.dense_weights(torch.bfloat16)
     w_uk, w_uv = layer.dequantized_kv_b(torch.bfloat16)
-    return dict(qkv=w_qkv, gate=w_gate, qn=layer.q_a_layernorm.weight, kvn=layer.kv_a_layernorm.weight,
-                qb=layer.q_b_proj.weight, w_uk=w_uk, w_uv=w_uv, o=layer.o_proj.weight)
+    return dict(qkv=dense["qkv"], gate=dense["gate"], qn=layer.q_a_layernorm.weight, kvn=layer.kv_a_layernorm.weight,
+                qb=dense["q_b"], w_uk=w_uk, w_uv=w_uv, o=dense["o"])
 
 
 def plain_layer(w, cfg: MLAConfig, kv_scale: float, hidden, kv_cache, pin: PlainInputs, qlen: int):
@@ -123,13 +133,19 @@ def profile(runners, log, iters: int = 20) -> None:
         log(f"    {us:8.1f} us  x{count:<2} {key[:90]}")
 
 
+_LAYERS: dict = {}
+
+
 def decode_set(cfg, weights, batch, context, qlen, seed, device="cuda", block_size=64, margin=256,
                dcp_group=None, dcp_world=1, dcp_rank=0):
     """One input set of a decode step: a layer with random weights, a cache of random rows,
     the metadata of ``batch`` requests of ``context`` tokens (global positions; under DCP the
     cache holds rank ``dcp_rank``'s share, p % dcp_world == dcp_rank), a hidden state.
     Returns (layer, cache, md, hidden)."""
-    layer = MLADecodeLayer(cfg, weights=weights, device=device, seed=seed, dcp_group=dcp_group)
+    key = (cfg, weights, device, seed, id(dcp_group))
+    if key not in _LAYERS:          # the weights do not depend on the batch: one layer a (weights, seed)
+        _LAYERS[key] = MLADecodeLayer(cfg, weights=weights, device=device, seed=seed, dcp_group=dcp_group)
+    layer = _LAYERS[key]
     max_len = -(-context // dcp_world) + margin      # tokens a request on this rank
     bt, nblocks = allocate_blocks(batch, max_len, block_size, seed=seed, device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -153,15 +169,15 @@ def ours_step(layer, hidden, kv_cache, md):
     return layer(hidden, kv_cache, md)
 
 
-def bench_one(args, batch, started, log):
+def bench_one(args, weights, batch, started, log):
     cfg = MLAConfig.kimi_k3(tp=8)
     qlen = args.qlen
-    sets = [make_set(cfg, args.weights, batch, args.context, qlen, seed) for seed in (0, 1)]
+    sets = [make_set(cfg, weights, batch, args.context, qlen, seed) for seed in (0, 1)]
     layer0, md0 = sets[0]["layer"], sets[0]["md"]
     parts = step_bytes(layer0, int(md0.seq_lens.sum()), batch * qlen)
     floor = sum(parts.values()) / HBM_BYTES_PER_S
-    row = dict(batch=batch, context=args.context, qlen=qlen, weights=args.weights,
-               bytes=sum(parts.values()), floor_us=floor * 1e6)
+    row = dict(batch=batch, context=args.context, qlen=qlen, weights=weights,
+               bytes=sum(parts.values()), weight_bytes=parts["weights"], floor_us=floor * 1e6)
     compile_ok = time.time() - started < args.budget
     compiled_ours = torch.compile(ours_step, fullgraph=True)
 
@@ -176,6 +192,12 @@ def bench_one(args, batch, started, log):
     }
     if args.only_ours:
         variants = {k: v for k, v in variants.items() if k.startswith("ours")}
+    if args.variants:
+        wanted = args.variants.split(",")
+        unknown = set(wanted) - set(variants) - {"plain_eager", "plain_compiled", "plain_compiled_graph"}
+        if unknown:
+            raise SystemExit(f"bench_layer: unknown --variants {sorted(unknown)}")
+        variants = {k: v for k, v in variants.items() if k in wanted}
     outs = {}
     with torch.no_grad():
         for name, (fn, graphed, needs_compile) in variants.items():
@@ -212,13 +234,91 @@ def bench_one(args, batch, started, log):
     return row
 
 
+# --- the fp8 GEMMs alone ------------------------------------------------------------------------
+
+FP8_GEMM_SHAPES = (("qkv_a+gate", 3648, 7168), ("q_b", 2304, 1536), ("o_proj", 7168, 1536))
+"""Kimi-K3 TP8's fp8 projections: (name, N, K)."""
+
+
+def _graphed(fn):
+    """fn() captured in a CUDA graph (after a warm-up on a side stream); returns replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def scaled_mm_probe(log) -> str:
+    """Whether torch._scaled_mm runs 1x128 (activations) x 128x128 (weights) block scales here."""
+    m, n, k = 16, 256, 512
+    a = torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn)
+    sa = torch.ones(m, k // 128, device="cuda")                       # BlockWise1x128, [M, K/128]
+    sb = torch.ones(n // 128, k // 128, device="cuda")                # BlockWise128x128, [N/128, K/128]
+    msg = ""
+    # the scales as given, then M-major / K-major ("outer-dim-major", what cuBLASLt's VEC128 wants)
+    for layout, (sa_, sb_) in (("row-major scales", (sa, sb.t())),
+                               ("outer-dim-major scales", (sa.t().contiguous().t(), sb.t().contiguous()))):
+        try:
+            y = torch._scaled_mm(a, b.t(), scale_a=sa_, scale_b=sb_, out_dtype=torch.bfloat16)
+            torch.cuda.synchronize()
+            ref = a.float() @ b.float().t()
+            msg = (f"runs with {layout} (rel err {float((y.float() - ref).norm() / ref.norm()):.1e}; "
+                   f"the activations must be fp8 with 1x128 scales too)")
+            break
+        except Exception as exc:  # noqa: BLE001 - the answer is the message
+            msg += f"{layout}: refused: {type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}; "
+    log(f"torch._scaled_mm with 1x128 x 128x128 block scales on {torch.cuda.get_device_name()}: {msg}")
+    return msg
+
+
+def bench_gemms(batches, qlen, log):
+    import kimi_ops
+    from kimi_ops.kernels.fp8_gemm import gemm_config
+    from kimi_ops.reference.fp8 import quantize_fp8_blocks
+    from kimi_ops.device import multiprocessor_count
+    rows = []
+    sms = multiprocessor_count(torch.cuda.current_device())
+    probe = scaled_mm_probe(log)
+    log("| GEMM | M | config (BM,BN,BK,split,warps,stages) | fp8 us | floor us | % of floor | bf16 F.linear us | "
+        "bf16 / fp8 |")
+    log("|---|---|---|---|---|---|---|---|")
+    for name, n, k in FP8_GEMM_SHAPES:
+        ws = [quantize_fp8_blocks(torch.randn(n, k, device="cuda") / k ** 0.5) for _ in range(4)]
+        wb = [torch.randn(n, k, device="cuda").to(torch.bfloat16) for _ in range(2)]
+        for b in batches:
+            m = b * qlen
+            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+            fp8 = [_graphed(lambda w=w, s=s: kimi_ops.gemm_a16w8_block(x, w, s)) for w, s in ws]
+            bf = [_graphed(lambda w=w: F.linear(x, w)) for w in wb]
+            t8 = time_alternating(fp8, 200)
+            tb = time_alternating(bf, 200)
+            floor = (n * k + ws[0][1].numel() * 4 + 2 * m * (k + n)) / HBM_BYTES_PER_S
+            cfg = gemm_config(m, n, k, 128, sms)
+            rows.append(dict(gemm=name, m=m, n=n, k=k, config=cfg, fp8_us=t8 * 1e6, floor_us=floor * 1e6,
+                             bf16_us=tb * 1e6))
+            log(f"| {name} [{n}, {k}] | {m} | {','.join(map(str, cfg))} | {t8 * 1e6:.2f} | {floor * 1e6:.2f} | "
+                f"{100 * floor / t8:.0f}% | {tb * 1e6:.2f} | {tb / t8:.2f}x |")
+    rows.append(dict(scaled_mm_probe=probe))
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--batches", default="32,1,64,8", help="in this order (compiles stop at --budget)")
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--qlen", type=int, default=1)
-    ap.add_argument("--weights", choices=("bf16", "mxfp4"), default="mxfp4")
+    ap.add_argument("--weights", default="mxfp4", help="comma list of bf16, mxfp4, fp8 (default mxfp4)")
+    ap.add_argument("--variants", default="", help="comma list of ours_graph, ours_compiled_graph, plain_eager, "
+                    "plain_compiled, plain_compiled_graph (default: all)")
+    ap.add_argument("--gemms", action="store_true", help="first the fp8 GEMMs alone (and the _scaled_mm probe)")
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--budget", type=float, default=240.0, help="seconds after which compiles are skipped")
     ap.add_argument("--profile", action="store_true", help="per-kernel times of ours_graph (torch.profiler)")
@@ -227,6 +327,11 @@ def main(argv=None):
     if not torch.cuda.is_available():
         print("bench_layer: needs a CUDA GPU")
         return 1
+    weights_list = [w.strip() for w in args.weights.split(",") if w.strip()]
+    bad = [w for w in weights_list if w not in ("bf16", "mxfp4", "fp8")]
+    if bad or not weights_list:
+        print(f"bench_layer: --weights takes a comma list of bf16, mxfp4, fp8; got {args.weights!r}")
+        return 2
     started = time.time()
     lines = []
 
@@ -234,28 +339,32 @@ def main(argv=None):
         print(msg, flush=True)
         lines.append(msg)
 
-    log(f"bench_layer: Kimi-K3 TP8 layer, {args.weights} W_UK/W_UV, context {args.context}, qlen {args.qlen}, "
-        f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    log(f"bench_layer: Kimi-K3 TP8 layer, weights {','.join(weights_list)}, context {args.context}, "
+        f"qlen {args.qlen}, {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    batches = [int(b) for b in args.batches.split(",")]
+    gemm_rows = bench_gemms(batches, args.qlen, log) if args.gemms else []
     rows = []
-    for batch in [int(b) for b in args.batches.split(",")]:
-        log(f"batch {batch}:")
-        rows.append(bench_one(args, batch, started, log))
+    for batch in batches:
+        for weights in weights_list:
+            log(f"batch {batch}, {weights} weights:")
+            rows.append(bench_one(args, weights, batch, started, log))
         torch.cuda.empty_cache()
     log("")
-    log("| batch | floor us | ours graph | ours compiled+graph | plain eager | plain compiled | plain compiled+graph "
-        "| best ours % of floor | plain compiled / best ours |")
-    log("|---|---|---|---|---|---|---|---|---|")
+    log("| weights | batch | weight MB | floor us | ours graph | ours compiled+graph | plain eager | plain compiled "
+        "| plain compiled+graph | best ours % of floor | plain compiled / best ours |")
+    log("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         def f(k):
             return f"{r[k]:.1f}" if k in r else "-"
         ours = min([r[k] for k in ("ours_graph_us", "ours_compiled_graph_us") if k in r], default=None)
         pct = f"{100 * r['floor_us'] / ours:.0f}%" if ours else "-"
         ratio = f"{r['plain_compiled_us'] / ours:.1f}x" if ours and "plain_compiled_us" in r else "-"
-        log(f"| {r['batch']} | {r['floor_us']:.1f} | {f('ours_graph_us')} | {f('ours_compiled_graph_us')} | "
+        log(f"| {r['weights']} | {r['batch']} | {r['weight_bytes'] / 1e6:.1f} | {r['floor_us']:.1f} | "
+            f"{f('ours_graph_us')} | {f('ours_compiled_graph_us')} | "
             f"{f('plain_eager_us')} | {f('plain_compiled_us')} | {f('plain_compiled_graph_us')} | {pct} | {ratio} |")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_layer.json"), "w") as fh:
-        json.dump(rows, fh, indent=1)
+        json.dump({"layer": rows, "gemms": gemm_rows}, fh, indent=1)
     with open(os.path.join(args.out, "bench_layer.md"), "w") as fh:
         fh.write("\n".join(lines) + "\n")
     return 0

@@ -399,3 +399,20 @@ def test_gpu_fp8_layer_matches_float64_and_replays_in_a_cuda_graph(monkeypatch):
     again = graphed(hidden)
     assert float((again.double() - out.double()).norm() / out.double().norm()) <= 1e-3
     assert err <= LAYER_RTOL
+
+
+# --- the demo -----------------------------------------------------------------------------------
+
+def test_demo_fp8_weights_and_its_step_table():
+    env = {**os.environ, "PYTHONPATH": ROOT, "KIMI_OPS_BACKEND": "reference"}
+    r = subprocess.run([sys.executable, "-m", "kimi_ops", "demo", "--weights", "fp8", "--steps", "2", "--batch", "2",
+                        "--context", "60", "--device", "cpu", "--no-progress"], capture_output=True, text=True,
+                       env=env, timeout=600)
+    out = r.stdout
+    assert r.returncode == 0, out + r.stderr
+    assert "fp8 projections" in out and "PASS" in out and "FAIL" not in out, out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.strip().split()[:1] in
+            (["step"], ["attention"], ["rest"]) and line.strip().endswith("%")}
+    assert set(rows) == {"step", "attention", "rest"}, out
+    shares = {k: float(v[-1].rstrip("%")) for k, v in rows.items()}
+    assert shares["step"] == 100 and abs(shares["attention"] + shares["rest"] - 100) <= 1, out

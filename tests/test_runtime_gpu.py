@@ -27,7 +27,7 @@ def _gpu_loop_case(qlen, weights, steps):
 
 @requires_cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("weights", ["bf16", "mxfp4"])
+@pytest.mark.parametrize("weights", ["bf16", "mxfp4", "fp8"])
 def test_gpu_kimi_k3_layer_matches_float64(monkeypatch, weights):
     monkeypatch.setenv("KIMI_OPS_BACKEND", "auto")
     lens = [9, 700, 1, 0, 64]

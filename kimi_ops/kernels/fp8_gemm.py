@@ -120,8 +120,11 @@ def gemm_config(m: int, n: int, k: int, block_k: int = 128, sms: int = 132) -> t
       (``2 M / BLOCK_N`` of the weight's bytes) stay below the weight's own bytes.
     * SPLIT_K: the power of two that brings the programs to about 2 per SM, each split at least
       2 K tiles, and its float32 partials (``SPLIT_K x M x N x 4`` bytes) at most half the weight's.
-    * BLOCK_K = 128 (or the largest power of two dividing ``block_k``); 4 warps; 6 stages for
-      small tiles (more loads in flight), 4 for large.
+    * BLOCK_K = 128 (or the largest power of two dividing ``block_k``); 4 warps; 8 stages for
+      tiles of <= 8 KB a stage (x + w), 6 below 16 KB, 4 above: at M <= 8 a program's tiles are
+      2-4 KB of weight, and 20-30 KB in flight an SM is what 4.3 TB/s over 132 SMs at ~1 us of
+      DRAM latency asks for. (The loads are software-pipelined by Triton when the K strides are
+      1, which the JIT specializes on: cross-compiled with generic strides, the loop is not.)
 
     Not tuned on the device yet (the layer bench measures the result): a first guess from the
     byte counts above; ``KIMI_OPS_FP8_GEMM_CONFIG`` overrides it.
@@ -133,7 +136,8 @@ def gemm_config(m: int, n: int, k: int, block_k: int = 128, sms: int = 132) -> t
     tiles = triton.cdiv(n, bn) * triton.cdiv(max(1, m), bm)
     split = _pow2_floor(max(1, (2 * sms) // tiles))
     split = min(split, _pow2_floor(max(1, k_tiles // 2)), _pow2_floor(max(1, k // (8 * max(1, m)))))
-    stages = 6 if (bm * bk * 2 + bn * bk) < 16384 else 4
+    stage_bytes = bm * bk * 2 + bn * bk
+    stages = 8 if stage_bytes <= 8192 else 6 if stage_bytes < 16384 else 4
     return bm, bn, bk, max(1, split), 4, stages
 
 
@@ -196,3 +200,52 @@ def split_count(m: int, n: int, k: int, block_k: int = 128, sms: int = 132) -> i
     k_tiles = math.ceil(k / bk)
     split = max(1, min(split, k_tiles))
     return math.ceil(k_tiles / math.ceil(k_tiles / split))
+
+
+# ----------------------------------------------------------------------------------------------
+# cross-compilation registry (scripts/cross_compile.py; format in kimi_ops/kernels/__init__.py).
+# Not yet listed in CROSS_COMPILE_MODULES: float8_e4m3fn weights are the OCP format, which gfx942
+# (fnuz fp8) does not convert natively; sm90 and gfx950 only.
+
+KIMI_K3_SHAPES = ((3648, 7168), (2304, 1536), (7168, 1536))
+"""Kimi-K3 TP8's fp8 projections (N, K): fused qkv_a + gate, q_b, o_proj."""
+
+
+def _specs():
+    sig = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "y_ptr": "*bf16", "p_ptr": "*fp32",
+           "M": "i32", "N": "i32", "K": "i32", "block_n": "i32", "block_k": "i32"}
+    for name in ("stride_xm", "stride_wn", "stride_sn"):
+        sig[name] = "i32"
+    for name in ("stride_xk", "stride_wk", "stride_sk"):
+        sig[name] = "constexpr"       # 1 at run time (the JIT specializes it): contiguous K
+    for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "K_TILES", "TILES_PER_SPLIT", "SPLIT_K", "INTERP"):
+        sig[name] = "constexpr"
+    specs, seen = [], set()
+    for n, k in KIMI_K3_SHAPES:
+        for m in (1, 8, 32, 64, 256):
+            bm, bn, bk, split, warps, stages = gemm_config(m, n, k, 128, 132)
+            k_tiles = -(-k // bk)
+            per = -(-k_tiles // split)
+            split = -(-k_tiles // per)
+            key = (bm, bn, bk, k_tiles, per, split, warps, stages)
+            if key in seen:
+                continue
+            seen.add(key)
+            specs.append({
+                "name": f"gemm_a16w8_block_m{bm}n{bn}k{bk}t{k_tiles}p{per}s{split}w{warps}st{stages}",
+                "kernel": _gemm_a16w8_block_kernel, "signature": dict(sig),
+                "constexprs": {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "K_TILES": k_tiles,
+                               "TILES_PER_SPLIT": per, "SPLIT_K": split, "INTERP": False,
+                               "stride_xk": 1, "stride_wk": 1, "stride_sk": 1},
+                "num_warps": warps, "num_stages": stages, "targets": ("gfx950", "sm90")})
+    for split in sorted({s["constexprs"]["SPLIT_K"] for s in specs} - {1}):
+        specs.append({
+            "name": f"gemm_a16w8_reduce_s{split}", "kernel": _reduce_splits_kernel,
+            "signature": {"p_ptr": "*fp32", "y_ptr": "*bf16", "total": "i32", "SPLIT_K": "constexpr",
+                          "BLOCK": "constexpr", "INTERP": "constexpr"},
+            "constexprs": {"SPLIT_K": split, "BLOCK": 1024, "INTERP": False},
+            "num_warps": 4, "num_stages": 1, "targets": ("gfx950", "sm90")})
+    return specs
+
+
+CROSS_COMPILE_SPECS = _specs()
