@@ -95,12 +95,39 @@ def plain_layer(w, cfg: MLAConfig, kv_scale: float, hidden, kv_cache, pin: Plain
     return F.linear(core, w["o"])
 
 
+# --- where it runs (--dry-run: a small config, eagerly, on the CPU: the tests' check of this script) ---
+
+DRY = {"on": False}
+
+
+def _device() -> str:
+    return "cpu" if DRY["on"] else "cuda"
+
+
+def _config() -> MLAConfig:
+    return MLAConfig.small() if DRY["on"] else MLAConfig.kimi_k3(tp=8)
+
+
+def _capture(fn, layer, cache, md, hidden):
+    """GraphedStep on the GPU; the eager call in a dry run."""
+    if DRY["on"]:
+        return lambda h=None: fn(layer, hidden if h is None else h, cache, md)
+    return GraphedStep(fn, layer, cache, md, hidden)
+
+
 # --- timing ---------------------------------------------------------------------------------
 
 def time_alternating(runners, iters: int) -> float:
     """Median seconds of a replay, alternating the runners (independent input sets)."""
     for r in runners:
         r()
+    if DRY["on"]:
+        samples = []
+        for i in range(iters):
+            t0 = time.perf_counter()
+            runners[i % len(runners)]()
+            samples.append(time.perf_counter() - t0)
+        return statistics.median(samples)
     torch.cuda.synchronize()
     pairs = []
     for i in range(iters):
@@ -160,7 +187,8 @@ def decode_set(cfg, weights, batch, context, qlen, seed, device="cuda", block_si
 
 
 def make_set(cfg, weights, batch, context, qlen, seed):
-    layer, cache, md, hidden = decode_set(cfg, weights, batch, context, qlen, seed)
+    layer, cache, md, hidden = decode_set(cfg, weights, batch, context, qlen, seed, device=_device(),
+                                          margin=8 if DRY["on"] else 256)
     return dict(layer=layer, cache=cache, md=md, hidden=hidden, plain_in=PlainInputs(md, context),
                 plain_w=plain_weights(layer))
 
@@ -169,14 +197,17 @@ def ours_step(layer, hidden, kv_cache, md):
     return layer(hidden, kv_cache, md)
 
 
-def bench_one(args, weights, batch, started, log):
-    cfg = MLAConfig.kimi_k3(tp=8)
+def bench_one(args, weights, batch, started, log, wanted=None, row=None):
+    """One (weights, batch) point: the variants in ``wanted`` (None: ``--variants`` / all), into
+    ``row`` (a new one if None); compiles only while ``--budget`` seconds have not passed."""
+    cfg = _config()
     qlen = args.qlen
     sets = [make_set(cfg, weights, batch, args.context, qlen, seed) for seed in (0, 1)]
     layer0, md0 = sets[0]["layer"], sets[0]["md"]
     parts = step_bytes(layer0, int(md0.seq_lens.sum()), batch * qlen)
     floor = sum(parts.values()) / HBM_BYTES_PER_S
-    row = dict(batch=batch, context=args.context, qlen=qlen, weights=weights,
+    row = row if row is not None else {}
+    row.update(batch=batch, context=args.context, qlen=qlen, weights=weights,
                bytes=sum(parts.values()), weight_bytes=parts["weights"], floor_us=floor * 1e6)
     compile_ok = time.time() - started < args.budget
     compiled_ours = torch.compile(ours_step, fullgraph=True)
@@ -192,8 +223,9 @@ def bench_one(args, weights, batch, started, log):
     }
     if args.only_ours:
         variants = {k: v for k, v in variants.items() if k.startswith("ours")}
-    if args.variants:
+    if wanted is None and args.variants:
         wanted = args.variants.split(",")
+    if wanted is not None:
         unknown = set(wanted) - set(variants) - {"plain_eager", "plain_compiled", "plain_compiled_graph"}
         if unknown:
             raise SystemExit(f"bench_layer: unknown --variants {sorted(unknown)}")
@@ -207,28 +239,28 @@ def bench_one(args, weights, batch, started, log):
             t0 = time.time()
             try:
                 if name.startswith("ours"):
-                    runners = [GraphedStep(fn, s["layer"], s["cache"], s["md"], s["hidden"]) for s in sets]
+                    runners = [_capture(fn, s["layer"], s["cache"], s["md"], s["hidden"]) for s in sets]
                 else:
                     f = fn if fn is not None else plain_layer
 
                     def call(s=None, f=f):
                         return f(s["plain_w"], cfg, s["layer"].kv_scale, s["hidden"], s["cache"], s["plain_in"], qlen)
                     if graphed:
-                        runners = [GraphedStep(lambda l, h, c, m, s=s, call=call: call(s), s["layer"], s["cache"],
-                                               s["md"], s["hidden"]) for s in sets]
+                        runners = [_capture(lambda l, h, c, m, s=s, call=call: call(s), s["layer"], s["cache"],
+                                            s["md"], s["hidden"]) for s in sets]
                     else:
                         runners = [lambda s=s, call=call: call(s) for s in sets]
                 setup = time.time() - t0
                 sec = time_alternating(runners, args.iters)
                 outs[name] = runners[0]().clone()
                 row[f"{name}_us"] = sec * 1e6
-                if args.profile and name == "ours_graph":
+                if args.profile and name == "ours_graph" and not DRY["on"]:
                     profile(runners, log)
                 log(f"  {name:<22} {sec * 1e6:9.1f} us  ({100 * floor / sec:5.1f}% of floor; setup {setup:.0f}s)")
             except Exception as exc:  # noqa: BLE001 - report and go on
                 log(f"  {name}: FAILED {type(exc).__name__}: {str(exc)[:300]}")
             compile_ok = time.time() - started < args.budget
-    if "ours_graph" in outs and "plain_eager" in outs:
+    if "ours_graph" in outs and "plain_eager" in outs and wanted is None:
         a, b = outs["ours_graph"].double(), outs["plain_eager"].double()
         row["ours_vs_plain_rel_diff"] = float((a - b).norm() / b.norm())
     return row
@@ -242,6 +274,8 @@ FP8_GEMM_SHAPES = (("qkv_a+gate", 3648, 7168), ("q_b", 2304, 1536), ("o_proj", 7
 
 def _graphed(fn):
     """fn() captured in a CUDA graph (after a warm-up on a side stream); returns replay."""
+    if DRY["on"]:
+        return fn
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -284,21 +318,23 @@ def bench_gemms(batches, qlen, log):
     from kimi_ops.reference.fp8 import quantize_fp8_blocks
     from kimi_ops.device import multiprocessor_count
     rows = []
-    sms = multiprocessor_count(torch.cuda.current_device())
-    probe = scaled_mm_probe(log)
+    sms = 132 if DRY["on"] else multiprocessor_count(torch.cuda.current_device())
+    probe = "not run (dry run)" if DRY["on"] else scaled_mm_probe(log)
+    dev = _device()
+    shapes = (("small", 192, 256),) if DRY["on"] else FP8_GEMM_SHAPES
     log("| GEMM | M | config (BM,BN,BK,split,warps,stages) | fp8 us | floor us | % of floor | bf16 F.linear us | "
         "bf16 / fp8 |")
     log("|---|---|---|---|---|---|---|---|")
-    for name, n, k in FP8_GEMM_SHAPES:
-        ws = [quantize_fp8_blocks(torch.randn(n, k, device="cuda") / k ** 0.5) for _ in range(4)]
-        wb = [torch.randn(n, k, device="cuda").to(torch.bfloat16) for _ in range(2)]
+    for name, n, k in shapes:
+        ws = [quantize_fp8_blocks(torch.randn(n, k, device=dev) / k ** 0.5) for _ in range(4)]
+        wb = [torch.randn(n, k, device=dev).to(torch.bfloat16) for _ in range(2)]
         for b in batches:
             m = b * qlen
-            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+            x = torch.randn(m, k, device=dev).to(torch.bfloat16)
             fp8 = [_graphed(lambda w=w, s=s: kimi_ops.gemm_a16w8_block(x, w, s)) for w, s in ws]
             bf = [_graphed(lambda w=w: F.linear(x, w)) for w in wb]
-            t8 = time_alternating(fp8, 200)
-            tb = time_alternating(bf, 200)
+            t8 = time_alternating(fp8, 3 if DRY["on"] else 200)
+            tb = time_alternating(bf, 3 if DRY["on"] else 200)
             floor = (n * k + ws[0][1].numel() * 4 + 2 * m * (k + n)) / HBM_BYTES_PER_S
             cfg = gemm_config(m, n, k, 128, sms)
             rows.append(dict(gemm=name, m=m, n=n, k=k, config=cfg, fp8_us=t8 * 1e6, floor_us=floor * 1e6,
@@ -307,6 +343,28 @@ def bench_gemms(batches, qlen, log):
                 f"{100 * floor / t8:.0f}% | {tb * 1e6:.2f} | {tb / t8:.2f}x |")
     rows.append(dict(scaled_mm_probe=probe))
     return rows
+
+
+def write_outputs(args, rows, gemm_rows, lines, log):
+    log("")
+    log("| weights | batch | weight MB | floor us | ours graph | ours compiled+graph | plain eager | plain compiled "
+        "| plain compiled+graph | best ours % of floor | best plain compiled / best ours |")
+    log("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        def f(k):
+            return f"{r[k]:.1f}" if k in r else "-"
+        ours = min([r[k] for k in ("ours_graph_us", "ours_compiled_graph_us") if k in r], default=None)
+        pct = f"{100 * r['floor_us'] / ours:.0f}%" if ours else "-"
+        plain = min([r[k] for k in ("plain_compiled_us", "plain_compiled_graph_us") if k in r], default=None)
+        ratio = f"{plain / ours:.1f}x" if ours and plain else "-"
+        log(f"| {r['weights']} | {r['batch']} | {r['weight_bytes'] / 1e6:.1f} | {r['floor_us']:.1f} | "
+            f"{f('ours_graph_us')} | {f('ours_compiled_graph_us')} | "
+            f"{f('plain_eager_us')} | {f('plain_compiled_us')} | {f('plain_compiled_graph_us')} | {pct} | {ratio} |")
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench_layer.json"), "w") as fh:
+        json.dump({"layer": rows, "gemms": gemm_rows}, fh, indent=1)
+    with open(os.path.join(args.out, "bench_layer.md"), "w") as fh:
+        fh.write("\n".join(lines) + "\n")
 
 
 def main(argv=None):
@@ -318,13 +376,18 @@ def main(argv=None):
     ap.add_argument("--weights", default="mxfp4", help="comma list of bf16, mxfp4, fp8 (default mxfp4)")
     ap.add_argument("--variants", default="", help="comma list of ours_graph, ours_compiled_graph, plain_eager, "
                     "plain_compiled, plain_compiled_graph (default: all)")
+    ap.add_argument("--then", default="", help="after the main pass, these variants (comma list) at the points "
+                    "of --then-points, in that order, while --budget lasts (e.g. the compiled ones)")
+    ap.add_argument("--then-points", default="", help="comma list of weights:batch (default: every point)")
     ap.add_argument("--gemms", action="store_true", help="first the fp8 GEMMs alone (and the _scaled_mm probe)")
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--budget", type=float, default=240.0, help="seconds after which compiles are skipped")
     ap.add_argument("--profile", action="store_true", help="per-kernel times of ours_graph (torch.profiler)")
     ap.add_argument("--only-ours", action="store_true", help="skip the plain PyTorch layer")
+    ap.add_argument("--dry-run", action="store_true", help="a small config, eagerly, on the CPU (checks the script)")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
+    DRY["on"] = args.dry_run
+    if not args.dry_run and not torch.cuda.is_available():
         print("bench_layer: needs a CUDA GPU")
         return 1
     weights_list = [w.strip() for w in args.weights.split(",") if w.strip()]
@@ -339,8 +402,8 @@ def main(argv=None):
         print(msg, flush=True)
         lines.append(msg)
 
-    log(f"bench_layer: Kimi-K3 TP8 layer, weights {','.join(weights_list)}, context {args.context}, "
-        f"qlen {args.qlen}, {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    log(f"bench_layer: {'DRY RUN (small config, CPU, eager) ' if DRY['on'] else ''}Kimi-K3 TP8 layer, weights {','.join(weights_list)}, context {args.context}, "
+        f"qlen {args.qlen}, {'CPU' if DRY['on'] else torch.cuda.get_device_name()}, torch {torch.__version__}")
     batches = [int(b) for b in args.batches.split(",")]
     gemm_rows = bench_gemms(batches, args.qlen, log) if args.gemms else []
     rows = []
@@ -349,24 +412,22 @@ def main(argv=None):
             log(f"batch {batch}, {weights} weights:")
             rows.append(bench_one(args, weights, batch, started, log))
         torch.cuda.empty_cache()
-    log("")
-    log("| weights | batch | weight MB | floor us | ours graph | ours compiled+graph | plain eager | plain compiled "
-        "| plain compiled+graph | best ours % of floor | plain compiled / best ours |")
-    log("|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        def f(k):
-            return f"{r[k]:.1f}" if k in r else "-"
-        ours = min([r[k] for k in ("ours_graph_us", "ours_compiled_graph_us") if k in r], default=None)
-        pct = f"{100 * r['floor_us'] / ours:.0f}%" if ours else "-"
-        ratio = f"{r['plain_compiled_us'] / ours:.1f}x" if ours and "plain_compiled_us" in r else "-"
-        log(f"| {r['weights']} | {r['batch']} | {r['weight_bytes'] / 1e6:.1f} | {r['floor_us']:.1f} | "
-            f"{f('ours_graph_us')} | {f('ours_compiled_graph_us')} | "
-            f"{f('plain_eager_us')} | {f('plain_compiled_us')} | {f('plain_compiled_graph_us')} | {pct} | {ratio} |")
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "bench_layer.json"), "w") as fh:
-        json.dump({"layer": rows, "gemms": gemm_rows}, fh, indent=1)
-    with open(os.path.join(args.out, "bench_layer.md"), "w") as fh:
-        fh.write("\n".join(lines) + "\n")
+    write_outputs(args, rows, gemm_rows, lines, log)
+    if args.then:
+        points = ([tuple(p.split(":")) for p in args.then_points.split(",") if p]
+                  or [(r["weights"], str(r["batch"])) for r in rows])
+        for weights, batch in points:
+            if time.time() - started >= args.budget:
+                log(f"--then: budget spent before {weights}:{batch}")
+                break
+            row = next((r for r in rows if r["weights"] == weights and r["batch"] == int(batch)), None)
+            if row is None:
+                row = {}
+                rows.append(row)
+            log(f"batch {batch}, {weights} weights (--then):")
+            bench_one(args, weights, int(batch), started, log, wanted=args.then.split(","), row=row)
+            torch.cuda.empty_cache()
+        write_outputs(args, rows, gemm_rows, lines, log)
     return 0
 
 
