@@ -2,7 +2,7 @@
 
 kimi_ops._C (csrc/) is built when torch is importable at build time (install
 with ``--no-build-isolation`` so the build sees your torch) and either
-  * torch is a CUDA build and nvcc (CUDA_HOME) exists: csrc/*.cpp + csrc/*.cu,
+  * torch is a CUDA build and nvcc (CUDA_HOME) exists: csrc/*.cpp + csrc/*.cu + csrc/sm90/*.cu,
     device code for sm_90a (Hopper), or
   * torch is a ROCm build and ROCM_HOME exists: csrc/*.cpp only (the Hopper
     kernels have no AMD counterpart; AMD runs the Triton kernels).
@@ -45,7 +45,7 @@ def extension_modules():
     if torch.version.cuda and CUDA_HOME:
         nvcc = ["-O3", "-gencode=arch=compute_90a,code=sm_90a", "--expt-relaxed-constexpr"]
         nvcc += shlex.split(os.environ.get("KIMI_OPS_NVCC_FLAGS", ""))  # extra flags for A/B builds
-        ext = CUDAExtension("kimi_ops._C", cpp + sorted(glob.glob("csrc/*.cu")),
+        ext = CUDAExtension("kimi_ops._C", cpp + sorted(glob.glob("csrc/*.cu") + glob.glob("csrc/sm90/*.cu")),
                             extra_compile_args={"cxx": cxx, "nvcc": nvcc})
     elif torch.version.hip and ROCM_HOME:
         ext = CppExtension("kimi_ops._C", cpp, extra_compile_args={"cxx": cxx})

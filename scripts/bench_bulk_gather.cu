@@ -28,7 +28,7 @@
 #include <cstdlib>
 #include <vector>
 
-#include "../csrc/sm90_copy.cuh"
+#include "../csrc/sm90/copy.cuh"
 
 namespace kimi_ops::sm90::bench {
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The device call that checks and times the Hopper split kernel (csrc/mla_decode_sm90.cu): build;
+# The device call that checks and times the Hopper split kernel (csrc/sm90/mla_decode_sm90.cu): build;
 # the cuda attention tests (FULL=1: every test, GPU ones included); the three sanitizers on
 # scripts/sanitize_cuda.py; the timing table with the defaults; PROFILE=1: Nsight Compute on one
 # launch of PROFILE_KERNEL (a regex, default splitkv_kernel: the 16-row kernel; splitkv_tm_kernel

@@ -12,7 +12,7 @@ Control word (sm_70 and later, the second 64-bit word cuobjdump prints for each 
 bits 41-44 stall cycles, 45 yield, 46-48 write scoreboard, 49-51 read scoreboard, 52-57 wait mask.
 
     python3 -m pip install nvidia-cuda-cuobjdump-cu13 nvidia-nvdisasm-cu13  # if the toolkit lacks them
-    nvcc -O3 -gencode=arch=compute_90a,code=sm_90a ... -c csrc/mla_decode_sm90.cu -o /tmp/m.o
+    nvcc -O3 -gencode=arch=compute_90a,code=sm_90a ... -c csrc/sm90/mla_decode_sm90.cu -o /tmp/m.o
     python3 scripts/sass_loops.py /tmp/m.o --kernel 'splitkv_kernelILi2'
 
 The input is an object / cubin / .so, disassembled with `cuobjdump -sass` ($CUOBJDUMP or PATH;

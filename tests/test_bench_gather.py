@@ -1,7 +1,7 @@
 """The gather rooflines' scripts on the CPU: scripts/bench_gather.py's checksum kernel under
 TRITON_INTERPRET=1 (it must read exactly the indexed rows, so a config that skipped or repeated
 rows could not report a bandwidth), and scripts/bench_bulk_gather.cu compiled by nvcc for sm_90a
-(it runs only on a Hopper GPU; this keeps it building against csrc/sm90_copy.cuh)."""
+(it runs only on a Hopper GPU; this keeps it building against csrc/sm90/copy.cuh)."""
 import os
 import shutil
 import subprocess

@@ -1,4 +1,5 @@
-"""The Hopper kernels of kimi_ops._C (csrc/mla_decode_sm90.cu) against the float64 oracle.
+"""The Hopper kernels of kimi_ops._C (csrc/sm90/: decode_rows16.cuh, decode_token_major.cuh, merge.cuh)
+against the float64 oracle.
 
 GPU tests run on an sm_90 GPU with kimi_ops._C built; they reuse the Triton tests' inputs
 (fresh random data, permuted cache rows among NaN-filled unused rows, out-of-range indices,
