@@ -376,7 +376,7 @@ def recorded_sm90(monkeypatch):
 
 
 def test_host_passes_the_switches(recorded_sm90, monkeypatch):
-    """What hopper.py hands the kernels: the defaults, then each switch."""
+    """What kimi_ops/kernels/sm90.py hands the kernels: the defaults, then each switch."""
     hopper, rec = recorded_sm90
     q, kv, indptr, idx = make_inputs([300, 40], 1, 12)
     args = (q, kv, indptr, idx, 1, SCALE, 0.5, 8)
