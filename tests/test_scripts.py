@@ -77,3 +77,28 @@ def test_help(name, tmp_path):
         assert len(want) >= 2, f"scripts/{name}: a header comment of two lines or more says what it does"
         assert text.splitlines()[: len(want)] == want, text
         assert not (tmp_path / "out").exists(), f"scripts/{name} --help did work (created $OUT)"
+
+
+def test_sanitize_cuda_runs_each_tool(tmp_path):
+    """``sanitize_cuda.py --tools all`` runs the script's own cases under compute-sanitizer once a
+    tool, with --error-exitcode so a reported error fails it; a tool's failure fails the whole run.
+    A stand-in compute-sanitizer on PATH records its arguments (racecheck "finds" an error)."""
+    fake = tmp_path / "bin" / "compute-sanitizer"
+    fake.parent.mkdir()
+    log = tmp_path / "calls.txt"
+    fake.write_text('#!/usr/bin/env bash\necho "$@" >> "%s"\necho "========= ERROR SUMMARY: 0 errors"\n'
+                    '[ "$2" = racecheck ] && exit 1\nexit 0\n' % log)
+    fake.chmod(0o755)
+    env = dict(os.environ, PATH=f"{fake.parent}{os.pathsep}{os.environ['PATH']}", PYTHONPATH=ROOT)
+    script = os.path.join(SCRIPTS, "sanitize_cuda.py")
+    done = subprocess.run([sys.executable, script, "--tools", "all"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    calls = log.read_text().splitlines()
+    assert [c.split()[:4] for c in calls] == [["--tool", t, "--error-exitcode", "1"]
+                                             for t in ("memcheck", "racecheck", "synccheck")], calls
+    assert all(c.split()[4:] == [sys.executable, os.path.abspath(script)] for c in calls), calls
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "racecheck: rc=1" in done.stdout and "memcheck: rc=0" in done.stdout, done.stdout
+    bad = subprocess.run([sys.executable, script, "--tools", "memcheck,nosuchtool"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "nosuchtool" in bad.stderr
