@@ -62,6 +62,7 @@ def _splitkv_fake(q, kv_cache, kv_indptr, kv_indices, *, qlen, scale, kv_scale, 
                   seq_lens=None, dcp_rank=0, dcp_world_size=1):
     checks.check_decode_args("mla_decode_splitkv", q, kv_cache, kv_indptr, kv_indices, qlen, num_splits,
                              seq_lens, dcp_rank, dcp_world_size)
+    checks.check_decode_contract("mla_decode_splitkv", kv_indptr, kv_indices, seq_lens, num_splits, scale, kv_scale)
     num_rows, num_heads, _ = q.shape
     return (q.new_empty((num_splits, num_rows, num_heads, KV_LORA_RANK)),
             q.new_empty((num_splits, num_rows, num_heads), dtype=torch.float32))
@@ -78,6 +79,7 @@ def _splitkv_real(q, kv_cache, kv_indptr, kv_indices, *, qlen, scale, kv_scale, 
                   seq_lens=None, dcp_rank=0, dcp_world_size=1):
     checks.check_decode_args("mla_decode_splitkv", q, kv_cache, kv_indptr, kv_indices, qlen, num_splits,
                              seq_lens, dcp_rank, dcp_world_size)
+    checks.check_decode_contract("mla_decode_splitkv", kv_indptr, kv_indices, seq_lens, num_splits, scale, kv_scale)
     return _splitkv(q, kv_cache, kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits,
                     seq_lens, dcp_rank, dcp_world_size)
 
@@ -106,6 +108,7 @@ def _decode_fake(q, kv_cache, kv_indptr, kv_indices, *, qlen, scale, kv_scale, n
                  seq_lens=None, dcp_rank=0, dcp_world_size=1):
     checks.check_decode_args("mla_decode", q, kv_cache, kv_indptr, kv_indices, qlen, num_splits,
                              seq_lens, dcp_rank, dcp_world_size)
+    checks.check_decode_contract("mla_decode", kv_indptr, kv_indices, seq_lens, num_splits, scale, kv_scale)
     num_rows, num_heads, _ = q.shape
     return (q.new_empty((num_rows, num_heads, KV_LORA_RANK)),
             q.new_empty((num_rows, num_heads), dtype=torch.float32))
@@ -115,6 +118,7 @@ def _decode_real(q, kv_cache, kv_indptr, kv_indices, *, qlen, scale, kv_scale, n
                  seq_lens=None, dcp_rank=0, dcp_world_size=1):
     checks.check_decode_args("mla_decode", q, kv_cache, kv_indptr, kv_indices, qlen, num_splits,
                              seq_lens, dcp_rank, dcp_world_size)
+    checks.check_decode_contract("mla_decode", kv_indptr, kv_indices, seq_lens, num_splits, scale, kv_scale)
     if dispatch.backend_for("mla_decode_splitkv", q.device) == "cuda":
         from .kernels.sm90 import mla_decode as cuda_decode
         return cuda_decode(q.contiguous(), _flat_rows(kv_cache), kv_indptr, kv_indices, qlen, scale, kv_scale,
@@ -138,10 +142,12 @@ _register("mla_decode", fake=_decode_fake, real=_decode_real)
 
 def _cache_write_fake(kv_c, k_pe, kv_cache, slot_mapping, kv_scale):
     checks.check_cache_write_args("mla_cache_write", kv_c, k_pe, kv_cache, slot_mapping)
+    checks.check_cache_write_contract("mla_cache_write", slot_mapping, kv_scale)
 
 
 def _cache_write_real(kv_c, k_pe, kv_cache, slot_mapping, kv_scale):
     checks.check_cache_write_args("mla_cache_write", kv_c, k_pe, kv_cache, slot_mapping)
+    checks.check_cache_write_contract("mla_cache_write", slot_mapping, kv_scale)
     dispatch.implementation("mla_cache_write", kv_cache.device)(
         kv_c, k_pe, _flat_rows(kv_cache), slot_mapping, kv_scale)
 
