@@ -234,13 +234,17 @@ def mla_decode_splitkv(q, kv_cache, kv_indptr, kv_indices, *, qlen, scale, kv_sc
         kv_cache: fp8 (e4m3fn; e4m3fnuz on gfx942), contiguous, last dim 576
             (``[N, 576]``, ``[blocks, block_size, 576]``, ``[blocks, block_size, 1, 576]``),
             read as flat rows ``[kv_c 512 | k_pe 64]`` = ``fp8(x / kv_scale)``.
-        kv_indptr: [R + 1] int32; kv_indices: int32 flat row ids. Request r's tokens,
-            in order, are ``kv_indices[kv_indptr[r]:kv_indptr[r + 1]]``.
+        kv_indptr: [R + 1] int32; kv_indices: int32 flat row ids, both contiguous,
+            R <= 65535. Request r's tokens, in order, are
+            ``kv_indices[kv_indptr[r]:kv_indptr[r + 1]]``; every row they list must be
+            finite, even one past a position's causal bound (weight 0, but 0 x NaN = NaN;
+            ``kimi_ops.validate_decode_inputs(..., check_finite=True)`` checks it).
         qlen: query positions per request; position i of a request of n tokens
             sees tokens ``0 .. n - qlen + i``.
-        scale: softmax scale; kv_scale: the cache's per-tensor dequantization scale.
+        scale: softmax scale; kv_scale: the cache's per-tensor dequantization scale;
+            both finite (zero and negative allowed; NaN / inf raise ValueError).
         num_splits: splits the visible tokens of each request are partitioned into
-            (the partition is the backend's choice).
+            (the partition is the backend's choice), 1..65535.
         seq_lens, dcp_rank, dcp_world_size: decode context parallel (DCP). The cache
             holds rank ``dcp_rank``'s shard: a request's j-th listed token is its global
             position ``j * dcp_world_size + dcp_rank`` (token p lives on rank p % W), and
@@ -285,8 +289,10 @@ def mla_cache_write(kv_c, k_pe, kv_cache, slot_mapping, kv_scale):
     kv_c [T, 512], k_pe [T, 64] (bf16, f16 or f32, last dim contiguous) go to
     flat row ``slot_mapping[t]`` (int32/int64 [T]) of ``kv_cache`` as
     ``fp8(x / kv_scale)`` (float32 division, saturated, round to nearest even).
-    Slot -1 (and any slot outside [0, N)) skips the row. Only kv_cache changes;
-    with duplicate slots, which row lands is unspecified.
+    Slot -1 (and any slot outside [0, N)) skips the row. Only kv_cache changes.
+    slot_mapping must be contiguous; kv_scale finite and non-zero (else ValueError).
+    Duplicate slots in one call are undefined: the row may end up a mix of the
+    candidates' bytes (:func:`kimi_ops.validate_cache_write_inputs` catches them).
     """
     torch.ops.kimi_ops.mla_cache_write(kv_c, k_pe, kv_cache, slot_mapping, kv_scale)
 

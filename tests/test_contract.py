@@ -138,6 +138,24 @@ def check_accepted(device):
             assert torch.equal(got[slot], expected), (t, slot)
 
 
+def check_hidden_rows(device):
+    """A listed row past a position's causal bound does not change that position's output as
+    long as it is finite (the contract; a NaN there is documented as poisoning, and
+    validate_decode_inputs(check_finite=True) catches it): bitwise equal outputs."""
+    case = make_decode_case([6, 4], heads=2, qlen=3, seed=8, device=device)
+    hidden = int(case.kv_indices[5])            # request 0's last token: only its position 2 sees it
+    fmax = torch.finfo(case.kv_cache.dtype).max
+    for op in DECODE_OPS:
+        o0, lse0 = _merged(op, case)
+        changed = case.kv_cache.clone()
+        flat = changed.view(-1, 576)
+        flat[hidden] = (torch.sign(torch.randn(576)) * fmax).to(flat.dtype).to(device)
+        o1, lse1 = _merged(op, case, kv_cache=changed)
+        keep = [0, 1, 3, 4, 5]                  # every query row but request 0's position 2
+        assert torch.equal(o0[keep], o1[keep]) and torch.equal(lse0[keep], lse1[keep]), op
+        assert not torch.equal(o0[2], o1[2]), "position 2 sees the changed row"
+
+
 # --- CPU: the reference, the fake implementations, Triton's interpreter -----------------------
 
 def test_reference_refuses(monkeypatch):
@@ -153,6 +171,11 @@ def test_fake_impls_refuse():
 def test_reference_accepts_zero_and_negative_scales(monkeypatch):
     monkeypatch.setenv("KIMI_OPS_BACKEND", "reference")
     check_accepted("cpu")
+
+
+def test_reference_hidden_rows(monkeypatch):
+    monkeypatch.setenv("KIMI_OPS_BACKEND", "reference")
+    check_hidden_rows("cpu")
 
 
 def test_refused_cache_write_writes_nothing(monkeypatch):
@@ -171,6 +194,7 @@ sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
 import test_contract as t
 t.check_refusals("cpu")
 t.check_accepted("cpu")
+t.check_hidden_rows("cpu")
 print("OK")
 """
 
@@ -199,3 +223,4 @@ def test_gpu_refuses_and_accepts(monkeypatch):
         monkeypatch.setenv("KIMI_OPS_BACKEND", backend)
         check_refusals("cuda")
         check_accepted("cuda")
+        check_hidden_rows("cuda")
