@@ -18,12 +18,12 @@ from .ops import (
     mxfp4_dequantize,
     mxfp4_quantize,
 )
-from .validate import validate_decode_inputs
+from .validate import validate_cache_write_inputs, validate_decode_inputs
 
 __version__ = "0.1.0"
 
 __all__ = [
     "mla_decode_splitkv", "mla_merge", "mla_decode", "mla_cache_write",
     "mxfp4_quantize", "mxfp4_dequantize", "bmm_a16wfp4", "mla_query", "gemm_a16w8_block",
-    "validate_decode_inputs",
+    "validate_decode_inputs", "validate_cache_write_inputs",
 ]

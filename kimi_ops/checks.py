@@ -7,6 +7,7 @@ expected and what came. Device-data preconditions (indices in range, indptr
 monotone) are the opt-in validator's job: :mod:`kimi_ops.validate`.
 """
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -79,6 +80,58 @@ def check_decode_args(op: str, q, kv_cache, kv_indptr, kv_indices, qlen: int, nu
         if seq_lens.shape[0] != num_requests:
             fail(op, "seq_lens", f"a [{num_requests}] int32 tensor (R = len(kv_indptr) - 1)", _describe(seq_lens))
         check_same_device(op, q=q, seq_lens=seq_lens)
+
+
+# --- index layout, grid limits, finite scales (issue 30) --------------------------------------
+# Separate from check_decode_args / check_cache_write_args: ops.py calls them right after those.
+
+MAX_GRID_DIM = 65535
+"""A CUDA grid's y / z dimension limit. The Triton split-KV grid is (row blocks, splits,
+requests), so R and num_splits above it cannot launch; every backend refuses them alike."""
+
+
+def check_index_layout(op: str, **tensors) -> None:
+    """Index tensors (kv_indptr, kv_indices, seq_lens, slot_mapping) must be contiguous: every
+    kernel reads them as flat arrays from their data pointer. ``None`` entries are skipped."""
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor) and not t.is_contiguous():
+            fail(op, name, "contiguous (the kernels read it as a flat array from its data pointer; "
+                 "pass .contiguous())", f"a strided view: shape {tuple(t.shape)} strides {t.stride()}")
+
+
+def check_grid_limits(op: str, kv_indptr, num_splits) -> None:
+    """R = len(kv_indptr) - 1 and num_splits at most :data:`MAX_GRID_DIM` (None: the host picks)."""
+    num_requests = kv_indptr.shape[0] - 1
+    if num_requests > MAX_GRID_DIM:
+        fail(op, "R = len(kv_indptr) - 1 (the number of requests)",
+             f"at most {MAX_GRID_DIM} (a CUDA grid dimension's limit; split the batch)", num_requests)
+    if num_splits is not None and num_splits > MAX_GRID_DIM:
+        fail(op, "num_splits", f"at most {MAX_GRID_DIM} (a CUDA grid dimension's limit)", num_splits)
+
+
+def check_finite_scales(op: str, **scales) -> None:
+    """Each scale a finite number: NaN or +-inf would make NaN outputs (or, in mla_cache_write,
+    NaN bytes in a cache every request shares). Zero and negative scales are well defined.
+    Symbolic floats (torch.compile) are not inspected, so no guard is added."""
+    for name, value in scales.items():
+        if isinstance(value, (int, float)) and not math.isfinite(value):
+            fail(op, name, "a finite float (zero and negative are allowed)", value)
+
+
+def check_decode_contract(op: str, kv_indptr, kv_indices, seq_lens, num_splits, scale, kv_scale) -> None:
+    """mla_decode_splitkv / mla_decode: index layout, grid limits, finite scales."""
+    check_index_layout(op, kv_indptr=kv_indptr, kv_indices=kv_indices, seq_lens=seq_lens)
+    check_grid_limits(op, kv_indptr, num_splits)
+    check_finite_scales(op, scale=scale, kv_scale=kv_scale)
+
+
+def check_cache_write_contract(op: str, slot_mapping, kv_scale) -> None:
+    """mla_cache_write: slot_mapping contiguous; kv_scale finite and non-zero (rows are stored
+    as ``fp8(x / kv_scale)``: zero would store +-inf saturated and 0 / 0 = NaN bytes)."""
+    check_index_layout(op, slot_mapping=slot_mapping)
+    check_finite_scales(op, kv_scale=kv_scale)
+    if isinstance(kv_scale, (int, float)) and kv_scale == 0:
+        fail(op, "kv_scale", "finite and non-zero (rows are stored as fp8(x / kv_scale))", kv_scale)
 
 
 def check_merge_args(op: str, o_part, lse_part) -> None:

@@ -63,6 +63,7 @@ def errors(o, lse, o_ref, lse_ref):
 
 
 def run_attention_demo(args) -> int:
+    apply_defaults(args, "attention")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     lengths = [max(0, args.context + (i * 97) % 211 - 105) for i in range(args.batch)]
     work = decode_workload(lengths, heads=args.heads, qlen=args.qlen, device=device, seed=args.seed)
@@ -200,8 +201,9 @@ def run_layer_demo(args) -> int:
     from .runtime.graph import GraphedStep, decode_step
     from .runtime.reference import layer_float64, relative_error
 
+    apply_defaults(args, "layer")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    batch, context, qlen, steps = args.batch or 8, args.context or 512, args.qlen, args.steps
+    batch, context, qlen, steps = args.batch, args.context, args.qlen, args.steps
     if batch < 1 or context < 1 or qlen < 1 or steps < 1:
         print("kimi_ops demo: --batch, --context, --qlen and --steps must be >= 1", file=sys.stderr)
         return 2
@@ -275,7 +277,7 @@ def run_layer_demo(args) -> int:
           + ("" if device.type == "cuda" else " (the floor is the H200's; this ran on the CPU)"))
     attn_s = time_attention(layer, cache, md, hiddens[0], device)
     attn_bytes = attention_bytes(layer, int(mean_tokens), batch * qlen)
-    print(f"where the step's time goes (attention: mla.attend alone, {'a CUDA graph' if graphed else 'eager'}; "
+    print(f"where the step's time goes (attention: mla.attend alone, {'a CUDA graph' if device.type == 'cuda' else 'eager'}; "
           f"rest = step - attention: the projections, norms, M1a, cache write, W_UV, gate):")
     for line in step_table(med, attn_s, total, attn_bytes):
         print("  " + line)
@@ -291,8 +293,6 @@ def run_layer_demo(args) -> int:
 def run_demo(args) -> int:
     """``python -m kimi_ops demo``: the layer job, or the attention table with ``--attention-only``."""
     if args.attention_only:
-        args.batch = args.batch or 4
-        args.context = args.context or 300
         return run_attention_demo(args)
     if args.dcp > 1:
         from .demo_dcp import run_dcp_demo
@@ -300,27 +300,109 @@ def run_demo(args) -> int:
     return run_layer_demo(args)
 
 
+# --- flags -------------------------------------------------------------------------------------
+
+MAX_QLEN = 8
+MODE_DEFAULTS = {
+    "layer": {"batch": 8, "context": 512, "steps": 32},
+    "attention": {"batch": 4, "context": 300, "steps": 32},   # --attention-only (steps unused)
+    "dcp": {"batch": 4, "context": 256, "steps": 8},          # --dcp N > 1
+}
+"""Each job's defaults for the flags left out; --help is written from this table."""
+
+
+def mode(args) -> str:
+    """Which job the flags ask for: ``layer``, ``attention`` or ``dcp``."""
+    return "attention" if args.attention_only else "dcp" if args.dcp > 1 else "layer"
+
+
+def apply_defaults(args, job: str | None = None) -> None:
+    """Fill the flags left out (None) with ``job``'s defaults (:data:`MODE_DEFAULTS`)."""
+    for name, value in MODE_DEFAULTS[job or mode(args)].items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
+
+
+def _defaults_help(name: str) -> str:
+    d = {job: MODE_DEFAULTS[job][name] for job in MODE_DEFAULTS}
+    return f"default {d['layer']}; --attention-only: {d['attention']}; --dcp: {d['dcp']}"
+
+
+def int_in_range(low: int, high: int | None = None):
+    """An argparse type: an int in [low, high] (no upper bound without ``high``)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            bound = f">= {low}" if high is None else f"{low}..{high}"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
+        return value
+    parse.__name__ = "int"
+    return parse
+
+
+def device_flag(text: str) -> str:
+    """An argparse type: ``cpu``, ``cuda`` or ``cuda:N`` (availability is checked after parsing)."""
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"must be cpu, cuda or cuda:N, got {text!r}")
+    return text
+
+
+def check_arguments(parser: argparse.ArgumentParser, args) -> None:
+    """What the types cannot see: the GPU the flags ask for exists, the flags fit together.
+    Calls ``parser.error`` (one line on stderr after the usage, exit 2)."""
+    if args.attention_only and args.dcp > 1:
+        parser.error("argument --dcp: --attention-only runs one process; leave out --dcp or --attention-only")
+    if args.device is None:
+        return
+    device = torch.device(args.device)
+    if device.type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        parser.error(f"argument --device: {args.device} was asked for but no CUDA GPU is visible here "
+                     f"(torch.cuda.is_available() is False); use --device cpu")
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        parser.error(f"argument --device: {args.device} does not exist, this machine has {count} GPU(s)")
+    if args.dcp > count:
+        parser.error(f"argument --dcp: {args.dcp} ranks on --device cuda need {args.dcp} GPUs, found {count} "
+                     f"(leave out --device to run on gloo on the CPU)")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--batch", type=int, default=None, help="decode requests (default 8; attention-only: 4)")
-    parser.add_argument("--context", type=int, default=None,
-                        help="about this many cached tokens a request (default 512; attention-only: 300)")
-    parser.add_argument("--qlen", type=int, default=1, help="query positions a request a step (1..8)")
-    parser.add_argument("--steps", type=int, default=32, help="decode steps (default 32)")
+    positive = int_in_range(1)
+    parser.add_argument("--batch", type=positive, default=None, help=f"decode requests ({_defaults_help('batch')})")
+    parser.add_argument("--context", type=positive, default=None,
+                        help=f"about this many cached tokens a request ({_defaults_help('context')})")
+    parser.add_argument("--qlen", type=int_in_range(1, MAX_QLEN), default=1,
+                        help=f"query positions a request a step, 1..{MAX_QLEN} (default 1)")
+    parser.add_argument("--steps", type=positive, default=None,
+                        help=f"decode steps (default {MODE_DEFAULTS['layer']['steps']}; "
+                             f"--dcp: {MODE_DEFAULTS['dcp']['steps']})")
     parser.add_argument("--weights", choices=("bf16", "mxfp4", "fp8"), default="mxfp4",
                         help="W_UK / W_UV format (bf16, mxfp4), or fp8: fp8 block-scaled projections")
-    parser.add_argument("--block-size", type=int, default=16, help="KV cache block size (default 16)")
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    parser.add_argument("--block-size", type=positive, default=16, help="KV cache block size (default 16)")
+    parser.add_argument("--device", type=device_flag, default=None,
+                        help="cpu, cuda or cuda:N (default: cuda when a GPU is present)")
     parser.add_argument("--eager", action="store_true", help="GPU: run eagerly, no CUDA graph")
     parser.add_argument("--no-compile", action="store_true", help="GPU: capture the eager step (no torch.compile)")
-    parser.add_argument("--check-every", type=int, default=None, help="also check every N steps")
+    parser.add_argument("--check-every", type=positive, default=None, help="also check every N steps")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dcp", type=int, default=1,
+    parser.add_argument("--dcp", type=positive, default=1,
                         help="decode context parallel over N ranks (NCCL with N GPUs, else gloo on the CPU), "
                              "checked against one rank")
     attention = parser.add_argument_group("attention only (the earlier demo)")
     attention.add_argument("--attention-only", action="store_true",
                            help="just the decode attention on every backend here (the earlier table)")
-    attention.add_argument("--heads", type=int, default=12, help="query heads (Kimi-K3 TP8: 12)")
-    attention.add_argument("--splits", type=int, default=None, help="num_splits (default: the host heuristic)")
-    attention.add_argument("--repeats", type=int, default=5, help="timed calls a backend (median)")
+    attention.add_argument("--heads", type=int_in_range(1, 128), default=12,
+                           help="query heads, 1..128 (Kimi-K3 TP8: 12)")
+    attention.add_argument("--splits", type=int_in_range(1, 65535), default=None,
+                           help="num_splits, 1..65535 (default: the host heuristic)")
+    attention.add_argument("--repeats", type=positive, default=5, help="timed calls a backend (median, default 5)")

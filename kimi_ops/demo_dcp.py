@@ -53,7 +53,7 @@ def _rank_main(rank, world, init_file, use_nccl, opts, results):
     dist.init_process_group("nccl" if use_nccl else "gloo", init_method=f"file://{init_file}",
                             rank=rank, world_size=world, device_id=device if use_nccl else None)
     try:
-        batch, context, qlen, steps, block = opts["batch"], opts["context"], opts["qlen"], opts["steps"], 16
+        batch, context, qlen, steps, block = (opts[k] for k in ("batch", "context", "qlen", "steps", "block"))
         config = MLAConfig.kimi_k3(tp=8)
         weights = rank_weights(config, rank, opts["seed"])
         sharded = MLADecodeLayer(config, weights=opts["weights"], device=device, seed=None,
@@ -101,14 +101,23 @@ def _rank_main(rank, world, init_file, use_nccl, opts, results):
         dist.destroy_process_group()
 
 
+def dcp_options(args) -> dict:
+    """The run's settings from the flags: those left out take the ``--dcp`` defaults of
+    :data:`kimi_ops.demo.MODE_DEFAULTS` (what --help states)."""
+    from .demo import apply_defaults
+    apply_defaults(args, "dcp")
+    return dict(batch=args.batch, context=args.context, qlen=args.qlen, steps=args.steps,
+                block=args.block_size, weights=args.weights, seed=args.seed)
+
+
 def run_dcp_demo(args) -> int:
     world = args.dcp
     use_nccl = args.device != "cpu" and torch.cuda.is_available() and torch.cuda.device_count() >= world
-    opts = dict(batch=args.batch or 4, context=args.context or 256, qlen=args.qlen, steps=min(args.steps, 8),
-                weights=args.weights, seed=args.seed)
+    opts = dcp_options(args)
     print(f"kimi_ops demo --dcp {world}: Kimi-K3 TP8 layer, {world} ranks over "
           f"{'NCCL (one GPU each)' if use_nccl else 'gloo (CPU)'}, batch {opts['batch']} x qlen {opts['qlen']}, "
-          f"context ~{opts['context']}, {opts['steps']} eager steps, {opts['weights']} W_UK/W_UV")
+          f"context ~{opts['context']}, {opts['steps']} eager steps, block size {opts['block']}, "
+          f"{opts['weights']} W_UK/W_UV")
     results = mp.get_context("spawn").SimpleQueue()
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_rank_main, args=(world, os.path.join(tmp, "init"), use_nccl, opts, results), nprocs=world)

@@ -65,6 +65,7 @@ def _splitkv_fake(q, kv_cache, kv_indptr, kv_indices, *, qlen, scale, kv_scale, 
                   seq_lens=None, dcp_rank=0, dcp_world_size=1):
     checks.check_decode_args("mla_decode_splitkv", q, kv_cache, kv_indptr, kv_indices, qlen, num_splits,
                              seq_lens, dcp_rank, dcp_world_size)
+    checks.check_decode_contract("mla_decode_splitkv", kv_indptr, kv_indices, seq_lens, num_splits, scale, kv_scale)
     num_rows, num_heads, _ = q.shape
     return (q.new_empty((num_splits, num_rows, num_heads, KV_LORA_RANK)),
             q.new_empty((num_splits, num_rows, num_heads), dtype=torch.float32))
@@ -81,6 +82,7 @@ def _splitkv_real(q, kv_cache, kv_indptr, kv_indices, *, qlen, scale, kv_scale, 
                   seq_lens=None, dcp_rank=0, dcp_world_size=1):
     checks.check_decode_args("mla_decode_splitkv", q, kv_cache, kv_indptr, kv_indices, qlen, num_splits,
                              seq_lens, dcp_rank, dcp_world_size)
+    checks.check_decode_contract("mla_decode_splitkv", kv_indptr, kv_indices, seq_lens, num_splits, scale, kv_scale)
     return _splitkv(q, kv_cache, kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits,
                     seq_lens, dcp_rank, dcp_world_size)
 
@@ -109,6 +111,7 @@ def _decode_fake(q, kv_cache, kv_indptr, kv_indices, *, qlen, scale, kv_scale, n
                  seq_lens=None, dcp_rank=0, dcp_world_size=1):
     checks.check_decode_args("mla_decode", q, kv_cache, kv_indptr, kv_indices, qlen, num_splits,
                              seq_lens, dcp_rank, dcp_world_size)
+    checks.check_decode_contract("mla_decode", kv_indptr, kv_indices, seq_lens, num_splits, scale, kv_scale)
     num_rows, num_heads, _ = q.shape
     return (q.new_empty((num_rows, num_heads, KV_LORA_RANK)),
             q.new_empty((num_rows, num_heads), dtype=torch.float32))
@@ -118,6 +121,7 @@ def _decode_real(q, kv_cache, kv_indptr, kv_indices, *, qlen, scale, kv_scale, n
                  seq_lens=None, dcp_rank=0, dcp_world_size=1):
     checks.check_decode_args("mla_decode", q, kv_cache, kv_indptr, kv_indices, qlen, num_splits,
                              seq_lens, dcp_rank, dcp_world_size)
+    checks.check_decode_contract("mla_decode", kv_indptr, kv_indices, seq_lens, num_splits, scale, kv_scale)
     if dispatch.backend_for("mla_decode_splitkv", q.device) == "cuda":
         from .kernels.sm90 import mla_decode as cuda_decode
         return cuda_decode(q.contiguous(), _flat_rows(kv_cache), kv_indptr, kv_indices, qlen, scale, kv_scale,
@@ -141,10 +145,12 @@ _register("mla_decode", fake=_decode_fake, real=_decode_real)
 
 def _cache_write_fake(kv_c, k_pe, kv_cache, slot_mapping, kv_scale):
     checks.check_cache_write_args("mla_cache_write", kv_c, k_pe, kv_cache, slot_mapping)
+    checks.check_cache_write_contract("mla_cache_write", slot_mapping, kv_scale)
 
 
 def _cache_write_real(kv_c, k_pe, kv_cache, slot_mapping, kv_scale):
     checks.check_cache_write_args("mla_cache_write", kv_c, k_pe, kv_cache, slot_mapping)
+    checks.check_cache_write_contract("mla_cache_write", slot_mapping, kv_scale)
     dispatch.implementation("mla_cache_write", kv_cache.device)(
         kv_c, k_pe, _flat_rows(kv_cache), slot_mapping, kv_scale)
 
@@ -270,13 +276,17 @@ def mla_decode_splitkv(q, kv_cache, kv_indptr, kv_indices, *, qlen, scale, kv_sc
         kv_cache: fp8 (e4m3fn; e4m3fnuz on gfx942), contiguous, last dim 576
             (``[N, 576]``, ``[blocks, block_size, 576]``, ``[blocks, block_size, 1, 576]``),
             read as flat rows ``[kv_c 512 | k_pe 64]`` = ``fp8(x / kv_scale)``.
-        kv_indptr: [R + 1] int32; kv_indices: int32 flat row ids. Request r's tokens,
-            in order, are ``kv_indices[kv_indptr[r]:kv_indptr[r + 1]]``.
+        kv_indptr: [R + 1] int32; kv_indices: int32 flat row ids, both contiguous,
+            R <= 65535. Request r's tokens, in order, are
+            ``kv_indices[kv_indptr[r]:kv_indptr[r + 1]]``; every row they list must be
+            finite, even one past a position's causal bound (weight 0, but 0 x NaN = NaN;
+            ``kimi_ops.validate_decode_inputs(..., check_finite=True)`` checks it).
         qlen: query positions per request; position i of a request of n tokens
             sees tokens ``0 .. n - qlen + i``.
-        scale: softmax scale; kv_scale: the cache's per-tensor dequantization scale.
+        scale: softmax scale; kv_scale: the cache's per-tensor dequantization scale;
+            both finite (zero and negative allowed; NaN / inf raise ValueError).
         num_splits: splits the visible tokens of each request are partitioned into
-            (the partition is the backend's choice).
+            (the partition is the backend's choice), 1..65535.
         seq_lens, dcp_rank, dcp_world_size: decode context parallel (DCP). The cache
             holds rank ``dcp_rank``'s shard: a request's j-th listed token is its global
             position ``j * dcp_world_size + dcp_rank`` (token p lives on rank p % W), and
@@ -321,8 +331,10 @@ def mla_cache_write(kv_c, k_pe, kv_cache, slot_mapping, kv_scale):
     kv_c [T, 512], k_pe [T, 64] (bf16, f16 or f32, last dim contiguous) go to
     flat row ``slot_mapping[t]`` (int32/int64 [T]) of ``kv_cache`` as
     ``fp8(x / kv_scale)`` (float32 division, saturated, round to nearest even).
-    Slot -1 (and any slot outside [0, N)) skips the row. Only kv_cache changes;
-    with duplicate slots, which row lands is unspecified.
+    Slot -1 (and any slot outside [0, N)) skips the row. Only kv_cache changes.
+    slot_mapping must be contiguous; kv_scale finite and non-zero (else ValueError).
+    Duplicate slots in one call are undefined: the row may end up a mix of the
+    candidates' bytes (:func:`kimi_ops.validate_cache_write_inputs` catches them).
     """
     torch.ops.kimi_ops.mla_cache_write(kv_c, k_pe, kv_cache, slot_mapping, kv_scale)
 

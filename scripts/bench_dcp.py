@@ -52,7 +52,7 @@ def worker(rank, world, rows_list):
 
 
 def main():
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world", type=int, default=torch.cuda.device_count())
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 128])
     args = parser.parse_args()

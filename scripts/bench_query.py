@@ -227,7 +227,7 @@ def table(rows):
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="markdown file for the table")
     ap.add_argument("--json", default=None)
     ap.add_argument("--sweep", action="store_true", help="also time alternative block configs")

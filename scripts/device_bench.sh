@@ -9,6 +9,7 @@
 # benchmark gets what the build left (the json / md are written after every shape, so a stopped
 # run still leaves the shapes it measured, and the table below still prints).
 set -uo pipefail
+if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0; fi
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1

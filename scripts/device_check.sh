@@ -5,7 +5,12 @@
 #   run(command="bash scripts/device_check.sh", carry=[".whl"])
 # DCP_ONLY=1 runs only the DCP tests and the multi-GPU part (for the several-GPU kinds):
 #   run(command="DCP_ONLY=1 bash scripts/device_check.sh", carry=[".whl"], kind="nvidia-h200-x4")
+# SANITIZE=1 also runs compute-sanitizer memcheck, racecheck and synccheck on the Hopper kernels'
+# small cases (scripts/sanitize_cuda.py --tools all) -> $OUT/sanitizer.log.
+# PROFILE=1 (with ncu on PATH) also profiles one split-kernel launch of scripts/profile_attention.py
+# (Nsight Compute --set full) -> $OUT/ncu_details.txt.
 set -uo pipefail
+if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0; fi
 . scripts/device_env.sh
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
@@ -37,6 +42,9 @@ if [ "$GPUS" -ge 2 ]; then
     timeout 300 python3 scripts/bench_dcp_step.py --world "$GPUS" > "$OUT/bench_dcp_step.log" 2>&1
     echo "bench_dcp_step rc=$?" >> "$OUT/bench_dcp_step.log"
     grep -vE "Warning|warn|return func" "$OUT/demo_dcp.log" "$OUT/bench_dcp.log" "$OUT/bench_dcp_step.log" | tail -n 30
+fi
+if [ -n "${SANITIZE:-}" ]; then
+    python3 scripts/sanitize_cuda.py --tools all --timeout 90 2>&1 | tee "$OUT/sanitizer.log"
 fi
 if [ -n "${PROFILE:-}" ] && command -v ncu >/dev/null; then
     timeout 240 ncu --kernel-name "regex:splitkv_kernel|_split_kv_kernel" --launch-skip 2 --launch-count 1 --set full \

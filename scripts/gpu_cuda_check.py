@@ -172,7 +172,7 @@ def timing(skip_triton=False, pool_rows=None, only=None):
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--time", action="store_true")
     ap.add_argument("--skip-triton", action="store_true", help="check and time the cuda backend only")
     ap.add_argument("--l2", action="store_true", help="a 40k-row cache pool that stays in L2")

@@ -1,4 +1,9 @@
-"""CUDA-graph timing shared by the benchmark scripts (DESIGN.md's method)."""
+"""CUDA-graph timing shared by the benchmark scripts (DESIGN.md's method).
+
+A module, not a command: scripts/bench_attention.py, bench_merge.py, bench_query.py, bench_dcp.py,
+bench_dcp_step.py and gpu_cuda_check.py import ``time_graph`` from it (``sys.path`` holds scripts/).
+Run by itself it only answers --help.
+"""
 import statistics
 
 import torch
@@ -34,3 +39,8 @@ def time_graph(fns, reps, before_replay=None):
         samples.append(start.elapsed_time(end) * 1e-3 / len(fns))
     del graph
     return statistics.median(samples), samples
+
+
+if __name__ == "__main__":
+    import argparse
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()

@@ -21,7 +21,7 @@ from kimi_ops.workloads import decode_workload  # noqa: E402
 
 
 def main():
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--context", type=int, default=8192)
     parser.add_argument("--qlen", type=int, default=1)

@@ -2,14 +2,18 @@
 """Small cases of the Hopper kernels for compute-sanitizer (memcheck, racecheck, synccheck).
 
     compute-sanitizer --tool memcheck python3 scripts/sanitize_cuda.py
-    compute-sanitizer --tool racecheck python3 scripts/sanitize_cuda.py
+    python3 scripts/sanitize_cuda.py --tools all      # each of the three sanitizers in turn
+    python3 scripts/sanitize_cuda.py --tools racecheck,synccheck [--timeout 90]
 
 Every CTA shape (16, 32, 48, 64 rows), empty splits, out-of-range indices, requests shorter than
 qlen, a causal tail inside the last tile, the balanced split sizing, DCP bounds, empty splits that
 leave o unwritten (zero_empty=False), mla_decode's work-list grid and both merges.
 Prints the worst error against the float64 oracle (the sanitizer's report is the point).
 """
+import argparse
 import os
+import shutil
+import subprocess
 import sys
 
 import torch
@@ -18,11 +22,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
-import kimi_ops.kernels.sm90 as hopper  # noqa: E402
-from test_triton_attention import SCALE, make_inputs, oracle  # noqa: E402
+TOOLS = ("memcheck", "racecheck", "synccheck")
 
 
-def main():
+def cases():
+    import kimi_ops.kernels.sm90 as hopper
+    from test_triton_attention import SCALE, make_inputs, oracle
     g = torch.Generator().manual_seed(0)
     worst = 0.0
     for lens, qlen, H, S, oob in [([0, 1, 70, 130], 2, 12, 3, 3), ([200, 5], 1, 16, 9, 0),
@@ -50,5 +55,44 @@ def main():
     print(f"sanitize_cuda: worst rel L2 {worst:.2e}")
 
 
+def under_sanitizers(tools, timeout):
+    """This script's cases under ``compute-sanitizer --tool T`` for each tool (its exit status 1
+    where it reports an error); prints the last lines of each run. Returns 0 if every run passed."""
+    exe = shutil.which("compute-sanitizer")
+    if exe is None:
+        sys.exit("sanitize_cuda.py: compute-sanitizer not found on PATH")
+    failed = []
+    for tool in tools:
+        cmd = [exe, "--tool", tool, "--error-exitcode", "1", sys.executable, os.path.abspath(__file__)]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+            rc, text = done.returncode, done.stdout + done.stderr
+        except subprocess.TimeoutExpired:
+            rc, text = "timeout", ""
+        for line in text.strip().splitlines()[-3:]:
+            print(f"{tool}: {line}")
+        print(f"{tool}: rc={rc}")
+        if rc != 0:
+            failed.append(tool)
+    return 1 if failed else 0
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tools", default="", help="run the cases under these compute-sanitizer tools "
+                    "(comma-separated, or 'all': " + ", ".join(TOOLS) + "); without it the cases run "
+                    "once in this process (for a compute-sanitizer you start yourself)")
+    ap.add_argument("--timeout", type=int, default=90, help="seconds a sanitizer run may take (with --tools)")
+    args = ap.parse_args(argv)
+    if not args.tools:
+        cases()
+        return 0
+    tools = TOOLS if args.tools == "all" else tuple(t for t in args.tools.split(",") if t)
+    bad = [t for t in tools if t not in TOOLS]
+    if bad:
+        ap.error(f"unknown tool(s) {bad}: choose from {', '.join(TOOLS)} or 'all'")
+    return under_sanitizers(tools, args.timeout)
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -5,6 +5,7 @@
 # (.peers/flashinfer first on sys.path, /tmp/site last); the exports printed at the end are
 # for using them from any other Python.
 # Never fails: a peer that cannot load is reported by the benchmark, which should still run.
+if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then sed -n '2,/^[^#]/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0; fi
 SITE=${KIMI_PEERS_SITE:-/tmp/site}
 mkdir -p "$SITE"
 if ls .whl/*.whl >/dev/null 2>&1; then

@@ -1,4 +1,5 @@
-"""The Hopper kernels of kimi_ops._C (csrc/mla_decode_sm90.cu) against the float64 oracle.
+"""The Hopper kernels of kimi_ops._C (csrc/sm90/: decode_rows16.cuh, decode_token_major.cuh, merge.cuh)
+against the float64 oracle.
 
 GPU tests run on an sm_90 GPU with kimi_ops._C built; they reuse the Triton tests' inputs
 (fresh random data, permuted cache rows among NaN-filled unused rows, out-of-range indices,
@@ -375,7 +376,7 @@ def recorded_sm90(monkeypatch):
 
 
 def test_host_passes_the_switches(recorded_sm90, monkeypatch):
-    """What hopper.py hands the kernels: the defaults, then each switch."""
+    """What kimi_ops/kernels/sm90.py hands the kernels: the defaults, then each switch."""
     hopper, rec = recorded_sm90
     q, kv, indptr, idx = make_inputs([300, 40], 1, 12)
     args = (q, kv, indptr, idx, 1, SCALE, 0.5, 8)

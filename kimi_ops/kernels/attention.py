@@ -299,7 +299,7 @@ def _mma_mode() -> str:
     return mode
 
 
-DEFAULT_MMA = "bf16"  # fp8 (the seeds' scheme) is slower and less accurate on sm_90: docs/PERF.md
+DEFAULT_MMA = "bf16"  # fp8 (the seeds' scheme) is slower and less accurate on sm_90: docs/perf-history.md
 
 
 def _config(rows_per_req: int, mma: str):
@@ -313,7 +313,7 @@ def _config(rows_per_req: int, mma: str):
         if rows_per_req <= 32:
             return (16 if rows_per_req <= 16 else 32), 32, 8, 3
         # more rows: one 64-row block (it spills ~0.9 KB a thread, but measured 1.6-2.3x faster
-        # on the H200 than 32-row blocks that redo the K conversion per block: docs/PERF.md)
+        # on the H200 than 32-row blocks that redo the K conversion per block: docs/perf-history.md)
         return 64, 64, 8, 2
     bm = 16
     while bm < rows_per_req and bm < 64:

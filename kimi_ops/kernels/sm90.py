@@ -1,4 +1,5 @@
-"""Host side of the Hopper (sm_90a) kernels in ``kimi_ops._C`` (``csrc/mla_decode_sm90.cu``).
+"""Host side of the Hopper (sm_90a) kernels in ``kimi_ops._C`` (``csrc/sm90/``: a header a kernel,
+the C++ launchers in ``csrc/sm90/mla_decode_sm90.cu``, the registration in ``csrc/registration.cpp``).
 
 The ``cuda`` backend of :mod:`kimi_ops.dispatch`: ``mla_decode_splitkv`` (M1c) and
 ``mla_merge`` (M1b) as CUDA C++ kernels, registered as the private ops

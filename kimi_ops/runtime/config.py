@@ -14,12 +14,19 @@ from ..formats import KV_LORA_RANK, ROPE_DIM
 
 
 def _yarn_mscale(factor: float, mscale: float) -> float:
+    """YaRN's attention factor ``get_mscale(s, m) = 0.1 m ln(s) + 1`` for s > 1, else 1."""
     return 1.0 if factor <= 1.0 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """DeepSeek's YaRN rope scaling (HF ``rope_scaling`` with ``type: yarn``)."""
+    """DeepSeek's YaRN rope scaling (HF ``rope_scaling`` with ``type: yarn``).
+
+    ``mscale`` and ``mscale_all_dim`` act as in transformers / vLLM (DeepSeek-V3): the
+    rotary cos / sin are scaled by ``get_mscale(factor, mscale) / get_mscale(factor,
+    mscale_all_dim)`` (:attr:`MLAConfig.rope_mscale`; 1 when the two are equal, as in
+    DeepSeek-V3's config), and the softmax scale by ``get_mscale(factor, mscale_all_dim)^2``
+    (:attr:`MLAConfig.softmax_scale`)."""
     factor: float = 40.0
     original_max_position_embeddings: int = 4096
     beta_fast: float = 32.0
@@ -130,6 +137,16 @@ class MLAConfig:
             m = _yarn_mscale(self.rope_scaling.factor, self.rope_scaling.mscale_all_dim)
             scale *= m * m
         return scale
+
+    @property
+    def rope_mscale(self) -> float:
+        """The factor on the rotary cos / sin (q_pe and k_pe alike): YaRN's
+        ``get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)``; 1 without
+        RoPE or rope scaling."""
+        if not self.rope or self.rope_scaling is None:
+            return 1.0
+        ys = self.rope_scaling
+        return _yarn_mscale(ys.factor, ys.mscale) / _yarn_mscale(ys.factor, ys.mscale_all_dim)
 
     def replace(self, **changes) -> "MLAConfig":
         return replace(self, **changes)

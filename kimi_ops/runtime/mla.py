@@ -91,12 +91,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * weight.float()).to(x.dtype)
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+               mscale: float = 1.0) -> torch.Tensor:
     """DeepSeek's rotary (interleaved pairs ``(2i, 2i+1)``, vLLM's ``is_neox_style=False``) of
-    ``x [T, ..., 64]`` at ``positions [T]``; float32 math, one rounding."""
+    ``x [T, ..., 64]`` at ``positions [T]``, cos / sin times ``mscale`` (YaRN's
+    ``config.rope_mscale``); float32 math, one rounding."""
     freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]           # [T, 32]
     shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (freqs.shape[1],)
     cos, sin = freqs.cos().view(shape), freqs.sin().view(shape)
+    if mscale != 1.0:
+        cos, sin = cos * mscale, sin * mscale
     xf = x.float()
     x0, x1 = xf[..., 0::2], xf[..., 1::2]
     out = torch.stack([x0 * cos - x1 * sin, x1 * cos + x0 * sin], dim=-1)
@@ -123,8 +127,8 @@ def pre(layer, hidden: torch.Tensor, kv_cache: torch.Tensor, md):
     q = project(q_c, layer.q_b_proj).view(-1, layer.num_heads, nope + rope)
     q_nope, q_pe = q.split([nope, rope], -1)
     if c.rope:
-        q_pe = apply_rope(q_pe, md.positions, layer.rotary_inv_freq)
-        k_pe = apply_rope(k_pe, md.positions, layer.rotary_inv_freq)
+        q_pe = apply_rope(q_pe, md.positions, layer.rotary_inv_freq, c.rope_mscale)
+        k_pe = apply_rope(k_pe, md.positions, layer.rotary_inv_freq, c.rope_mscale)
     q = ops.mla_query(q_nope, q_pe, layer.W_UK, layer.W_UK_scale)
     ops.mla_cache_write(kv_c, k_pe, kv_cache, md.slot_mapping, layer.kv_scale)
     if md.dcp_world_size != layer.dcp_world_size:

@@ -29,7 +29,7 @@ def layer_float64(layer, hidden: torch.Tensor, kv_cache_after: torch.Tensor, md)
     q_nope, q_pe = q[..., :c.qk_nope_head_dim], q[..., c.qk_nope_head_dim:]
     if c.rope:
         pos = md.positions.cpu().double()[:, None] * layer.rotary_inv_freq.cpu().double()[None, :]
-        cos, sin = pos.cos()[:, None], pos.sin()[:, None]
+        cos, sin = pos.cos()[:, None] * c.rope_mscale, pos.sin()[:, None] * c.rope_mscale
         x0, x1 = q_pe[..., 0::2], q_pe[..., 1::2]
         q_pe = torch.stack([x0 * cos - x1 * sin, x1 * cos + x0 * sin], -1).flatten(-2)
     q_lat = torch.einsum("thd,hdl->thl", q_nope, w_uk)                 # [T, H, 512]

@@ -1,7 +1,11 @@
 // Shared-memory copy and mbarrier wrappers for sm_90a (PTX inline assembly): cp.async (16-byte
 // chunks, zero-filled past src_bytes), cp.async.bulk (global -> shared, completing on an
 // mbarrier's transaction count), mbarrier init / arrive / expect_tx / parity wait, and the
-// generic-to-async proxy fence. Used by mla_decode_sm90.cu and scripts/bench_bulk_gather.cu.
+// generic-to-async proxy fence. Used by the M1c kernels (csrc/sm90/) and scripts/bench_bulk_gather.cu.
+//
+// Byte layouts: cp.async copies 16 bytes global -> shared (zero-filled past src_bytes);
+// bulk_copy_g2s copies `bytes` (a multiple of 16, 16-byte aligned both sides) and adds them to the
+// mbarrier's transaction count; an mbarrier is one 8-byte shared word.
 #pragma once
 
 #include <cstdint>

@@ -1,0 +1,408 @@
+// M1c, token-major: splitkv_tm_kernel, 32, 48 or 64 query rows a CTA of two warpgroups, wgmma
+// with the tokens as M (S^T = K Q^T, O^T = V^T P^T), and its per-tile pieces.
+//
+// Byte layouts:
+//   reads   q [T*H, 576] bf16; kv [N, 576] fp8 rows (cp.async, 16-byte chunks: TileLoader);
+//           kv_indptr / kv_indices int32; seq_lens [R] int32
+//   writes  o [valid_rows, 512] bf16 (16-byte stores) and lse [valid_rows] f32 (natural log) at
+//           the CTA's rows of o_part / lse_part or o_final / lse_final (work_list.cuh)
+//   shared  TokenMajorSmem<NT, STAGES, TILE>: kv[STAGES][TILE * 592] fp8 tiles, q [N * 576] f16
+//           (core-matrix layout, fragments.cuh), p [N * TILE] f16 (core matrices of 8 tokens x
+//           8 rows, tm_store_p), red [TILE / 16][N] f32, row_scale [N] f32, row_fac [N] f32; the
+//           epilogue stages O [N][kOStride = 520] bf16 in the K ring
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "copy.cuh"
+#include "fragments.cuh"
+#include "params.cuh"
+#include "ptx.cuh"
+#include "work_list.cuh"
+
+namespace kimi_ops::sm90 {
+namespace {
+
+// ---- M1c, token-major: 32, 48 or 64 query rows a CTA -------------------------------------------
+//
+// splitkv_tm_kernel: one CTA of two warpgroups (8 warps) per (group of N = 8*NT query rows, split
+// or work item), streaming TILE-token tiles (128 for N = 32, 48; 64 for N = 64, whose Q leaves no
+// room for two 128-token stages). The MMAs are wgmma with tokens (and latents) as the 64 M rows and
+// the query rows as N, S^T = K Q^T and O^T = V^T P^T. A is always in registers, converted from the
+// tile's fp8 bytes exactly as splitkv_kernel builds its fragments; B is in shared memory in
+// wgmma's no-swizzle layout (core matrices of 8 x 16 bytes: Q K-major, P MN-major). Per tile:
+//   S^T = K Q^T     TILE 128: warpgroup h takes the tokens [64h, 64h+64) of all N rows, its warp w
+//                   the tokens [16w, 16w+16) (M), so each K byte is converted once a CTA;
+//                   TILE 64: warpgroup h takes the rows [N/2 h, N/2 (h+1)) of all 64 tokens, warp
+//                   w the tokens [16(w%4), +16). A = K (ldmatrix of the fp8 bytes, cvt to f16, with
+//                   Q's columns permuted as in stage_query_rows), B = Q (stage_query_rows<true>),
+//                   36 wgmma m64 k16 a warpgroup (n = N, or N/2 at TILE 64); the next tile's copies
+//                   are issued between them (TileLoader::load_piece)
+//   softmax         lazy (kMaxSlack): the tile's row maxima through smem (TILE / 16 token warps)
+//                   only when the vote says some row's max rose by more than 2^8, each such row's O
+//                   rescale (alpha) to smem; P (f16) to smem, MN-major for B (tm_store_p)
+//   O^T += V^T P^T  warp w owns latents [64w, 64w+64) of all N rows: A = V^T (v_token_pairs, as
+//                   in tile_pv), B = P, TILE / 4 wgmma m64 nN k16 a warpgroup
+// O^T's M row g (g + 8) of warp w's m-tile 2s + f is latent 64w + 32s + 4g + 2f (+ 1).
+
+template <int NT, int STAGES, int TILE>
+struct TokenMajorSmem {
+  static constexpr int kRows = 8 * NT;
+  uint8_t kv[STAGES][TILE * kSmemRow];
+  __half q[kRows * kRowBytes];  // Q [row][576 permuted columns], core-matrix layout
+  __half p[kRows * TILE];       // P, core matrices of 8 tokens x 8 rows (tm_store_p)
+  float red[TILE / 16][kRows];  // per token warp: the tile's row maxima; at the end the row sums
+  float row_scale[kRows];       // the tile's O rescale per row; at the end kv_scale / l
+  float row_fac[kRows];
+};
+
+constexpr int kTmWarps = 8;
+constexpr int kOStride = kLatent + 8;  // bf16 per row of the token-major epilogue's O staging
+
+// S^T over the warpgroup's 64 tokens (the warp's 16: k_lane) and HT n-tiles of query rows (q_desc):
+// s[j] holds (token g / g + 8 of the warp, row 8j + 2c + {0, 1}). Each k-chunk's fp8 bytes are
+// loaded two chunks ahead (ldmatrix latency off the MMA chain); two chunks' four MMAs are a commit
+// group, and waiting for all but the newest group frees the older groups' A registers.
+// load_piece(k), k < kLoadPieces, at the start of every other chunk: the next tile's copies
+// (TileLoader::load_piece) spread over the MMAs rather than one burst before them.
+// before_first_mma(): waits for the previous tile's PV tail (tm_pv), which writes no register or
+// smem this reads, so it ran beside the first chunk's loads and conversions. S is first written by
+// a wgmma with scale-d 0 (zeroing it before the loop made ptxas serialize the wgmmas, C7515).
+template <int HT, class LoadPiece, class BeforeFirstMma>
+__device__ __forceinline__ void tm_scores(float (&s)[HT][4], const uint8_t* k_lane, uint64_t q_desc,
+                                          LoadPiece&& load_piece, BeforeFirstMma&& before_first_mma) {
+  constexpr int kChunks = kRowBytes / 32;
+  constexpr int kDist = 2, kBufs = kDist + 1;
+  uint32_t kw[kBufs][4];  // (tokens 0-7, bytes 0-15), (8-15, 0-15), (0-7, 16-31), (8-15, 16-31) of a chunk
+#pragma unroll
+  for (int i = 0; i < kDist; ++i) ldmatrix_x4(kw[i], k_lane + i * 32);
+#pragma unroll
+  for (int kc = 0; kc < kChunks; ++kc) {
+    if (kc % 2 == 0 && kc / 2 < kLoadPieces) load_piece(kc / 2);
+    if (kc + kDist < kChunks) ldmatrix_x4(kw[(kc + kDist) % kBufs], k_lane + (kc + kDist) * 32);
+    const uint32_t(&w)[4] = kw[kc % kBufs];
+    const F16x4 k0 = e4m3x4_to_f16x4(w[0]), k1 = e4m3x4_to_f16x4(w[1]);
+    const F16x4 k2 = e4m3x4_to_f16x4(w[2]), k3 = e4m3x4_to_f16x4(w[3]);
+    const uint32_t a0[4] = {k0.lo, k1.lo, k0.hi, k1.hi};  // k-step 2kc: Q columns 32kc..32kc+15
+    const uint32_t a1[4] = {k2.lo, k3.lo, k2.hi, k3.hi};  // k-step 2kc + 1
+    if (kc == 0) before_first_mma();
+    wgmma_fence();  // A written: explicit (a fence ptxas inserts itself can serialize the wgmmas)
+    WgmmaF16RS<8 * HT>::run(s, a0, q_desc + (kc * 512 >> 4), kc > 0);
+    WgmmaF16RS<8 * HT>::run(s, a1, q_desc + ((kc * 512 + 256) >> 4));
+    if (kc % 2 == 1 || kc + 1 == kChunks) {
+      wgmma_commit();
+      wgmma_wait<1>();
+    }
+  }
+  wgmma_wait<0>();
+  fence_operands(s);
+}
+
+// P (f16) of the thread's S^T elements into P (B of O^T += V^T P^T, K = tokens, N = rows) in
+// MN-major core matrices of 8 tokens x 8 rows (rows contiguous: a thread's two rows are one 32-bit
+// store): 8-row groups 16 TILE bytes apart, 8-token core matrices 128 bytes apart.
+template <int HT, int TILE>
+__device__ __forceinline__ void tm_store_p(__half* p_smem, const float (&s)[HT][4], int row0, int tok0, int g, int c) {
+#pragma unroll
+  for (int j = 0; j < HT; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; e += 2) {
+      const int r = row0 + 8 * j + 2 * c, tok = tok0 + g + 8 * (e >> 1);
+      *reinterpret_cast<uint32_t*>(&p_smem[(r / 8) * (8 * TILE) + (tok / 8) * 64 + (tok % 8) * 8 + r % 8]) =
+          pack_half2(s[j][e], s[j][e + 1]);
+    }
+}
+
+// Scale and mask the thread's S^T elements (token tok_base + g + 8 (e / 2) against each row's
+// limit; no compares when `whole`: every row sees the whole tile); tile_max: the thread's max of
+// each row over its two tokens (reduced over the warp on the slow path only: tm_raise_running_max).
+// True when one of them exceeds the row's running max by more than kMaxSlack: the CTA's vote is
+// the same as over the reduced maxima.
+template <int HT>
+__device__ __forceinline__ bool tm_mask_and_max(float (&s)[HT][4], float (&tile_max)[HT][2],
+                                                const float (&row_fac)[HT][2], const int (&lim)[HT][2],
+                                                const float (&m_run)[HT][2], int tok_base, int g, bool whole) {
+#pragma unroll
+  for (int j = 0; j < HT; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[j][e] *= row_fac[j][e & 1];
+  if (!whole)
+#pragma unroll
+    for (int j = 0; j < HT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (tok_base + g + 8 * (e >> 1) >= lim[j][e & 1]) s[j][e] = -INFINITY;
+  bool raise = false;
+#pragma unroll
+  for (int j = 0; j < HT; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      tile_max[j][h] = fmaxf(s[j][h], s[j][h + 2]);
+      raise |= tile_max[j][h] > m_run[j][h] + kMaxSlack;
+    }
+  return raise;
+}
+
+// The slow path of lazy rescaling (every thread of the CTA): the thread's row maxima
+// (tm_mask_and_max) reduced over the warp's lanes of each row, the kTokWarps token warps' maxima
+// through red[tq * red_stride + row] (rows row0 + 8j + 2c + h), the running max raised to them, l
+// rescaled, and each row's O rescale factor to row_scale[row].
+template <int HT, int kTokWarps>
+__device__ __forceinline__ void tm_raise_running_max(float (&m_run)[HT][2], float (&l_run)[HT][2],
+                                                     float (&tile_max)[HT][2], float* red, int red_stride,
+                                                     float* row_scale, int row0, int tq, int g, int c) {
+#pragma unroll
+  for (int j = 0; j < HT; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int o = 4; o < 32; o <<= 1)
+        tile_max[j][h] = fmaxf(tile_max[j][h], __shfl_xor_sync(0xffffffffu, tile_max[j][h], o));
+  if (g == 0)
+#pragma unroll
+    for (int j = 0; j < HT; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) red[tq * red_stride + row0 + 8 * j + 2 * c + h] = tile_max[j][h];
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < HT; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = row0 + 8 * j + 2 * c + h;
+      float mx = m_run[j][h];
+#pragma unroll
+      for (int w = 0; w < kTokWarps; ++w) mx = fmaxf(mx, red[w * red_stride + r]);
+      const float alpha = fast_exp2(m_run[j][h] - (mx == -INFINITY ? 0.f : mx));
+      m_run[j][h] = mx;
+      l_run[j][h] *= alpha;
+      if (tq == 0 && g == 0) row_scale[r] = alpha;
+    }
+}
+
+// S^T becomes P = 2^(s - m_run), added to l.
+template <int HT>
+__device__ __forceinline__ void tm_exp(float (&s)[HT][4], const float (&m_run)[HT][2], float (&l_run)[HT][2]) {
+#pragma unroll
+  for (int j = 0; j < HT; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float m_safe = m_run[j][h] == -INFINITY ? 0.f : m_run[j][h];
+      s[j][h] = fast_exp2(s[j][h] - m_safe);
+      s[j][h + 2] = fast_exp2(s[j][h + 2] - m_safe);
+      l_run[j][h] += s[j][h] + s[j][h + 2];
+    }
+}
+
+// O^T = alpha O^T + V^T P^T over the tile's TILE tokens, the warp's 64 latents and all NT n-tiles
+// of rows (alpha: row_scale, applied when `rescale`; P: p_desc). The first tile's wgmmas write O
+// with scale-d 0 (O is not zeroed before the loop: as in tm_scores). The last k-step's wgmma group
+// (the PV tail) is left in flight: its A fragments are kept in `tail` until the caller waits for
+// it (tm_scores' before_first_mma, or after the loop); it reads P, which the next tile rewrites
+// only after every warp has passed that wait and a barrier.
+template <int NT, int TILE>
+__device__ __forceinline__ void tm_pv(float (&acc)[4][NT][4], const uint8_t* tile, uint64_t p_desc,
+                                      const float* row_scale, bool rescale, int warp, int g, int c,
+                                      uint32_t (&tail)[2][2][4], bool first) {
+  // CTA-uniform: only a tile that raised some row's running max (tile 0's O is not written yet)
+  if (rescale && !first) {
+    float2 alpha[NT];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) alpha[j] = *reinterpret_cast<const float2*>(&row_scale[8 * j + 2 * c]);
+#pragma unroll
+    for (int m = 0; m < 4; ++m)
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        acc[m][j][0] *= alpha[j].x;
+        acc[m][j][1] *= alpha[j].y;
+        acc[m][j][2] *= alpha[j].x;
+        acc[m][j][3] *= alpha[j].y;
+      }
+  }
+#pragma unroll
+  for (int m = 0; m < 4; ++m) fence_operands(acc[m]);
+  wgmma_fence();
+  const uint8_t* v0 = tile + 2 * c * kSmemRow + warp * 64 + 4 * g;
+  uint32_t x[2][2][4];  // the words of k-step kk's two latent groups, loaded a k-step ahead
+#pragma unroll
+  for (int sp = 0; sp < 2; ++sp) v_token_words(v0, sp * 32, x[0][sp]);
+#pragma unroll
+  for (int kk = 0; kk < TILE / 16; ++kk) {
+    if (kk + 1 < TILE / 16)
+#pragma unroll
+      for (int sp = 0; sp < 2; ++sp) v_token_words(v0 + (kk + 1) * 16 * kSmemRow, sp * 32, x[(kk + 1) % 2][sp]);
+#pragma unroll
+    for (int sp = 0; sp < 2; ++sp) {
+      uint32_t t01[4], t89[4];
+      v_token_pairs(x[kk % 2][sp], t01, t89);
+      const uint32_t a_even[4] = {t01[0], t01[1], t89[0], t89[1]};  // latents 4g, 4g+1 (rows g, g+8)
+      const uint32_t a_odd[4] = {t01[2], t01[3], t89[2], t89[3]};   // latents 4g+2, 4g+3
+      if (kk + 1 == TILE / 16)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) tail[sp][0][i] = a_even[i], tail[sp][1][i] = a_odd[i];
+      const int scale_d = kk > 0 || !first;
+      wgmma_fence();
+      WgmmaF16RS<8 * NT, 1>::run(acc[2 * sp], a_even, p_desc + (kk * 256 >> 4), scale_d);  // tokens 16kk..16kk+15
+      WgmmaF16RS<8 * NT, 1>::run(acc[2 * sp + 1], a_odd, p_desc + (kk * 256 >> 4), scale_d);
+    }
+    wgmma_commit();
+    wgmma_wait<1>();
+  }
+}
+
+template <int NT, int STAGES, int TILE>
+__global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const SplitKVParams p) {
+  static_assert(NT % 2 == 0 && NT >= 4 && NT <= 8, "two warpgroups of NT / 2 n-tiles: 32..64 rows");
+  static_assert(TILE == 64 || TILE == 128, "64- or 128-token tiles");
+  using Smem = TokenMajorSmem<NT, STAGES, TILE>;
+  extern __shared__ __align__(128) uint8_t smem_raw[];
+  auto& sm = *reinterpret_cast<Smem*>(smem_raw);
+  // kWide (128-token tiles): in S^T = K Q^T warpgroup h takes the tokens [64h, 64h+64) of all rows
+  // (K converted once a CTA); else all 64 tokens of the rows [N/2 h, N/2 (h+1))
+  constexpr bool kWide = TILE == 128;
+  constexpr int kRows = Smem::kRows, kHT = kWide ? NT : NT / 2, kTokWarps = TILE / 16, kThreads = 32 * kTmWarps;
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  // the warp's 16 tokens of a tile; the first of the thread's S^T rows (shuffled: the compiler then
+  // knows it is warp-uniform and keeps the wgmma descriptors built from it in uniform registers)
+  const int tq = kWide ? warp : warp % 4;
+  const int half_row0 = kWide ? 0 : __shfl_sync(0xffffffffu, warp / 4, 0) * (kRows / 2);
+  const int g = lane / 4, c = lane % 4;
+  const int rows_per_req = p.qlen * p.heads;
+  const int row0 = blockIdx.x * kRows;
+  const CtaWork work = cta_work(p, kRows);
+  if (!work.exists) return;
+  if (work.ntiles == 0) {
+    write_empty_split(p, work, tid, kThreads);
+    return;
+  }
+  const int ntiles = (work.ntiles * kTileN + TILE - 1) / TILE;  // the last may be half empty
+
+  TileLoader<kTmWarps, TILE> loader(p, work, warp, lane);
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < ntiles) loader.load(s, sm.kv[s]);
+    cp_async_commit();
+  }
+  stage_query_rows<true>(p, sm.q, sm.row_fac, work.flat0, work.valid_rows, kRows, warp, kTmWarps, lane);
+  fence_proxy_async_smem();
+
+  // the thread's S^T rows (CTA-relative): half_row0 + 8j + 2c + h
+  int lim[kHT][2];
+  float m_run[kHT][2], l_run[kHT][2];
+#pragma unroll
+  for (int j = 0; j < kHT; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      lim[j][h] = work.row_limit(p, row0 + half_row0 + 8 * j + 2 * c + h);
+      m_run[j][h] = -INFINITY;
+      l_run[j][h] = 0.f;
+    }
+  float acc[4][NT][4];              // first written by tile 0's PV (scale-d 0)
+  uint32_t pv_tail[2][2][4] = {};  // A fragments of PV's last wgmma group, in flight into the next tile
+  auto wait_pv_tail = [&] {
+    wgmma_wait<0>();
+    keep_alive(pv_tail);
+#pragma unroll
+    for (int m = 0; m < 4; ++m) fence_operands(acc[m]);
+  };
+
+  __syncthreads();  // Q and row_fac in smem
+  float row_fac[kHT][2];
+#pragma unroll
+  for (int j = 0; j < kHT; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) row_fac[j][h] = sm.row_fac[half_row0 + 8 * j + 2 * c + h];
+  // the fewest tokens any of the CTA's rows sees: its first row's (visible_tokens grows with the position)
+  const int cta_lim = work.row_limit(p, row0);
+  const int k_lane = (tq * 16 + (lane & 15)) * kSmemRow + (lane >> 4) * 16;
+  const uint64_t q_desc = smem_desc(&sm.q[(half_row0 / 8) * kQCoreGroup], 128, kQCoreGroup * 2);
+  const uint64_t p_desc = smem_desc(sm.p, 128, 16 * TILE);
+
+  for (int t = 0; t < ntiles; ++t) {
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();  // tile t landed; every warp is done with tile t - 1 (its stage, P, row_scale)
+    const uint8_t* tile = sm.kv[t % STAGES];
+    const int tok_base = work.lo + t * TILE + tq * 16;  // request-relative token of the warp's M row 0
+    float s[kHT][4];
+    const bool load_next = t + STAGES - 1 < ntiles;
+    uint8_t* next_stage = sm.kv[(t + STAGES - 1) % STAGES];
+    tm_scores<kHT>(
+        s, tile + k_lane, q_desc,
+        [&](int piece) {
+          if (load_next) loader.load_piece(t + STAGES - 1, piece, next_stage);
+        },
+        wait_pv_tail);
+    cp_async_commit();
+    float tile_max[kHT][2];
+    const bool whole = work.lo + (t + 1) * TILE <= cta_lim;  // no token of the tile is masked
+    const bool raise = tm_mask_and_max<kHT>(s, tile_max, row_fac, lim, m_run, tok_base, g, whole);
+    const bool rescale = __syncthreads_or(raise);  // also: every warp is done with red, row_scale
+    if (rescale)
+      tm_raise_running_max<kHT, kTokWarps>(m_run, l_run, tile_max, sm.red[0], kRows, sm.row_scale, half_row0, tq, g,
+                                           c);
+    tm_exp<kHT>(s, m_run, l_run);
+    tm_store_p<kHT, TILE>(sm.p, s, half_row0, tq * 16, g, c);
+    fence_proxy_async_smem();
+    __syncthreads();  // P and row_scale
+    tm_pv<NT, TILE>(acc, tile, p_desc, sm.row_scale, rescale, warp, g, c, pv_tail, t == 0);
+  }
+  wait_pv_tail();
+  cp_async_wait<0>();
+
+  // --- epilogue: row sums over the lanes and the token warps; lse; O^T / l staged in smem as
+  // O [row][kOStride] bf16, then 16-byte stores of the valid rows
+#pragma unroll
+  for (int j = 0; j < kHT; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int o = 4; o < 32; o <<= 1) l_run[j][h] += __shfl_xor_sync(0xffffffffu, l_run[j][h], o);
+  __syncthreads();  // every warp is done with the tiles, red and row_scale
+  if (g == 0) {
+#pragma unroll
+    for (int j = 0; j < kHT; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) sm.red[tq][half_row0 + 8 * j + 2 * c + h] = l_run[j][h];
+  }
+  __syncthreads();
+  if (tq == 0 && g == 0) {
+    float* lse_out = work.lse_out(p);
+#pragma unroll
+    for (int j = 0; j < kHT; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = half_row0 + 8 * j + 2 * c + h;
+        float l = 0.f;
+#pragma unroll
+        for (int w = 0; w < kTokWarps; ++w) l += sm.red[w][r];
+        sm.row_scale[r] = l > 0.f ? p.kv_scale / l : 0.f;
+        if (row0 + r < rows_per_req) lse_out[r] = l > 0.f ? (m_run[j][h] + log2f(l)) * kLn2 : -INFINITY;
+      }
+  }
+  __syncthreads();
+  __nv_bfloat16* o_stage = reinterpret_cast<__nv_bfloat16*>(sm.kv[0]);
+  static_assert(kRows * kOStride * 2 <= STAGES * TILE * kSmemRow, "O staging must fit the K ring");
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    const float inv0 = sm.row_scale[8 * j + 2 * c], inv1 = sm.row_scale[8 * j + 2 * c + 1];
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+      const int lat = warp * 64 + (m / 2) * 32 + 4 * g + 2 * (m % 2);
+      __nv_bfloat16* dst = &o_stage[(8 * j + 2 * c) * kOStride + lat];
+      *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(acc[m][j][0] * inv0, acc[m][j][2] * inv0);
+      *reinterpret_cast<__nv_bfloat162*>(dst + kOStride) =
+          __floats2bfloat162_rn(acc[m][j][1] * inv1, acc[m][j][3] * inv1);
+    }
+  }
+  __syncthreads();
+  uint4* o_out = reinterpret_cast<uint4*>(work.o_out(p));
+  constexpr int kChunksPerRow = kLatent / 8;
+  for (int i = tid; i < work.valid_rows * kChunksPerRow; i += kThreads)
+    o_out[i] = *reinterpret_cast<const uint4*>(&o_stage[(i / kChunksPerRow) * kOStride + (i % kChunksPerRow) * 8]);
+}
+
+}  // namespace
+}  // namespace kimi_ops::sm90

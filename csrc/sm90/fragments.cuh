@@ -1,0 +1,152 @@
+// Pieces both M1c kernels use: the query rows staged in shared memory (stage_query_rows), V^T
+// fragments built from a K tile's fp8 bytes (v_token_words / v_token_pairs), and the cp.async
+// tile gatherer (TileLoader, the token-major kernel's loads).
+//
+// Byte layouts:
+//   reads   q [T*H, 576] bf16 (a row = 1152 bytes, 9 words a lane), kv [N, 576] fp8 rows, kv_indices
+//   writes  Q in shared memory as f16: row r, permuted column k at q_smem[r * kQStride + k]
+//           (kQStride = 584 halves, 1168 bytes), or with kCoreMatrix wgmma's no-swizzle K-major
+//           core matrices (8 rows x 8 columns = 128 bytes; K-adjacent ones 128 bytes apart,
+//           8-row groups kQCoreGroup = 4608 halves apart); row_fac [rows] f32
+//           K tiles: token row j at stage + j * kSmemRow (592 bytes), 576 bytes of the cache row
+//           (zero-filled past the split or for an index outside the cache), 16 bytes of padding
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "copy.cuh"
+#include "params.cuh"
+#include "ptx.cuh"
+#include "work_list.cuh"
+
+namespace kimi_ops::sm90 {
+namespace {
+
+// Query rows r = first, first + step, ... (< rows) of the CTA, one warp a row: bf16 -> f16 scaled
+// by 2^k into [2^14, 2^15) (exact), columns permuted inside each 16-column chunk so that ldmatrix's
+// A fragment pairs physical columns (4c, 4c+1) and (4c+2, 4c+3), the pairs the K fragment gets
+// from one 32-bit word of fp8 bytes; row_fac[r] = qk_scale_log2 * 2^-k. Row r, permuted column k
+// is q_smem[r * kQStride + k], or with kCoreMatrix wgmma's no-swizzle K-major layout: core
+// matrices of 8 rows x 8 columns (128 bytes), K-adjacent ones 128 bytes apart (lbo), 8-row groups
+// kQCoreGroup halves apart (sbo).
+constexpr int kQCoreGroup = 8 * kRowBytes;  // f16 per 8-row group of the core-matrix layout
+template <bool kCoreMatrix = false>
+__device__ __forceinline__ void stage_query_rows(const SplitKVParams& p, __half* q_smem, float* row_fac,
+                                                 int64_t flat0, int valid_rows, int rows, int first, int step,
+                                                 int lane) {
+  for (int r = first; r < rows; r += step) {
+    const bool valid = r < valid_rows;
+    const uint32_t* src = reinterpret_cast<const uint32_t*>(p.q + (flat0 + r) * kRowBytes);
+    float2 v[9];
+    float amax = 0.f;
+#pragma unroll
+    for (int i = 0; i < 9; ++i) {
+      uint32_t w = valid ? src[lane + 32 * i] : 0u;
+      v[i] = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&w));
+      amax = fmaxf(amax, fmaxf(fabsf(v[i].x), fabsf(v[i].y)));
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    int k = 0;
+    if (amax > 0.f) {
+      int e;
+      frexpf(amax, &e);  // amax = m * 2^e, m in [0.5, 1)
+      k = max(-100, min(100, kQExp + 1 - e));
+    }
+#pragma unroll
+    for (int i = 0; i < 9; ++i) {
+      const int col = 2 * (lane + 32 * i);  // physical column of this pair (even)
+      const int within = col % 16, c4 = within / 4;
+      const int scol = col - within + ((within % 4) == 0 ? 2 * c4 : 8 + 2 * c4);
+      const int at =
+          kCoreMatrix ? (r / 8) * kQCoreGroup + (scol / 8) * 64 + (r % 8) * 8 + scol % 8 : r * kQStride + scol;
+      *reinterpret_cast<uint32_t*>(&q_smem[at]) = pack_half2(ldexpf(v[i].x, k), ldexpf(v[i].y, k));
+    }
+    if (lane == 0) row_fac[r] = ldexpf(p.qk_scale_log2, -k);
+  }
+}
+
+// V^T fragments of four latents from the K tile's bytes, in two steps so the loads can go out a
+// step ahead: v_token_words loads, from v + off = token 2c's byte of latent 4g (token rows kSmemRow
+// apart), the 32-bit words of tokens 2c, 2c+1, 2c+8, 2c+9; v_token_pairs byte-permutes them (prmt)
+// into (token, token+1) pairs and converts: t01[j] = f16x2 of latent 4g+j at tokens (2c, 2c+1),
+// t89[j] the same at (2c+8, 2c+9). No second pass over the tile, no transpose in memory.
+__device__ __forceinline__ void v_token_words(const uint8_t* v, int off, uint32_t (&x)[4]) {
+  x[0] = lds32(v + off);                 // token 2c
+  x[1] = lds32(v + kSmemRow + off);      // token 2c+1
+  x[2] = lds32(v + 8 * kSmemRow + off);  // token 2c+8
+  x[3] = lds32(v + 9 * kSmemRow + off);  // token 2c+9
+}
+__device__ __forceinline__ void v_token_pairs(const uint32_t (&x)[4], uint32_t (&t01)[4], uint32_t (&t89)[4]) {
+  const uint32_t lo01 = prmt(x[0], x[1], 0x5140), hi01 = prmt(x[0], x[1], 0x7362);
+  const uint32_t lo23 = prmt(x[2], x[3], 0x5140), hi23 = prmt(x[2], x[3], 0x7362);
+  const F16x4 l01 = e4m3x4_to_f16x4(lo01), h01 = e4m3x4_to_f16x4(hi01);
+  const F16x4 l23 = e4m3x4_to_f16x4(lo23), h23 = e4m3x4_to_f16x4(hi23);
+  t01[0] = l01.lo, t01[1] = l01.hi, t01[2] = h01.lo, t01[3] = h01.hi;
+  t89[0] = l23.lo, t89[1] = l23.hi, t89[2] = h23.lo, t89[3] = h23.hi;
+}
+
+// Gathers a split's 64-token tiles into a shared-memory ring with cp.async (16-byte chunks,
+// zero-filled past the split's end or for an index outside the cache). Warp w gathers tokens
+// [kLoadRows*w, kLoadRows*(w+1)) of a tile, 8 lanes a token row: in pass m lane l copies 16-byte
+// chunks l % 8, + 8, ... of row 4m + l / 8, so each copy instruction takes whole 128-byte lines of
+// 4 rows (measured: 2 lanes a row, 32 bytes of each of 16 rows an instruction, ran at 55% of this
+// rate from HBM). Each lane fetches its rows' indices one tile ahead (their latency hides behind a
+// tile of compute) and computes their addresses once a tile.
+template <int kWarps, int kTile = kTileN>
+struct TileLoader {
+  static constexpr int kLoadRows = kTile / kWarps;
+  static constexpr int kPasses = kLoadRows / 4;
+  static constexpr int kChunks = kRowBytes / 16;
+  static_assert(kLoadRows % 4 == 0, "a warp loads whole passes of 4 rows");
+  const uint8_t* kv;
+  const int* idx_base;
+  int64_t num_kv_rows;
+  int lo, hi, load_row, load_chunk;
+  int next_index[kPasses];
+
+  __device__ __forceinline__ TileLoader(const SplitKVParams& p, const CtaWork& w, int warp, int lane)
+      : kv(p.kv), idx_base(p.indices + w.start), num_kv_rows(p.num_kv_rows), lo(w.lo), hi(w.hi),
+        load_row(warp * kLoadRows + lane / 8), load_chunk(lane % 8) {
+    fetch_indices(0);
+  }
+  __device__ __forceinline__ void fetch_indices(int t) {
+#pragma unroll
+    for (int m = 0; m < kPasses; ++m) {
+      const int j = lo + t * kTile + load_row + 4 * m;
+      next_index[m] = j < hi ? idx_base[j] : -1;  // past the split (or its last tile): zero-filled
+    }
+  }
+  // Tile t into `stage` (a [kTile][kSmemRow] byte ring slot), then tile t + 1's indices: at
+  // once (load: row pass by row pass, each pass's copies back to back; chunk by chunk measured
+  // slower for splitkv_kernel, docs/PERF.md session 10) or in kLoadPieces parts spread over the
+  // caller's MMAs (load_piece: piece k issues copy k of every pass). The index loads go out after
+  // the copies have consumed next_index, so they land in its registers (fetched before the copies,
+  // ptxas moved each into next_index right away: a wait for the load).
+  __device__ __forceinline__ void load(int t, uint8_t* stage) {
+#pragma unroll
+    for (int m = 0; m < kPasses; ++m)
+#pragma unroll
+      for (int k = 0; k < kLoadPieces; ++k) copy(m, k, stage);
+    fetch_indices(t + 1);
+  }
+  __device__ __forceinline__ void load_piece(int t, int k, uint8_t* stage) {
+#pragma unroll
+    for (int m = 0; m < kPasses; ++m) copy(m, k, stage);
+    if (k == kLoadPieces - 1) fetch_indices(t + 1);
+  }
+  // pass m's copy k: 16-byte chunk 8k + load_chunk of row load_row + 4m
+  __device__ __forceinline__ void copy(int m, int k, uint8_t* stage) const {
+    const int idx = next_index[m];
+    const bool ok = idx >= 0 && idx < num_kv_rows;
+    const uint8_t* src = kv + (ok ? static_cast<int64_t>(idx) * kRowBytes : 0) + load_chunk * 16;
+    if (k < kChunks / 8 || load_chunk < kChunks % 8)
+      cp_async_16(stage + (load_row + 4 * m) * kSmemRow + load_chunk * 16 + k * 128, src + k * 128, ok ? 16 : 0);
+  }
+};
+
+}  // namespace
+}  // namespace kimi_ops::sm90

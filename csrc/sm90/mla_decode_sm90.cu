@@ -1,0 +1,318 @@
+// Hopper (sm_90a) M1c (split-KV MLA decode) and M1b (merge of split partials): the host launchers
+// (argument checks, outputs, grids, kernel choice) of the kernels in this directory:
+//   params.cuh              constants, SplitKVParams
+//   copy.cuh, ptx.cuh       PTX wrappers (cp.async / bulk copies / mbarriers; barriers, ldmatrix,
+//                           wgmma, mma.sync, conversions)
+//   work_list.cuh           split lengths, the split balance, the work list, a CTA's share
+//   fragments.cuh           Q staging, V^T fragments, the cp.async tile loader
+//   decode_rows16.cuh       splitkv_kernel (16 rows a CTA)
+//   decode_token_major.cuh  splitkv_tm_kernel (32, 48, 64 rows a CTA)
+//   merge.cuh               merge_kernel, merge_rows_kernel
+// The ops are registered in csrc/registration.cpp (entry points: ops.h). One translation unit:
+// the headers are included in this order, each kernel's code as it was in the single file.
+//
+// Layouts (DESIGN.md):
+//   q         [T*H, 576] bf16      flat row (r*qlen + i)*H + h: request r, position i, head h
+//   kv        [N, 576] fp8 e4m3fn  token row = [kv_c (512) | k_pe (64)], value = fp8 * kv_scale
+//   indptr    [R+1] int32, indices [indptr[R]] int32 (page-size-1 CSR; an index outside
+//             [0, N) reads as an all-zero row, nothing outside the cache is touched)
+//   o_part    [S, T*H, 512] bf16, lse_part [S, T*H] f32 (natural log; o = 0, lse = -inf
+//             for a row that sees no token of its split)
+//
+// splitkv_kernel (16 query rows a CTA): one CTA of 4 compute warps and a producer warp per (16
+// consecutive query rows of one request, split or work item). The split's tokens stream through a
+// ring of STAGES shared-memory tiles of 64 rows (a cp.async.bulk of 576 bytes a token row, issued
+// by the producer; a token past the split or with an index out of range reads a zero row), read
+// from HBM once for all the CTA's rows. Per tile:
+//   S  = Q K^T   warp w takes the tile's tokens [16w, 16w+16); mma.sync m16n8k16 f16 with
+//                query rows as M; K's fp8 bytes become f16 with cvt.e4m3x2 (exact), Q is the
+//                bf16 query scaled per row by 2^k into [2^14, 2^15) and stored as f16 (exact
+//                for every element above 2^-24 of the row max); the A fragments of its first
+//                kQRegSteps k-steps stay in registers, the rest are read from smem every tile
+//   softmax      online, base 2, rescaled lazily (kMaxSlack): P = 2^(s - m) against the running
+//                max m, which moves only when a tile raises some row's max by more than 2^8 (a
+//                vote on a named barrier; then the warps' maxima go through smem and O, l rescale)
+//   O += P V     warp w owns output columns [128w, 128w+128); P (f16, <= 2^8) goes through
+//                smem; V^T's fragments come from the same K tile: four 32-bit loads of two
+//                token rows each are byte-permuted (prmt) into (token, token+1) pairs and
+//                converted, so no second pass over the tile's bytes and no transpose in memory
+// splitkv_tm_kernel (32, 48 or 64 rows a CTA, two warpgroups): the same numerics and fragments,
+// but token-major wgmma products, S^T = K Q^T and O^T = V^T P^T, with the query rows as N, so each
+// fp8 byte is converted once per CTA (32, 48 rows: 128-token tiles) or once per warpgroup (64
+// rows) rather than once per 16 rows (decode_token_major.cuh).
+// Accumulation is f32 throughout: within DESIGN.md's accuracy contract with margin (the
+// products are exact; P is rounded to f16, 2^-11 relative).
+// Split lengths are computed here from kv_indptr (cta_work): a long request of a mixed batch
+// takes more, equally long splits; a split with no token exits at once (writing lse = -inf, and
+// o = 0 unless the caller's partials are private: zero_empty).
+// Work-list grid (mla_decode_sm90, p.work_list): blockIdx.y is a work item, not a split; the items
+// are the requests' non-empty splits, whole chunks first and partial ones by length after
+// (find_work_item), so no CTA is launched for a split with no token and the last to start are
+// short. A request of one split writes o / lse directly; the others' go to
+//   o_part [W, qlen*H, 512] bf16, lse_part [W, qlen*H] f32: slot w's rows of its request
+// with W >= the items (an upper bound from shapes), a request's splits in consecutive slots, and
+// the merge finds a row's slots from kv_indptr and work_first (each request's first slot,
+// written by its split 0).
+//
+// M1b: merge_rows_kernel for rows of about 16 splits or fewer (one warp a row, lane l reading 32
+// bytes of 4 or 8 split rows a round), merge_kernel above (one CTA of 4 warps per (query row,
+// block of 64 or 128 output columns); thread t reads 8 bytes of split rows t / (columns / 4), ...
+// with 8 split rows a thread in flight).
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "copy.cuh"
+#include "params.cuh"
+#include "ptx.cuh"
+#include "work_list.cuh"
+#include "fragments.cuh"
+#include "decode_rows16.cuh"
+#include "decode_token_major.cuh"
+#include "merge.cuh"
+#include "ops.h"
+
+namespace kimi_ops::sm90 {
+namespace {
+
+// ---- host --------------------------------------------------------------------------------------
+
+void check_cuda_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype) {
+  TORCH_CHECK(t.is_cuda(), "kimi_ops._C: ", name, " must be a CUDA tensor");
+  TORCH_CHECK(t.scalar_type() == dtype, "kimi_ops._C: ", name, " must be ", dtype, ", got ", t.scalar_type());
+  TORCH_CHECK(t.is_contiguous(), "kimi_ops._C: ", name, " must be contiguous");
+}
+
+template <typename Smem, typename Kernel>
+void launch_kernel(Kernel* kernel, int threads, const SplitKVParams& params, dim3 grid, cudaStream_t stream) {
+  constexpr size_t smem = sizeof(Smem);
+  static bool configured[64] = {};  // per device: the dynamic smem limit is a per-context attribute
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  if (device >= 64 || !configured[device]) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    if (device < 64) configured[device] = true;
+  }
+  kernel<<<grid, threads, smem, stream>>>(params);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <int STAGES>
+void launch_splitkv(const SplitKVParams& params, dim3 grid, cudaStream_t stream) {
+  launch_kernel<SplitKVSmem<STAGES>>(splitkv_kernel<STAGES>, kSplitKVThreads, params, grid, stream);
+}
+
+template <int NT, int STAGES, int TILE = kTileN>
+void launch_splitkv_tm(const SplitKVParams& params, dim3 grid, cudaStream_t stream) {
+  launch_kernel<TokenMajorSmem<NT, STAGES, TILE>>(splitkv_tm_kernel<NT, STAGES, TILE>, 32 * kTmWarps, params, grid,
+                                                  stream);
+}
+
+// Work items of the work-list grid for R requests of at most num_splits splits: the used splits
+// sum to less than balance_ctas + R (each request's chunk is >= all tokens / balance_ctas, so its
+// ceil(n / chunk) < n * balance_ctas / all tokens + 1), and to at most R * num_splits.
+int64_t work_list_items(int64_t num_requests, int64_t num_splits, int64_t balance_ctas) {
+  const int64_t by_splits = num_requests * num_splits;
+  return balance_ctas > 0 ? std::min(by_splits, balance_ctas + num_requests) : by_splits;
+}
+
+// The split kernel's arguments, checked; the outputs, zero_empty and work_list are the caller's to set.
+SplitKVParams splitkv_params(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& indptr,
+                             const at::Tensor& indices, const std::optional<at::Tensor>& seq_lens, int64_t qlen,
+                             double qk_scale_log2, double kv_scale, int64_t num_splits, int64_t dcp_rank,
+                             int64_t dcp_world_size, int64_t rows_per_cta, int64_t stages, int64_t balance_ctas) {
+  check_cuda_tensor(q, "q", at::kBFloat16);
+  check_cuda_tensor(kv, "kv_cache", at::ScalarType::Float8_e4m3fn);
+  check_cuda_tensor(indptr, "kv_indptr", at::kInt);
+  check_cuda_tensor(indices, "kv_indices", at::kInt);
+  TORCH_CHECK(q.dim() == 3 && q.size(2) == kRowBytes, "kimi_ops._C: q must be [T, H, 576]");
+  TORCH_CHECK(kv.dim() == 2 && kv.size(1) == kRowBytes, "kimi_ops._C: kv_cache must be [N, 576]");
+  TORCH_CHECK(qlen >= 1 && q.size(0) % qlen == 0, "kimi_ops._C: qlen must divide T");
+  TORCH_CHECK(num_splits >= 1 && num_splits <= 65535, "kimi_ops._C: num_splits must be in [1, 65535]");
+  TORCH_CHECK(rows_per_cta == 16 || rows_per_cta == 32 || rows_per_cta == 48 || rows_per_cta == 64,
+              "kimi_ops._C: rows_per_cta must be 16, 32, 48 or 64");
+  TORCH_CHECK(stages >= 2 && stages <= (rows_per_cta == 16 ? 4 : rows_per_cta == 64 ? 3 : 2),
+              "kimi_ops._C: stages must be 2..4 (16 rows per CTA), 2 (32 or 48) or 2..3 (64)");
+  const int64_t T = q.size(0), H = q.size(1), R = T / qlen;
+  TORCH_CHECK(indptr.numel() == R + 1, "kimi_ops._C: kv_indptr must have T / qlen + 1 entries");
+  TORCH_CHECK(R <= 65535, "kimi_ops._C: at most 65535 requests");
+  TORCH_CHECK((qlen * H + rows_per_cta - 1) / rows_per_cta <= 65535, "kimi_ops._C: too many query rows per request");
+  if (seq_lens.has_value()) check_cuda_tensor(*seq_lens, "seq_lens", at::kInt);
+  SplitKVParams params{};
+  params.q = reinterpret_cast<const __nv_bfloat16*>(q.data_ptr());
+  params.kv = reinterpret_cast<const uint8_t*>(kv.data_ptr());
+  params.indptr = indptr.data_ptr<int>();
+  params.indices = indices.numel() > 0 ? indices.data_ptr<int>() : indptr.data_ptr<int>();
+  params.seq_lens = seq_lens.has_value() ? seq_lens->data_ptr<int>() : nullptr;
+  params.num_kv_rows = kv.size(0);
+  params.rows_total = static_cast<int>(T * H);
+  params.num_requests = static_cast<int>(R);
+  params.balance_ctas = static_cast<int>(std::min<int64_t>(std::max<int64_t>(balance_ctas, 0), INT32_MAX));
+  params.heads = static_cast<int>(H);
+  params.qlen = static_cast<int>(qlen);
+  params.num_splits = static_cast<int>(num_splits);
+  params.dcp_rank = static_cast<int>(dcp_rank);
+  params.dcp_world = static_cast<int>(dcp_world_size);
+  params.qk_scale_log2 = static_cast<float>(qk_scale_log2);
+  params.kv_scale = static_cast<float>(kv_scale);
+  return params;
+}
+
+// 16 rows: splitkv_kernel; 32 or 48: splitkv_tm_kernel on 128-token tiles; 64: on 64-token tiles
+// (two 128-token stages and 64 rows' Q do not fit).
+void launch_splitkv(const SplitKVParams& params, int64_t rows_per_cta, int64_t stages, dim3 grid) {
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  switch (rows_per_cta * 10 + stages) {
+    case 162: launch_splitkv<2>(params, grid, stream); break;
+    case 163: launch_splitkv<3>(params, grid, stream); break;
+    case 164: launch_splitkv<4>(params, grid, stream); break;
+    case 322: launch_splitkv_tm<4, 2, 128>(params, grid, stream); break;
+    case 482: launch_splitkv_tm<6, 2, 128>(params, grid, stream); break;
+    case 642: launch_splitkv_tm<8, 2>(params, grid, stream); break;
+    default: launch_splitkv_tm<8, 3>(params, grid, stream); break;
+  }
+}
+
+// Rows of about kMergeFewSplits splits or fewer: merge_rows_kernel, in rounds of 4 split rows up to
+// 4 splits, else 8 (docs/PERF.md, session 17). Else merge_kernel, one CTA per (row, column block):
+// as few blocks (1, 2, 4 or 8: 512..64 columns) as cover a row's splits (about splits_hint) in one
+// load round of kMergeUnroll x blocks split rows a CTA, and at least one CTA a SM. (The previous
+// rule, blocks doubled while the grid stayed within 16 CTAs a SM, launched twice the CTAs at b32
+// 8k / 32k and was 1-3% slower there: docs/PERF.md, session 11.)
+void launch_merge(MergeParams params) {
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  if (params.splits_hint <= kMergeFewSplits) {
+    const unsigned ctas = static_cast<unsigned>((params.rows + kMergeWarpRows - 1) / kMergeWarpRows);
+    auto kernel = params.splits_hint <= 4 ? merge_rows_kernel<4> : merge_rows_kernel<8>;
+    kernel<<<ctas, 32 * kMergeWarpRows, 0, stream>>>(params);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return;
+  }
+  int device = 0, sms = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  int col_blocks = 1;
+  while (col_blocks < 8 && (kMergeUnroll * col_blocks < params.splits_hint ||
+                            static_cast<int64_t>(params.rows) * col_blocks < static_cast<int64_t>(sms)))
+    col_blocks *= 2;
+  params.cols = kLatent / col_blocks;
+  const dim3 grid(static_cast<unsigned>(params.rows), static_cast<unsigned>(col_blocks));
+  merge_kernel<<<grid, kMergeThreads, 0, stream>>>(params);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+// M1c: o_part [S, T, H, 512] bf16, lse_part [S, T, H] f32 (the public partials' layout).
+// zero_empty false: an empty split writes only lse = -inf (with one split o is always written).
+std::tuple<at::Tensor, at::Tensor> mla_decode_splitkv_sm90(const at::Tensor& q, const at::Tensor& kv,
+                                                           const at::Tensor& indptr, const at::Tensor& indices,
+                                                           const std::optional<at::Tensor>& seq_lens, int64_t qlen,
+                                                           double qk_scale_log2, double kv_scale, int64_t num_splits,
+                                                           int64_t dcp_rank, int64_t dcp_world_size,
+                                                           int64_t rows_per_cta, int64_t stages,
+                                                           int64_t balance_ctas, bool zero_empty) {
+  const c10::cuda::CUDAGuard guard(q.device());
+  SplitKVParams params = splitkv_params(q, kv, indptr, indices, seq_lens, qlen, qk_scale_log2, kv_scale, num_splits,
+                                        dcp_rank, dcp_world_size, rows_per_cta, stages, balance_ctas);
+  const int64_t T = q.size(0), H = q.size(1), R = T / qlen;
+  auto o_part = at::empty({num_splits, T, H, kLatent}, q.options());
+  auto lse_part = at::empty({num_splits, T, H}, q.options().dtype(at::kFloat));
+  if (T == 0 || H == 0) return {o_part, lse_part};
+  params.o_part = reinterpret_cast<__nv_bfloat16*>(o_part.data_ptr());
+  params.lse_part = lse_part.data_ptr<float>();
+  params.zero_empty = zero_empty || num_splits == 1;  // one split: o_part[0] is the output
+  const int64_t groups = (qlen * H + rows_per_cta - 1) / rows_per_cta;
+  launch_splitkv(params, rows_per_cta, stages,
+                 dim3(static_cast<unsigned>(groups), static_cast<unsigned>(num_splits), static_cast<unsigned>(R)));
+  return {o_part, lse_part};
+}
+
+// M1c + M1b on the work-list grid: (o [T, H, 512] bf16, lse [T, H] f32). One CTA per (row group,
+// work item), W = work_list_items of them; a request's splits of more than one go through private
+// partials [W, qlen, H, 512] and the merge, a request of one split is written to o directly.
+std::tuple<at::Tensor, at::Tensor> mla_decode_sm90(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& indptr,
+                                                   const at::Tensor& indices, const std::optional<at::Tensor>& seq_lens,
+                                                   int64_t qlen, double qk_scale_log2, double kv_scale,
+                                                   int64_t num_splits, int64_t dcp_rank, int64_t dcp_world_size,
+                                                   int64_t rows_per_cta, int64_t stages, int64_t balance_ctas) {
+  const c10::cuda::CUDAGuard guard(q.device());
+  SplitKVParams params = splitkv_params(q, kv, indptr, indices, seq_lens, qlen, qk_scale_log2, kv_scale, num_splits,
+                                        dcp_rank, dcp_world_size, rows_per_cta, stages, balance_ctas);
+  const int64_t T = q.size(0), H = q.size(1), R = T / qlen;
+  const int64_t items = work_list_items(R, num_splits, balance_ctas);
+  TORCH_CHECK(items <= 65535, "kimi_ops._C: the work-list grid takes at most 65535 items, got ", items);
+  auto o = at::empty({T, H, kLatent}, q.options());
+  auto lse = at::empty({T, H}, q.options().dtype(at::kFloat));
+  if (T == 0 || H == 0) return {o, lse};
+  auto o_part = at::empty({items, qlen, H, kLatent}, q.options());
+  auto lse_part = at::empty({items, qlen, H}, q.options().dtype(at::kFloat));
+  auto work_first = at::empty({R}, indptr.options());
+  params.o_part = reinterpret_cast<__nv_bfloat16*>(o_part.data_ptr());
+  params.lse_part = lse_part.data_ptr<float>();
+  params.o_final = reinterpret_cast<__nv_bfloat16*>(o.data_ptr());
+  params.lse_final = lse.data_ptr<float>();
+  params.work_first = work_first.data_ptr<int>();
+  params.work_list = true;
+  params.zero_empty = false;
+  const int64_t groups = (qlen * H + rows_per_cta - 1) / rows_per_cta;
+  launch_splitkv(params, rows_per_cta, stages, dim3(static_cast<unsigned>(groups), static_cast<unsigned>(items), 1));
+  MergeParams merge{};
+  merge.o_part = params.o_part;
+  merge.lse_part = params.lse_part;
+  merge.o = params.o_final;
+  merge.lse = params.lse_final;
+  merge.rows = static_cast<int>(T * H);
+  merge.splits = static_cast<int>(num_splits);
+  merge.work_indptr = params.indptr;
+  merge.work_first = params.work_first;
+  merge.num_requests = static_cast<int>(R);
+  merge.rows_per_req = static_cast<int>(qlen * H);
+  merge.balance_ctas = params.balance_ctas;
+  // a request's used splits: about balance_ctas / R whole chunks and a partial one
+  merge.splits_hint = static_cast<int>(
+      balance_ctas > 0 ? std::min<int64_t>(num_splits, balance_ctas / std::max<int64_t>(R, 1) + 2) : num_splits);
+  launch_merge(merge);
+  return {o, lse};
+}
+
+// M1b: o_part [S, T, H, 512] / lse_part [S, T, H] -> (o [T, H, 512], lse [T, H]).
+std::tuple<at::Tensor, at::Tensor> mla_merge_sm90(const at::Tensor& o_part, const at::Tensor& lse_part) {
+  check_cuda_tensor(o_part, "o_part", at::kBFloat16);
+  check_cuda_tensor(lse_part, "lse_part", at::kFloat);
+  TORCH_CHECK(o_part.dim() == 4 && o_part.size(3) == kLatent, "kimi_ops._C: o_part must be [S, T, H, 512]");
+  TORCH_CHECK(lse_part.sizes() == o_part.sizes().slice(0, 3), "kimi_ops._C: lse_part must be [S, T, H]");
+  const c10::cuda::CUDAGuard guard(o_part.device());
+  const int64_t S = o_part.size(0), T = o_part.size(1), H = o_part.size(2);
+  auto o = at::empty({T, H, kLatent}, o_part.options());
+  auto lse = at::empty({T, H}, lse_part.options());
+  const int64_t rows = T * H;
+  TORCH_CHECK(rows <= INT32_MAX && S <= INT32_MAX, "kimi_ops._C: merge too large");
+  if (rows == 0) return {o, lse};
+  TORCH_CHECK(S >= 1, "kimi_ops._C: o_part must hold at least one split");
+  MergeParams params{};
+  params.o_part = reinterpret_cast<const __nv_bfloat16*>(o_part.data_ptr());
+  params.lse_part = lse_part.data_ptr<float>();
+  params.o = reinterpret_cast<__nv_bfloat16*>(o.data_ptr());
+  params.lse = lse.data_ptr<float>();
+  params.rows = static_cast<int>(rows);
+  params.splits = static_cast<int>(S);
+  params.splits_hint = params.splits;
+  launch_merge(params);
+  return {o, lse};
+}
+
+void impl_sm90_ops(torch::Library& m) {
+  m.impl("_mla_decode_splitkv_sm90", &mla_decode_splitkv_sm90);
+  m.impl("_mla_decode_sm90", &mla_decode_sm90);
+  m.impl("_mla_merge_sm90", &mla_merge_sm90);
+}
+
+}  // namespace kimi_ops::sm90

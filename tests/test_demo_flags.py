@@ -1,0 +1,114 @@
+"""Every bad flag of ``python -m kimi_ops demo``: one line on stderr saying what is wrong, exit 2,
+before any work (issue 30: --batch 0 / --context 0 / --splits 0 silently became defaults,
+--qlen 9 was accepted, --device cuda without a GPU, --device bogus, --block-size 0 and
+--attention-only --batch -1 ended in tracebacks, --dcp N ran other defaults than --help said)."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from kimi_ops import demo
+from kimi_ops.demo_dcp import dcp_options
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+BAD_FLAGS = [
+    (["--batch", "0"], r"argument --batch: must be >= 1, got 0"),
+    (["--context", "0"], r"argument --context: must be >= 1, got 0"),
+    (["--attention-only", "--splits", "0"], r"argument --splits: must be 1..65535, got 0"),
+    (["--qlen", "9"], r"argument --qlen: must be 1..8, got 9"),
+    (["--qlen", "0"], r"argument --qlen: must be 1..8, got 0"),
+    (["--device", "bogus"], r"argument --device: must be cpu, cuda or cuda:N, got 'bogus'"),
+    (["--device", "mps"], r"argument --device: must be cpu, cuda or cuda:N, got 'mps'"),
+    (["--block-size", "0"], r"argument --block-size: must be >= 1, got 0"),
+    (["--attention-only", "--batch", "-1"], r"argument --batch: must be >= 1, got -1"),
+    (["--steps", "0"], r"argument --steps: must be >= 1, got 0"),
+    (["--dcp", "0"], r"argument --dcp: must be >= 1, got 0"),
+    (["--check-every", "0"], r"argument --check-every: must be >= 1, got 0"),
+    (["--attention-only", "--heads", "0"], r"argument --heads: must be 1..128, got 0"),
+    (["--attention-only", "--repeats", "0"], r"argument --repeats: must be >= 1, got 0"),
+    (["--batch", "two"], r"argument --batch: expected an integer, got 'two'"),
+    (["--attention-only", "--dcp", "2"], r"argument --dcp: --attention-only runs one process"),
+    (["--weights", "int4"], r"argument --weights: invalid choice: 'int4'"),
+]
+if not torch.cuda.is_available():
+    BAD_FLAGS.append((["--device", "cuda"], r"argument --device: cuda was asked for but no CUDA GPU is visible"))
+    BAD_FLAGS.append((["--device", "cuda:0", "--dcp", "2"], r"argument --device: cuda:0 was asked for"))
+elif torch.cuda.device_count() < 8:
+    BAD_FLAGS.append((["--device", "cuda", "--dcp", "8"], r"argument --dcp: 8 ranks on --device cuda need 8 GPUs"))
+
+
+def test_every_bad_flag_says_what_is_wrong_in_one_line_and_exits_2():
+    import re
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    start = time.perf_counter()
+    failures, running, pending = [], [], list(BAD_FLAGS)
+
+    def finish(flags, message, proc):
+        out, err = proc.communicate(timeout=300)
+        lines = err.strip().splitlines()
+        ok = (proc.returncode == 2 and out == "" and len(lines) == 1
+              and re.search(message, lines[0]) and lines[0].startswith("python -m kimi_ops demo: error: "))
+        if not ok:
+            failures.append((flags, proc.returncode, out[-500:], err[-1500:]))
+
+    while pending or running:      # four at a time (each imports torch: ~0.4 GB, ~2 s of CPU)
+        while pending and len(running) < 4:
+            flags, message = pending.pop()
+            running.append((flags, message, subprocess.Popen(
+                [sys.executable, "-m", "kimi_ops", "demo", *flags], env=env,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
+        finish(*running.pop(0))
+    assert not failures, failures
+    # they fail before any work: all of them together take about as long as importing torch
+    assert time.perf_counter() - start < 120
+
+
+def _parse(*flags):
+    from kimi_ops.__main__ import Parser
+    parser = Parser(prog="python -m kimi_ops demo")
+    demo.add_arguments(parser)
+    args = parser.parse_args(list(flags))
+    demo.check_arguments(parser, args)
+    return parser, args
+
+
+HELP = ("decode requests (default 8; --attention-only: 4; --dcp: 4)",
+        "about this many cached tokens a request (default 512; --attention-only: 300; --dcp: 256)",
+        "decode steps (default 32; --dcp: 8)")
+
+
+@pytest.mark.parametrize("job,flags,expected", [
+    ("layer", [], (8, 512, 32)),
+    ("attention", ["--attention-only"], (4, 300, 32)),
+    ("dcp", ["--dcp", "2"], (4, 256, 8)),
+])
+def test_defaults_are_what_help_says(job, flags, expected):
+    parser, args = _parse(*flags)
+    text = " ".join(parser.format_help().split())
+    for line in HELP:
+        assert line in text, (line, text)
+    assert demo.mode(args) == job
+    if job == "dcp":
+        opts = dcp_options(args)                       # what run_dcp_demo runs
+        assert (opts["batch"], opts["context"], opts["steps"], opts["block"]) == expected + (16,)
+    else:
+        demo.apply_defaults(args, job)                 # what run_layer_demo / run_attention_demo run
+        assert (args.batch, args.context, args.steps) == expected
+
+
+def test_dcp_takes_the_flags_given():
+    _, args = _parse("--dcp", "2", "--steps", "20", "--batch", "3", "--block-size", "64", "--context", "99")
+    opts = dcp_options(args)
+    assert (opts["batch"], opts["context"], opts["steps"], opts["block"]) == (3, 99, 20, 64)
+
+
+def test_good_flags_parse():
+    _, args = _parse("--batch", "2", "--context", "5", "--qlen", "8", "--device", "cpu", "--block-size", "1",
+                     "--attention-only", "--splits", "65535", "--heads", "128")
+    assert (args.batch, args.context, args.qlen, args.device, args.block_size, args.splits, args.heads) == \
+        (2, 5, 8, "cpu", 1, 65535, 128)
