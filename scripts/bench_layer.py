@@ -308,6 +308,9 @@ def scaled_mm_probe(log) -> str:
             break
         except Exception as exc:  # noqa: BLE001 - the answer is the message
             msg += f"{layout}: refused: {type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}; "
+    st = getattr(F, "ScalingType", None)
+    msg += (f"; torch.nn.functional.scaled_mm: {'present' if hasattr(F, 'scaled_mm') else 'absent'}"
+            + (f" (ScalingType {', '.join(n for n in dir(st) if n.startswith('Block'))})" if st is not None else ""))
     log(f"torch._scaled_mm with 1x128 x 128x128 block scales on {torch.cuda.get_device_name()}: {msg}")
     return msg
 
