@@ -348,6 +348,31 @@ def bench_gemms(batches, qlen, log):
     return rows
 
 
+def sweep_gemms(configs, batches, qlen, started, deadline, log):
+    """Each fp8 GEMM shape at each M under every config of ``configs`` (6-tuples, as
+    ``KIMI_OPS_FP8_GEMM_CONFIG``), CUDA-graph replays over 4 weights, while ``deadline`` (seconds
+    since the start) allows. Log lines only."""
+    from kimi_ops.kernels.fp8_gemm import gemm_a16w8_block as kernel
+    from kimi_ops.reference.fp8 import quantize_fp8_blocks
+    log("fp8 GEMM config sweep (us; BM,BN,BK,split,warps,stages):")
+    for name, n, k in FP8_GEMM_SHAPES:
+        ws = [quantize_fp8_blocks(torch.randn(n, k, device="cuda") / k ** 0.5) for _ in range(4)]
+        for b in batches:
+            m = b * qlen
+            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+            cells = []
+            for cfg in configs:
+                if time.time() - started > deadline:
+                    log(f"  sweep stopped at the deadline ({deadline:.0f} s)")
+                    return
+                try:
+                    runs = [_graphed(lambda w=w, s=s, cfg=cfg: kernel(x, w, s, config=cfg)) for w, s in ws]
+                    cells.append(f"{','.join(map(str, cfg))}: {time_alternating(runs, 100) * 1e6:.2f}")
+                except Exception as exc:  # noqa: BLE001
+                    cells.append(f"{','.join(map(str, cfg))}: {type(exc).__name__}")
+            log(f"  {name} M {m}: " + " | ".join(cells))
+
+
 def write_outputs(args, rows, gemm_rows, lines, log):
     log("")
     log("| weights | batch | weight MB | floor us | ours graph | ours compiled+graph | plain eager | plain compiled "
@@ -382,6 +407,9 @@ def main(argv=None):
     ap.add_argument("--then", default="", help="after the main pass, these variants (comma list) at the points "
                     "of --then-points, in that order, while --budget lasts (e.g. the compiled ones)")
     ap.add_argument("--then-points", default="", help="comma list of weights:batch (default: every point)")
+    ap.add_argument("--sweep", default="", help="last, fp8 GEMM configs to time at every shape and M: "
+                    "'BM,BN,BK,split,warps,stages;...' (while --sweep-deadline seconds since the start allow)")
+    ap.add_argument("--sweep-deadline", type=float, default=1e9)
     ap.add_argument("--gemms", action="store_true", help="first the fp8 GEMMs alone (and the _scaled_mm probe)")
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--budget", type=float, default=240.0, help="seconds after which compiles are skipped")
@@ -431,6 +459,11 @@ def main(argv=None):
             bench_one(args, weights, int(batch), started, log, wanted=args.then.split(","), row=row)
             torch.cuda.empty_cache()
         write_outputs(args, rows, gemm_rows, lines, log)
+    if args.sweep and not DRY["on"]:
+        configs = [tuple(int(v) for v in c.split(",")) for c in args.sweep.split(";") if c.strip()]
+        sweep_gemms(configs, batches, args.qlen, started, args.sweep_deadline, log)
+        with open(os.path.join(args.out, "bench_layer.md"), "w") as fh:
+            fh.write("\n".join(lines) + "\n")
     return 0
 
 

@@ -42,8 +42,10 @@ echo "bench: ${left} s left for it"
 timeout "$left" python3 scripts/bench_layer.py --weights bf16,mxfp4,fp8 --batches 1,8,32,64 --context 8192 \
     --variants ours_graph --gemms --iters 60 --then ours_compiled_graph,plain_compiled_graph \
     --then-points fp8:8,bf16:8,mxfp4:8,fp8:64 --budget $(( left > 40 ? left - 30 : 10 )) --out "$OUT" \
-    > "$OUT/bench.log" 2>&1
+    --sweep "16,32,128,1,4,8;16,16,128,2,4,8;32,64,128,4,4,6;64,128,128,4,8,4;16,64,128,2,4,6" \
+    --sweep-deadline $(( left - 4 )) > "$OUT/bench.log" 2>&1
 echo "bench rc=$? at $(el) s"
 grep -E "scaled_mm|FAILED|Traceback|Error" "$OUT/bench.log" | cut -c1-300 | head -n 8
 grep -E "^\| (GEMM|qkv|q_b|o_proj)" "$OUT/bench.log" | cut -c1-200
 grep -E "^\| (weights|bf16|mxfp4|fp8) " "$OUT/bench.log" | cut -c1-260 | tail -n 13
+grep -E "^  (qkv|q_b|o_proj).* M [0-9]+:|sweep stopped|then: budget" "$OUT/bench.log" | cut -c1-400
