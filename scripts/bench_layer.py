@@ -21,7 +21,9 @@ dequantized: plain PyTorch has no bf16 x fp8-block GEMM) and the layer's W_UK / 
 ``--variants`` picks among the five (default all; ``--only-ours``: the first two).
 ``--gemms``: first, each fp8 projection GEMM alone (Kimi-K3 TP8 shapes, the batches' M) against
 its floor (fp8 weight + scales + activations at 4.31 TB/s) and against bf16 ``F.linear`` of the
-same shape, CUDA-graph replays rotating 4 weights (more than the L2); and whether this torch's
+same shape: 24 calls in one CUDA graph (rotating over enough weight copies to exceed the 60 MB
+L2), the replay's median over 24 (timing one call a replay measured the launch latency, ~10 us:
+the 2026-12-03 run's GEMM table did, its layer table did not); and whether this torch's
 ``torch._scaled_mm`` takes 1x128 / 128x128 block scales on this device.
 
 Timing: CUDA-graph replays alternate between two independent sets (layer weights, cache,
@@ -288,6 +290,26 @@ def _graphed(fn):
     return graph.replay
 
 
+CALLS_A_GRAPH = 24
+
+
+def _weight_copies(nbytes: int) -> int:
+    """Copies of a weight to rotate through so that no call finds its weight in the 60 MB L2."""
+    return max(4, min(48, -(-160_000_000 // max(1, nbytes))))
+
+
+def time_calls(make_call, copies: int) -> float:
+    """Seconds a call: CALLS_A_GRAPH calls (cycling over ``copies`` weight copies,
+    ``make_call(i)``) captured in one CUDA graph, median replay over CALLS_A_GRAPH (one graph
+    launch a replay, so the launch latency is spread over the calls, not added to each)."""
+    calls = [make_call(i % copies) for i in range(CALLS_A_GRAPH)]
+
+    def run():
+        for c in calls:
+            c()
+    return time_alternating([_graphed(run)], 3 if DRY["on"] else 30) / CALLS_A_GRAPH
+
+
 def scaled_mm_probe(log) -> str:
     """Whether torch._scaled_mm runs 1x128 (activations) x 128x128 (weights) block scales here."""
     m, n, k = 16, 256, 512
@@ -329,15 +351,14 @@ def bench_gemms(batches, qlen, log):
         "bf16 / fp8 |")
     log("|---|---|---|---|---|---|---|---|")
     for name, n, k in shapes:
-        ws = [quantize_fp8_blocks(torch.randn(n, k, device=dev) / k ** 0.5) for _ in range(4)]
-        wb = [torch.randn(n, k, device=dev).to(torch.bfloat16) for _ in range(2)]
+        copies = _weight_copies(n * k)
+        ws = [quantize_fp8_blocks(torch.randn(n, k, device=dev) / k ** 0.5) for _ in range(copies)]
+        wb = [torch.randn(n, k, device=dev).to(torch.bfloat16) for _ in range(_weight_copies(2 * n * k))]
         for b in batches:
             m = b * qlen
             x = torch.randn(m, k, device=dev).to(torch.bfloat16)
-            fp8 = [_graphed(lambda w=w, s=s: kimi_ops.gemm_a16w8_block(x, w, s)) for w, s in ws]
-            bf = [_graphed(lambda w=w: F.linear(x, w)) for w in wb]
-            t8 = time_alternating(fp8, 3 if DRY["on"] else 200)
-            tb = time_alternating(bf, 3 if DRY["on"] else 200)
+            t8 = time_calls(lambda i: (lambda w=ws[i][0], s=ws[i][1]: kimi_ops.gemm_a16w8_block(x, w, s)), len(ws))
+            tb = time_calls(lambda i: (lambda w=wb[i]: F.linear(x, w)), len(wb))
             floor = (n * k + ws[0][1].numel() * 4 + 2 * m * (k + n)) / HBM_BYTES_PER_S
             cfg = gemm_config(m, n, k, 128, sms)
             rows.append(dict(gemm=name, m=m, n=n, k=k, config=cfg, fp8_us=t8 * 1e6, floor_us=floor * 1e6,
@@ -356,7 +377,7 @@ def sweep_gemms(configs, batches, qlen, started, deadline, log):
     from kimi_ops.reference.fp8 import quantize_fp8_blocks
     log("fp8 GEMM config sweep (us; BM,BN,BK,split,warps,stages):")
     for name, n, k in FP8_GEMM_SHAPES:
-        ws = [quantize_fp8_blocks(torch.randn(n, k, device="cuda") / k ** 0.5) for _ in range(4)]
+        ws = [quantize_fp8_blocks(torch.randn(n, k, device="cuda") / k ** 0.5) for _ in range(_weight_copies(n * k))]
         for b in batches:
             m = b * qlen
             x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
@@ -366,8 +387,9 @@ def sweep_gemms(configs, batches, qlen, started, deadline, log):
                     log(f"  sweep stopped at the deadline ({deadline:.0f} s)")
                     return
                 try:
-                    runs = [_graphed(lambda w=w, s=s, cfg=cfg: kernel(x, w, s, config=cfg)) for w, s in ws]
-                    cells.append(f"{','.join(map(str, cfg))}: {time_alternating(runs, 100) * 1e6:.2f}")
+                    t = time_calls(lambda i, cfg=cfg: (lambda w=ws[i][0], s=ws[i][1]: kernel(x, w, s, config=cfg)),
+                                   len(ws))
+                    cells.append(f"{','.join(map(str, cfg))}: {t * 1e6:.2f}")
                 except Exception as exc:  # noqa: BLE001
                     cells.append(f"{','.join(map(str, cfg))}: {type(exc).__name__}")
             log(f"  {name} M {m}: " + " | ".join(cells))

@@ -358,10 +358,14 @@ def test_gemm_config_env(monkeypatch):
     monkeypatch.setenv(fp8_gemm.CONFIG_ENV, "16,32")
     with pytest.raises(ValueError, match="BLOCK_M,BLOCK_N,BLOCK_K,SPLIT_K,num_warps,num_stages"):
         fp8_gemm._env_config()
-    # the default: Kimi-K3 TP8's fused qkv_a + gate (N 3648, K 7168) on 132 SMs
-    bm, bn, bk, split, _, _ = fp8_gemm.gemm_config(64, 3648, 7168, 128, 132)
-    assert (bm, bn, bk) == (64, 128, 128) and split >= 4
-    assert fp8_gemm.gemm_config(1, 3648, 7168, 128, 132)[:4] == (16, 16, 128, 1)
+    # the defaults measured on the H200 (gemm_config's docstring), Kimi-K3 TP8's fused qkv_a + gate
+    assert fp8_gemm.gemm_config(64, 3648, 7168, 128, 132) == (64, 128, 128, 4, 8, 4)
+    assert fp8_gemm.gemm_config(1, 3648, 7168, 128, 132) == (32, 64, 128, 4, 4, 6)
+    assert fp8_gemm.gemm_config(32, 2304, 1536, 128, 132) == (32, 64, 128, 4, 4, 6)
+    bm, bn, bk, split, _, _ = fp8_gemm.gemm_config(8, 3648, 7168, 128, 132)
+    assert (bm, bn, bk, split) == (16, 32, 128, 2)
+    assert fp8_gemm.gemm_config(1, 64, 256, 128, 132)[3] == 1, "at least 2 K tiles a split"
+    assert fp8_gemm.gemm_config(1, 64, 256, 64, 132)[2] == 64, "BLOCK_K divides block_k"
 
 
 # --- GPU ----------------------------------------------------------------------------------------

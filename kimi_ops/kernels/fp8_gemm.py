@@ -22,6 +22,10 @@ the activations' re-reads from L2 (``N / BLOCK_N`` times ``M x K x 2`` bytes) be
 ``N x K`` bytes; split K restores the parallelism. Config: :func:`gemm_config` from shapes and
 the SM count, or ``KIMI_OPS_FP8_GEMM_CONFIG="BLOCK_M,BLOCK_N,BLOCK_K,SPLIT_K,num_warps,num_stages"``
 (every call; for sweeps).
+
+Measured (H200, 2026-12-03, docs/PERF.md): correct at Kimi-K3's shapes (rel L2 1.6-1.7e-3 vs
+float64, the bf16 output's rounding), but not yet at the bandwidth: at M = 1 the fused
+qkv_a + gate GEMM (26 MB of fp8) took about as long as cuBLAS's bf16 GEMM of twice the bytes.
 """
 import math
 import os
@@ -115,30 +119,43 @@ def max_block_k(block_k: int) -> int:
 def gemm_config(m: int, n: int, k: int, block_k: int = 128, sms: int = 132) -> tuple[int, int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) from shapes and the SM count.
 
-    * BLOCK_M: M's power of two, 16..64 (the MMA's smallest M is 16; larger M gets more M tiles).
-    * BLOCK_N: about 4 x M (16..128), so the activation tiles re-read from L2 by the N tiles
-      (``2 M / BLOCK_N`` of the weight's bytes) stay below the weight's own bytes.
-    * SPLIT_K: the power of two that brings the programs to about 2 per SM, each split at least
-      2 K tiles, and its float32 partials (``SPLIT_K x M x N x 4`` bytes) at most half the weight's.
-    * BLOCK_K = 128 (or the largest power of two dividing ``block_k``); 4 warps; 8 stages for
-      tiles of <= 8 KB a stage (x + w), 6 below 16 KB, 4 above: at M <= 8 a program's tiles are
-      2-4 KB of weight, and 20-30 KB in flight an SM is what 4.3 TB/s over 132 SMs at ~1 us of
-      DRAM latency asks for. (The loads are software-pipelined by Triton when the K strides are
-      1, which the JIT specializes on: cross-compiled with generic strides, the loop is not.)
+    Measured on the H200 (2026-12-03, Kimi-K3 TP8's three fp8 projections, M = 1, 8, 32, 64;
+    scripts/bench_layer.py --gemms / --sweep; that run timed one call a CUDA-graph replay, so each
+    number carries ~10 us of launch latency and +-5 us of noise: only the large, same-direction
+    differences below were taken). us (first guess -> the config below):
 
-    Not tuned on the device yet (the layer bench measures the result): a first guess from the
-    byte counts above; ``KIMI_OPS_FP8_GEMM_CONFIG`` overrides it.
+    * M = 1: (32, 64, 128, 4, 4, 6): qkv_a + gate 32.7 -> 21.6, q_b 15.7 -> 10.6, o_proj 19.2 ->
+      16.8 (the first guess (16, 16, 128, 1, 4, 8): 228 programs of 16 rows over K = 7168).
+    * 2 <= M <= 16: the byte-count rule (BLOCK_N about 4 M, SPLIT_K to about 2 programs an SM);
+      at M = 8 no config of the five tried beat it by more than the noise.
+    * 17 <= M <= 32: (32, 64, 128, 4, 4, 6): qkv_a + gate 26.8 -> 22.7 (q_b, o_proj: within the noise).
+    * 33 <= M <= 64: (64, 128, 128, 4, 8, 4): qkv_a + gate 39.6 -> 32.5, q_b 20.8 -> 15.3, o_proj
+      24.0 -> 22.3 (8 warps; the first guess had 4 and 8 splits).
+    * M > 64 (prefill sizes, not measured): BLOCK_M 64, BLOCK_N 128, the split rule, 8 warps.
+
+    The split rule: the power of two that brings the programs to about 2 per SM, each split at
+    least 2 K tiles (the fixed-config rows cap theirs the same way), and its float32 partials
+    (``SPLIT_K x M x N x 4`` bytes) at most half the weight's. BLOCK_K = 128 (or the largest power
+    of two dividing ``block_k``). ``KIMI_OPS_FP8_GEMM_CONFIG`` overrides all of it.
     """
-    bm = min(64, max(16, triton.next_power_of_2(max(1, m))))
-    bn = min(128, max(16, triton.next_power_of_2(4 * min(max(1, m), bm))))
     bk = max_block_k(block_k)
     k_tiles = max(1, triton.cdiv(k, bk))
-    tiles = triton.cdiv(n, bn) * triton.cdiv(max(1, m), bm)
+    cap = _pow2_floor(max(1, k_tiles // 2))
+    m = max(1, m)
+    if m == 1:
+        return 32, 64, bk, min(4, cap), 4, 6
+    if 17 <= m <= 32:
+        return 32, 64, bk, min(4, cap), 4, 6
+    if 33 <= m <= 64:
+        return 64, 128, bk, min(4, cap), 8, 4
+    bm = min(64, max(16, triton.next_power_of_2(m)))
+    bn = min(128, max(16, triton.next_power_of_2(4 * min(m, bm))))
+    tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm)
     split = _pow2_floor(max(1, (2 * sms) // tiles))
-    split = min(split, _pow2_floor(max(1, k_tiles // 2)), _pow2_floor(max(1, k // (8 * max(1, m)))))
+    split = min(split, cap, _pow2_floor(max(1, k // (8 * m))))
     stage_bytes = bm * bk * 2 + bn * bk
     stages = 8 if stage_bytes <= 8192 else 6 if stage_bytes < 16384 else 4
-    return bm, bn, bk, max(1, split), 4, stages
+    return bm, bn, bk, max(1, split), (8 if m > 64 else 4), stages
 
 
 def _env_config() -> tuple[int, ...] | None:
