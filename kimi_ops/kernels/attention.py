@@ -18,6 +18,12 @@ fp8 dots on the cache as stored; P = exp2(S - m) * 2^PLOG is split into E4M3 ``h
 O += (P_hi + P_lo) V as fp8 x fp8 dots.  ``MMA="bf16"``: the K tile is converted to bf16
 (exact) and both products run as bf16 dots.  ``KV_U8_FNUZ``: an e4m3fnuz cache on a backend
 without that type (NVIDIA) is read as bytes and decoded in the kernel (bf16 dots).
+
+fp8 query (issue 28, ``q_scale`` given): q is loaded as stored (e4m3fn, or e4m3fnuz read as
+bytes where the backend has no such type) and converted exactly to bf16 (every e4m3 value is a
+bf16 value), then runs the bf16 (or fp8 hi + lo) path above unchanged; ``q_scale`` is loaded
+from its device pointer in the kernel and multiplied into the score scale
+(``scale * kv_scale * q_scale``), so no host sync and a CUDA graph replays a new scale.
 """
 import os
 
@@ -55,6 +61,14 @@ def _to_bf16(x, INTERP: tl.constexpr):
 
 
 @triton.jit
+def _fnuz_bytes_to_f32(b):
+    # e4m3fnuz bytes (uint8) -> f32: value(b) = e4m3fn(b) / 2, except 0x7f/0xff (+-240), 0x80 (NaN)
+    x = b.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 0.5
+    x = tl.where((b & 0x7F) == 0x7F, tl.where(b >= 128, -240.0, 240.0), x)
+    return tl.where(b == 0x80, float("nan"), x)
+
+
+@triton.jit
 def _visible_tokens(n, n_global, qlen, pos, dcp_rank, dcp_world_size):
     """Tokens (of the n listed) that query position ``pos`` sees: the listed token j is global
     position ``j * W + rank`` and position pos sees global positions ``<= n_global - qlen + pos``
@@ -65,10 +79,12 @@ def _visible_tokens(n, n_global, qlen, pos, dcp_rank, dcp_world_size):
 
 @triton.jit
 def _split_kv_kernel(
-    q_ptr, kv_ptr, indptr_ptr, indices_ptr, seq_lens_ptr, o_ptr, lse_ptr,
+    q_ptr, kv_ptr, indptr_ptr, indices_ptr, seq_lens_ptr, o_ptr, lse_ptr, q_scale_ptr,
     T, H, N, qlen, num_splits, dcp_rank, dcp_world_size,
     qk_scale_log2,  # scale * kv_scale * log2(e)
     kv_scale,
+    Q_FP8: tl.constexpr,  # q is fp8 (q_ptr's type, or e4m3fnuz bytes with Q_U8_FNUZ); q_scale_ptr -> f32 [1]
+    Q_U8_FNUZ: tl.constexpr,
     MMA_FP8: tl.constexpr,
     KV_U8_FNUZ: tl.constexpr,
     FNUZ: tl.constexpr,
@@ -114,6 +130,15 @@ def _split_kv_kernel(
 
     qc = tl.load(q_ptr + flat_row[:, None] * D + offs_c[None, :], mask=row_ok[:, None], other=0.0)
     qp = tl.load(q_ptr + flat_row[:, None] * D + DC + offs_p[None, :], mask=row_ok[:, None], other=0.0)
+    if Q_FP8:
+        # the fp8 query as stored -> f32 (exact; exact in bf16 too), its scale from the device
+        if Q_U8_FNUZ:
+            qc = _fnuz_bytes_to_f32(qc)
+            qp = _fnuz_bytes_to_f32(qp)
+        else:
+            qc = qc.to(tl.float32)
+            qp = qp.to(tl.float32)
+        qk_scale_log2 = qk_scale_log2 * tl.load(q_scale_ptr)
 
     if KV_U8_FNUZ:
         FP8: tl.constexpr = tl.float8e4nv
@@ -345,16 +370,30 @@ def _kv_mode(kv_rows: torch.Tensor):
     raise TypeError(f"kv_rows must be float8_e4m3fn or float8_e4m3fnuz, got {kv_rows.dtype}")
 
 
+def _q_mode(q: torch.Tensor, q_scale):
+    """(tensor to pass, Q_FP8, Q_U8_FNUZ) for a bf16 q, or an fp8 q with its q_scale."""
+    if q.dtype == torch.bfloat16:
+        assert q_scale is None, "a bf16 q takes no q_scale"
+        return q, False, False
+    assert q.dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz), q.dtype
+    assert q_scale is not None and q_scale.numel() == 1 and q_scale.dtype == torch.float32
+    if q.dtype == torch.float8_e4m3fnuz and not interpreting() and torch.version.hip is None:
+        return q.view(torch.uint8), True, True
+    return q, True, False
+
+
 def mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: float, kv_scale: float,
                        num_splits: int, seq_lens=None, dcp_rank: int = 0, dcp_world_size: int = 1,
-                       zero_empty: bool = True):
-    """M1c. q [T, H, 576] bf16, kv_rows [N, 576] fp8 -> (o_part [S, T, H, 512] bf16, lse_part [S, T, H] f32).
+                       zero_empty: bool = True, q_scale=None):
+    """M1c. q [T, H, 576] bf16 (or fp8 with ``q_scale``, a float32 [1] device tensor), kv_rows [N, 576]
+    fp8 -> (o_part [S, T, H, 512] bf16, lse_part [S, T, H] f32).
 
     ``seq_lens`` [R] int32 (global lengths), ``dcp_rank`` / ``dcp_world_size``: decode context
     parallel, as :func:`kimi_ops.mla_decode_splitkv` documents. ``zero_empty=False`` permits
     leaving an empty split's o unwritten (see :func:`kimi_ops.kernels.sm90.mla_decode_splitkv`); this
     kernel writes it anyway."""
-    assert q.dim() == 3 and q.shape[2] == KV_ROW and q.dtype == torch.bfloat16 and q.is_contiguous()
+    assert q.dim() == 3 and q.shape[2] == KV_ROW and q.is_contiguous()
+    q_arg, q_fp8, q_u8_fnuz = _q_mode(q, q_scale)
     assert kv_rows.dim() == 2 and kv_rows.shape[1] == KV_ROW and kv_rows.is_contiguous()
     assert kv_indptr.dtype == torch.int32 and kv_indices.dtype == torch.int32
     assert num_splits >= 1 and qlen >= 1
@@ -373,10 +412,11 @@ def mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: floa
     grid = (triton.cdiv(qlen * H, bm), S, R)
     indices = kv_indices if kv_indices.numel() > 0 else kv_indptr  # never dereferenced when empty
     _split_kv_kernel[grid](
-        q, kv, kv_indptr, indices, seq_lens if seq_lens is not None else kv_indptr, o_part, lse_part,
+        q_arg, kv, kv_indptr, indices, seq_lens if seq_lens is not None else kv_indptr, o_part, lse_part,
+        q_scale if q_fp8 else lse_part,  # never read without an fp8 q
         T, H, kv_rows.shape[0], qlen, S, dcp_rank, dcp_world_size,
         float(scale) * float(kv_scale) * LOG2E, float(kv_scale),
-        MMA_FP8=(mma == "fp8"), KV_U8_FNUZ=u8_fnuz, FNUZ=fnuz, INTERP=interpreting(),
+        Q_FP8=q_fp8, Q_U8_FNUZ=q_u8_fnuz, MMA_FP8=(mma == "fp8"), KV_U8_FNUZ=u8_fnuz, FNUZ=fnuz, INTERP=interpreting(),
         BLOCK_M=bm, BLOCK_N=bn, PREFETCH=_prefetch(mma, bm), GLOBAL_LENS=seq_lens is not None,
         INTERP_STEPS=_interpreter_steps(kv_indptr, bn),
         num_warps=warps, num_stages=stages,
@@ -451,7 +491,7 @@ def suggest_num_splits(num_requests: int, qlen: int, num_heads: int, num_tokens:
 def _specs():
     specs = []
     sig_common = {"indptr_ptr": "*i32", "indices_ptr": "*i32", "seq_lens_ptr": "*i32", "o_ptr": "*bf16",
-                  "lse_ptr": "*fp32", "T": "i32", "H": "i32", "N": "i32", "qlen": "i32", "num_splits": "i32",
+                  "lse_ptr": "*fp32", "q_scale_ptr": "*fp32", "T": "i32", "H": "i32", "N": "i32", "qlen": "i32", "num_splits": "i32",
                   "dcp_rank": "i32", "dcp_world_size": "i32",
                   "qk_scale_log2": "fp32", "kv_scale": "fp32"}
     variants = [("bf16", 16), ("bf16", 32), ("bf16", 64), ("fp8", 16), ("fp8", 32), ("fp8", 64)]
@@ -464,7 +504,7 @@ def _specs():
             targets = {"fn": ("gfx950", "gfx942", "sm90"), "fnuz": ("gfx942",),
                        "u8fnuz": ("sm90",)}[fmt]
             sig = {"q_ptr": "*bf16", "kv_ptr": kvt, **sig_common}
-            cx = {"MMA_FP8": mma == "fp8", "KV_U8_FNUZ": fmt == "u8fnuz", "FNUZ": fmt != "fn",
+            cx = {"Q_FP8": False, "Q_U8_FNUZ": False, "MMA_FP8": mma == "fp8", "KV_U8_FNUZ": fmt == "u8fnuz", "FNUZ": fmt != "fn",
                   "INTERP": False, "BLOCK_M": bm, "BLOCK_N": bn, "PREFETCH": _prefetch(mma, bm),
                   "GLOBAL_LENS": False, "INTERP_STEPS": 0}
             for kk in cx:
@@ -472,6 +512,11 @@ def _specs():
             specs.append(dict(name=f"splitkv_{mma}_{fmt}_m{bm}", kernel=_split_kv_kernel,
                               signature=sig, constexprs=cx, num_warps=warps, num_stages=stages,
                               targets=targets))
+            if fmt == "fn" and mma == "bf16":
+                # the fp8 query (issue 28): loaded as e4m3fn, converted to bf16 in registers
+                specs.append(dict(name=f"splitkv_{mma}_{fmt}_m{bm}_q8", kernel=_split_kv_kernel,
+                                  signature={**sig, "q_ptr": "*fp8e4nv"}, constexprs={**cx, "Q_FP8": True},
+                                  num_warps=warps, num_stages=stages, targets=targets))
     # every (BLOCK_S, BLOCK_C, num_warps) _merge_config can return
     merge_cfgs = sorted({_merge_config(S, TH) for S in (1, 2, 4, 8, 16, 32, 64, 65)
                          for TH in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)})

@@ -13,7 +13,8 @@ tensor-core MMAs (``mma.sync`` for 16-row CTAs, token-major ``wgmma`` for 32-64 
 rounded to f16, against a running max that moves only when a tile raises it by more than 2^8
 (lazy rescaling: P <= 2^8). See the .cu file's header for the tiling and the byte layouts.
 
-An ``e4m3fnuz`` cache (gfx942's format) has no kernel here: it runs the Triton kernel.
+An ``e4m3fnuz`` cache (gfx942's format) has no kernel here: it runs the Triton kernel. So does
+an fp8 query (issue 28's ``q_scale``) until the csrc kernels take one: :func:`_triton_serves`.
 """
 import functools
 import os
@@ -84,9 +85,15 @@ def balance_waves() -> int:
     return waves
 
 
+def _triton_serves(q, kv_rows) -> bool:
+    """Inputs the csrc kernels do not take, served by the Triton kernel: an e4m3fnuz cache, and
+    (for now) an fp8 query. The one branch to narrow when the csrc kernels take an fp8 q."""
+    return kv_rows.dtype != torch.float8_e4m3fn or q.dtype != torch.bfloat16
+
+
 def mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: float, kv_scale: float,
                        num_splits: int, seq_lens=None, dcp_rank: int = 0, dcp_world_size: int = 1,
-                       zero_empty: bool = True):
+                       zero_empty: bool = True, q_scale=None):
     """M1c. q [T, H, 576] bf16, kv_rows [N, 576] fp8 -> (o_part [S, T, H, 512] bf16, lse_part [S, T, H] f32).
 
     A request of n tokens is cut into chunks of max(ceil(n / S), all tokens / the CTAs of
@@ -95,10 +102,10 @@ def mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: floa
     graph replayed on a new mix of lengths stays balanced. ``zero_empty=False`` lets an empty
     split leave its o unwritten (for a caller whose merge never reads a -inf split's o); with
     one split o is always written."""
-    if kv_rows.dtype != torch.float8_e4m3fn:
+    if _triton_serves(q, kv_rows):
         from .attention import mla_decode_splitkv as triton_splitkv
         return triton_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits,
-                              seq_lens, dcp_rank, dcp_world_size)
+                              seq_lens, dcp_rank, dcp_world_size, q_scale=q_scale)
     balance = balance_ctas(q, kv_indptr, kv_indices, qlen)
     return _ops()._mla_decode_splitkv_sm90(
         *_kernel_args(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits, seq_lens, dcp_rank,
@@ -133,7 +140,7 @@ def work_list_enabled() -> bool:
 
 
 def mla_decode(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: float, kv_scale: float,
-               num_splits, seq_lens=None, dcp_rank: int = 0, dcp_world_size: int = 1):
+               num_splits, seq_lens=None, dcp_rank: int = 0, dcp_world_size: int = 1, q_scale=None):
     """M1c + M1b: q [T, H, 576] bf16, kv_rows [N, 576] fp8 -> (o [T, H, 512] bf16, lse [T, H] f32).
 
     The split kernel runs on a work-list grid (``_mla_decode_sm90``): one CTA per (row group,
@@ -148,18 +155,22 @@ def mla_decode(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: float, kv_sc
     num_requests = kv_indptr.shape[0] - 1
     if num_requests <= 0:
         num_splits = 1
+    elif num_splits is None and _triton_serves(q, kv_rows):
+        from .attention import suggest_num_splits as triton_splits  # the kernel that will run
+        num_splits = triton_splits(num_requests, qlen, q.shape[1], kv_indices.shape[0],
+                                   _multiprocessor_count(q.device))
     elif num_splits is None:
         num_splits = (_split_cap(num_requests, kv_indices.shape[0]) if work_list_enabled() else
                       suggest_num_splits(num_requests, qlen, q.shape[1], kv_indices.shape[0],
                                          _multiprocessor_count(q.device)))
     balance = balance_ctas(q, kv_indptr, kv_indices, qlen) if num_requests > 0 else 0
-    work_list = (kv_rows.dtype == torch.float8_e4m3fn and num_splits > 1 and work_list_enabled()
+    work_list = (not _triton_serves(q, kv_rows) and num_splits > 1 and work_list_enabled()
                  and work_list_items(num_requests, num_splits, balance) <= MAX_GRID_Y)
     if work_list:
         return _ops()._mla_decode_sm90(*_kernel_args(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale,
                                                      num_splits, seq_lens, dcp_rank, dcp_world_size, balance))
     o_part, lse_part = mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits,
-                                          seq_lens, dcp_rank, dcp_world_size, zero_empty=False)
+                                          seq_lens, dcp_rank, dcp_world_size, zero_empty=False, q_scale=q_scale)
     if num_splits == 1:
         return o_part[0], lse_part[0]
     return mla_merge(o_part, lse_part)
