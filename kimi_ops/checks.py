@@ -164,6 +164,14 @@ def check_q_scale(op: str, q, kv_cache, q_scale) -> None:
              _describe(q_scale) if isinstance(q_scale, torch.Tensor) else q_scale)
 
 
+def check_query_out_dtype(op: str, dtype) -> None:
+    """An fp8 query dtype: float8_e4m3fn or float8_e4m3fnuz."""
+    if dtype not in Q_FP8_DTYPES:
+        fail(op, "out_dtype" if op == "mla_query" else "dtype",
+             "torch.float8_e4m3fn or torch.float8_e4m3fnuz (or None / torch.bfloat16 for mla_query's bf16 query)",
+             dtype)
+
+
 def check_merge_args(op: str, o_part, lse_part) -> None:
     """o_part [S, T, H, 512] bf16, lse_part [S, T, H] f32."""
     check_tensor(op, "o_part", o_part, ndim=4, dtypes=(torch.bfloat16,),

@@ -326,17 +326,65 @@ def bmm_a16wfp4(x, w_packed, w_scale):
     return torch.ops.kimi_ops.bmm_a16wfp4(x, w_packed, w_scale)
 
 
-def mla_query(q_nope, q_pe, w_uk, w_uk_scale=None, *, pad_heads=None):
-    """M1a: the absorbed bf16 query ``q [T, H', 576] = [q_nope[t, h] @ W_UK[h] | q_pe[t, h]]``.
+def mla_query(q_nope, q_pe, w_uk, w_uk_scale=None, *, pad_heads=None, out_dtype=None, q_scale=None):
+    """M1a: the absorbed query ``q [T, H', 576] = [q_nope[t, h] @ W_UK[h] | q_pe[t, h]]``.
 
     q_nope [T, H, 128] and q_pe [T, H, 64] bf16; ``w_uk`` bf16 [H, 128, 512], or
     MXFP4 packed along the 128 axis (uint8 [H, 512, 64] with ``w_uk_scale``
     [H, 512, 4]). ``pad_heads`` (>= H) pads the head dim with all-zero rows.
+
+    ``out_dtype``: None / ``torch.bfloat16`` returns the bf16 query (the ``mla_query`` op).
+    ``torch.float8_e4m3fn`` (or ``float8_e4m3fnuz``) returns ``(q8, q_scale)``, the query
+    :func:`mla_decode` takes with ``q_scale=``: M1a's bf16 query quantized by
+    :func:`quantize_query`, per tensor, with ``q_scale`` (a static float32 [1] scale) or,
+    when None, the scale of its amax (:func:`query_scale`, computed on the device).
     """
-    return torch.ops.kimi_ops.mla_query(q_nope, q_pe, w_uk, w_uk_scale, pad_heads=pad_heads)
+    if out_dtype is None or out_dtype == torch.bfloat16:
+        if q_scale is not None:
+            raise ValueError("kimi_ops.mla_query: q_scale must be None for a bf16 output (out_dtype None or "
+                             f"torch.bfloat16), got a q_scale with out_dtype {out_dtype}")
+        return torch.ops.kimi_ops.mla_query(q_nope, q_pe, w_uk, w_uk_scale, pad_heads=pad_heads)
+    checks.check_query_out_dtype("mla_query", out_dtype)
+    q = torch.ops.kimi_ops.mla_query(q_nope, q_pe, w_uk, w_uk_scale, pad_heads=pad_heads)
+    return quantize_query(q, q_scale=q_scale, dtype=out_dtype)
+
+
+def query_scale(q, *, dtype=torch.float8_e4m3fn, amax=None):
+    """The per-tensor fp8 scale of a query: float32 [1] ``amax(|q|) / fp8 max`` (448 for e4m3fn,
+    240 for e4m3fnuz), 1 where q is all zero (or empty). Torch ops on q's device (no host sync,
+    CUDA-graph safe). ``amax`` (float32 [1]) overrides q's own, e.g. the max over DCP ranks."""
+    checks.check_query_out_dtype("query_scale", dtype)
+    if amax is None:
+        amax = (q.abs().amax().to(torch.float32).reshape(1) if q.numel() > 0 else
+                torch.zeros(1, dtype=torch.float32, device=q.device))
+    # a tensor divisor: CUDA turns division by a Python scalar into a multiply by its reciprocal
+    fmax = torch.full((), float(torch.finfo(dtype).max), dtype=torch.float32, device=amax.device)
+    return torch.where(amax > 0, amax / fmax, torch.ones_like(amax))
+
+
+def quantize_query(q, *, q_scale=None, dtype=torch.float8_e4m3fn):
+    """Quantize a query for :func:`mla_decode`'s ``q_scale=``: ``(q8, q_scale)`` with
+    ``q8 = fp8(q / q_scale)`` (float32 division, round to nearest even, saturated to the
+    format's finite max; NaN stays NaN) of the same shape.
+
+    q: bf16 (or f16 / f32) [T, H, 576]; ``q_scale``: a static float32 tensor of one element
+    on q's device, or None for the per-tensor amax scale (:func:`query_scale`). Plain torch
+    ops on q's device (no host sync; under torch.compile Inductor fuses them).
+    """
+    checks.check_query_out_dtype("quantize_query", dtype)
+    if q_scale is None:
+        q_scale = query_scale(q, dtype=dtype)
+    else:
+        checks.check_tensor("quantize_query", "q_scale", q_scale, dtypes=(torch.float32,),
+                            what="a float32 tensor of one element")
+        if q_scale.numel() != 1:
+            checks.fail("quantize_query", "q_scale", "a float32 tensor of one element", tuple(q_scale.shape))
+    fmax = float(torch.finfo(dtype).max)
+    q8 = (q.to(torch.float32) / q_scale.reshape(())).clamp(-fmax, fmax).to(dtype)
+    return q8, q_scale
 
 
 __all__ = [
     "mla_decode_splitkv", "mla_merge", "mla_decode", "mla_cache_write",
-    "mxfp4_quantize", "mxfp4_dequantize", "bmm_a16wfp4", "mla_query",
+    "mxfp4_quantize", "mxfp4_dequantize", "bmm_a16wfp4", "mla_query", "quantize_query", "query_scale",
 ]
