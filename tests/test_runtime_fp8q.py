@@ -176,3 +176,41 @@ def test_compiled_fp8_step_matches_eager():
     got = torch.nn.functional.linear(got, layer.o_proj.weight)
     assert torch.equal(eager_cache.view(torch.uint8), compiled_cache.view(torch.uint8))
     assert rel(got, want) <= 1e-2
+
+
+# --- GPU (the lead's H200 run) ------------------------------------------------------------------
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("weights", ["bf16", "mxfp4"])
+def test_gpu_kimi_k3_fp8_query_layer(monkeypatch, weights):
+    """The Kimi-K3 layer with the fp8 query on the GPU backends (auto: cuda -> its Triton branch for
+    an fp8 q) against float64, and a CUDA graph of the step replayed on new hidden states (each
+    step's q_scale computed on the device from its own amax): equal to eager."""
+    from kimi_ops.runtime.graph import GraphedStep, decode_step, restore, snapshot
+
+    monkeypatch.setenv("KIMI_OPS_BACKEND", "auto")
+    lens = [9, 700, 1, 0, 64]
+    layer, cache, md, hidden, bt = make_step(MLAConfig.kimi_k3(), lens, qlen=2, weights=weights, block_size=16,
+                                             device="cuda", bf16=False)
+    start = snapshot(cache, md)
+    err = check_step(layer, cache, md, hidden, bt, lens, rtol=FP8Q_LAYER_RTOL)
+    print(f"GPU kimi_k3 {weights}, fp8 query: relative L2 error vs float64 {err:.2e}")
+    restore(start)
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    hiddens = [torch.randn(hidden.shape, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(3)]
+    with torch.no_grad():
+        eager = []
+        for h in hiddens:
+            saved = snapshot(cache, md)
+            eager.append(decode_step(layer, h, cache, md).clone())
+            restore(saved)
+        graphed = GraphedStep(decode_step, layer, cache, md, hiddens[0])
+        for h, want in zip(hiddens, eager):
+            saved = snapshot(cache, md)
+            got = graphed(h).clone()
+            restore(saved)
+            assert rel(got, want) <= 1e-3, "the replay takes each step's own scale"
