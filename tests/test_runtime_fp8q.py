@@ -214,3 +214,37 @@ def test_gpu_kimi_k3_fp8_query_layer(monkeypatch, weights):
             got = graphed(h).clone()
             restore(saved)
             assert rel(got, want) <= 1e-3, "the replay takes each step's own scale"
+
+
+def _compiled_dcp_rank(rank, world, init_file):
+    import torch.distributed as dist
+
+    from kimi_ops.runtime.layer import random_hf_weights
+    from kimi_ops.runtime.metadata import allocate_blocks, build_decode_metadata
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        every = MLAConfig(name="dcp_compile", hidden_size=256, total_heads=2 * world, tp=1, q_lora_rank=128)
+        layer = MLADecodeLayer(every.replace(tp=world), seed=None, dcp_group=dist.group.WORLD)
+        layer.load_weights(random_hf_weights(every, seed=0), tp_rank=rank)
+        assert not layer.query_bf16
+        bt, nb = allocate_blocks(3, 16, 4, seed=1)
+        md = build_decode_metadata(torch.tensor([3, 5, 9], dtype=torch.int32), bt, block_size=4, qlen=1,
+                                   max_tokens=48, dcp_world_size=world, dcp_rank=rank)
+        cache = layer.new_kv_cache(nb, 4)
+        hidden = torch.randn(3, 256, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16)
+        with torch.no_grad():
+            want = mla.layer(layer, hidden, cache.clone(), md)
+            got = torch.compile(lambda x, c: mla.layer(layer, x, c, md), fullgraph=True)(hidden, cache.clone())
+        assert rel(got, want) <= 1e-2, rel(got, want)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_compiled_dcp_step_with_the_fp8_query(tmp_path):
+    """torch.compile(fullgraph=True) takes the DCP step's fp8 query: the amax all-reduce, the fp8
+    gather as bytes (gloo, 2 ranks), equal to eager to a bf16 rounding."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_compiled_dcp_rank, args=(2, str(tmp_path / "init")), nprocs=2, join=True)
