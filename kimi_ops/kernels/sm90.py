@@ -142,6 +142,8 @@ def work_list_enabled() -> bool:
 def mla_decode(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: float, kv_scale: float,
                num_splits, seq_lens=None, dcp_rank: int = 0, dcp_world_size: int = 1, q_scale=None):
     """M1c + M1b: q [T, H, 576] bf16, kv_rows [N, 576] fp8 -> (o [T, H, 512] bf16, lse [T, H] f32).
+    (An fp8 q with ``q_scale``, or an e4m3fnuz cache: the Triton split kernel, its split count
+    from the Triton heuristic, and the merge here: :func:`_triton_serves`.)
 
     The split kernel runs on a work-list grid (``_mla_decode_sm90``): one CTA per (row group,
     non-empty split), whole chunks launched first and partial ones by length after, found on the
