@@ -1,15 +1,17 @@
 // M1c, token-major: splitkv_tm_kernel, 32, 48 or 64 query rows a CTA of two warpgroups, wgmma
-// with the tokens as M (S^T = K Q^T, O^T = V^T P^T), and its per-tile pieces.
+// with the tokens as M (S^T = K Q^T, O^T = V^T P^T; with an fp8 query S^T is wgmma k32 e4m3 on
+// K's bytes as they are: tm_scores_fp8), and its per-tile pieces.
 //
 // Byte layouts:
-//   reads   q [T*H, 576] bf16; kv [N, 576] fp8 rows (cp.async, 16-byte chunks: TileLoader);
-//           kv_indptr / kv_indices int32; seq_lens [R] int32
+//   reads   q [T*H, 576] bf16 (or fp8 with q_scale [1] f32: kFp8Q); kv [N, 576] fp8 rows
+//           (cp.async, 16-byte chunks: TileLoader); kv_indptr / kv_indices int32; seq_lens [R] int32
 //   writes  o [valid_rows, 512] bf16 (16-byte stores) and lse [valid_rows] f32 (natural log) at
 //           the CTA's rows of o_part / lse_part or o_final / lse_final (work_list.cuh)
 //   shared  TokenMajorSmem<NT, STAGES, TILE>: kv[STAGES][TILE * 592] fp8 tiles, q [N * 576] f16
-//           (core-matrix layout, fragments.cuh), p [N * TILE] f16 (core matrices of 8 tokens x
-//           8 rows, tm_store_p), red [TILE / 16][N] f32, row_scale [N] f32, row_fac [N] f32; the
-//           epilogue stages O [N][kOStride = 520] bf16 in the K ring
+//           (core-matrix layout, fragments.cuh; an fp8 query: its first N * 576 bytes), p [N * TILE]
+//           f16 (core matrices of 8 tokens x 8 rows, tm_store_p), red [TILE / 16][N] f32,
+//           row_scale [N] f32, row_fac [N] f32; the epilogue stages O [N][kOStride = 520] bf16 in
+//           the K ring
 #pragma once
 
 #include <cuda_bf16.h>
@@ -92,6 +94,35 @@ __device__ __forceinline__ void tm_scores(float (&s)[HT][4], const uint8_t* k_la
     wgmma_fence();  // A written: explicit (a fence ptxas inserts itself can serialize the wgmmas)
     WgmmaF16RS<8 * HT>::run(s, a0, q_desc + (kc * 512 >> 4), kc > 0);
     WgmmaF16RS<8 * HT>::run(s, a1, q_desc + ((kc * 512 + 256) >> 4));
+    if (kc % 2 == 1 || kc + 1 == kChunks) {
+      wgmma_commit();
+      wgmma_wait<1>();
+    }
+  }
+  wgmma_wait<0>();
+  fence_operands(s);
+}
+
+// tm_scores for the fp8 query: 18 wgmma m64 k32 e4m3, A = the chunk's fp8 K bytes straight from
+// the ldmatrix (no conversion: kw is A's fragment), B = the fp8 Q (stage_query_rows_fp8<true>, 256
+// bytes a chunk). The wgmmas read kw from registers while in flight, so a chunk's buffer is
+// reloaded only after its group completed: groups of two chunks, waiting for all but the newest,
+// loads kDist = 2 chunks ahead: kBufs = 6 buffers (in flight, issued, loaded ahead).
+template <int HT, class LoadPiece, class BeforeFirstMma>
+__device__ __forceinline__ void tm_scores_fp8(float (&s)[HT][4], const uint8_t* k_lane, uint64_t q_desc,
+                                              LoadPiece&& load_piece, BeforeFirstMma&& before_first_mma) {
+  constexpr int kChunks = kRowBytes / 32;
+  constexpr int kDist = 2, kBufs = 6;
+  uint32_t kw[kBufs][4];  // (tokens 0-7, bytes 0-15), (8-15, 0-15), (0-7, 16-31), (8-15, 16-31) of a chunk
+#pragma unroll
+  for (int i = 0; i < kDist; ++i) ldmatrix_x4(kw[i], k_lane + i * 32);
+#pragma unroll
+  for (int kc = 0; kc < kChunks; ++kc) {
+    if (kc % 2 == 0 && kc / 2 < kLoadPieces) load_piece(kc / 2);
+    if (kc + kDist < kChunks) ldmatrix_x4(kw[(kc + kDist) % kBufs], k_lane + (kc + kDist) * 32);
+    if (kc == 0) before_first_mma();
+    wgmma_fence();
+    WgmmaE4M3RS<8 * HT>::run(s, kw[kc % kBufs], q_desc + (kc * 256 >> 4), kc > 0);
     if (kc % 2 == 1 || kc + 1 == kChunks) {
       wgmma_commit();
       wgmma_wait<1>();
@@ -252,7 +283,8 @@ __device__ __forceinline__ void tm_pv(float (&acc)[4][NT][4], const uint8_t* til
   }
 }
 
-template <int NT, int STAGES, int TILE>
+// kFp8Q: the fp8 query (stage_query_rows_fp8<true>, tm_scores_fp8); the rest is the same.
+template <int NT, int STAGES, int TILE, bool kFp8Q = false>
 __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const SplitKVParams p) {
   static_assert(NT % 2 == 0 && NT >= 4 && NT <= 8, "two warpgroups of NT / 2 n-tiles: 32..64 rows");
   static_assert(TILE == 64 || TILE == 128, "64- or 128-token tiles");
@@ -286,7 +318,11 @@ __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const Spli
     if (s < ntiles) loader.load(s, sm.kv[s]);
     cp_async_commit();
   }
-  stage_query_rows<true>(p, sm.q, sm.row_fac, work.flat0, work.valid_rows, kRows, warp, kTmWarps, lane);
+  if constexpr (kFp8Q)
+    stage_query_rows_fp8<true>(p, reinterpret_cast<uint8_t*>(sm.q), sm.row_fac, work.flat0, work.valid_rows, kRows,
+                               warp, kTmWarps, lane);
+  else
+    stage_query_rows<true>(p, sm.q, sm.row_fac, work.flat0, work.valid_rows, kRows, warp, kTmWarps, lane);
   fence_proxy_async_smem();
 
   // the thread's S^T rows (CTA-relative): half_row0 + 8j + 2c + h
@@ -318,7 +354,9 @@ __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const Spli
   // the fewest tokens any of the CTA's rows sees: its first row's (visible_tokens grows with the position)
   const int cta_lim = work.row_limit(p, row0);
   const int k_lane = (tq * 16 + (lane & 15)) * kSmemRow + (lane >> 4) * 16;
-  const uint64_t q_desc = smem_desc(&sm.q[(half_row0 / 8) * kQCoreGroup], 128, kQCoreGroup * 2);
+  const uint64_t q_desc =
+      kFp8Q ? smem_desc(reinterpret_cast<const uint8_t*>(sm.q) + (half_row0 / 8) * kQ8CoreGroup, 128, kQ8CoreGroup)
+            : smem_desc(&sm.q[(half_row0 / 8) * kQCoreGroup], 128, kQCoreGroup * 2);
   const uint64_t p_desc = smem_desc(sm.p, 128, 16 * TILE);
 
   for (int t = 0; t < ntiles; ++t) {
@@ -329,12 +367,13 @@ __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const Spli
     float s[kHT][4];
     const bool load_next = t + STAGES - 1 < ntiles;
     uint8_t* next_stage = sm.kv[(t + STAGES - 1) % STAGES];
-    tm_scores<kHT>(
-        s, tile + k_lane, q_desc,
-        [&](int piece) {
-          if (load_next) loader.load_piece(t + STAGES - 1, piece, next_stage);
-        },
-        wait_pv_tail);
+    auto load_piece = [&](int piece) {
+      if (load_next) loader.load_piece(t + STAGES - 1, piece, next_stage);
+    };
+    if constexpr (kFp8Q)
+      tm_scores_fp8<kHT>(s, tile + k_lane, q_desc, load_piece, wait_pv_tail);
+    else
+      tm_scores<kHT>(s, tile + k_lane, q_desc, load_piece, wait_pv_tail);
     cp_async_commit();
     float tile_max[kHT][2];
     const bool whole = work.lo + (t + 1) * TILE <= cta_lim;  // no token of the tile is masked
