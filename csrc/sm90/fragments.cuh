@@ -72,11 +72,13 @@ __device__ __forceinline__ void stage_query_rows(const SplitKVParams& p, __half*
   }
 }
 
-// The fp8 query for splitkv_kernel (f16 mma.sync: sm_90's mma.sync m16n8k32 e4m3 is emulated, ptxas
-// turns it into f16 HMMA plus conversions of both operands every tile): rows r = first, first + step,
-// ... (< rows), one warp a row, each e4m3 byte to f16 (exact, no scaling needed: |e4m3| <= 448,
-// its smallest subnormal 2^-9) in stage_query_rows' permuted row layout; row_fac[r] = qk_scale_log2 *
-// q_scale (read on the device, so a graph replays a new scale).
+// The fp8 query for the f16 MMAs (splitkv_kernel: sm_90's mma.sync m16n8k32 e4m3 is emulated, ptxas
+// turns it into f16 HMMA plus conversions of both operands every tile; splitkv_tm_kernel by default:
+// its e4m3 wgmma misses the lse contract, tm_scores_fp8): rows r = first, first + step, ... (< rows),
+// one warp a row, each e4m3 byte to f16 (exact, no scaling needed: |e4m3| <= 448, its smallest
+// subnormal 2^-9) in stage_query_rows' permuted layout (kCoreMatrix: its core matrices);
+// row_fac[r] = qk_scale_log2 * q_scale (read on the device, so a graph replays a new scale).
+template <bool kCoreMatrix = false>
 __device__ __forceinline__ void stage_query_rows_fp8_f16(const SplitKVParams& p, __half* q_smem, float* row_fac,
                                                          int64_t flat0, int valid_rows, int rows, int first,
                                                          int step, int lane) {
@@ -90,7 +92,9 @@ __device__ __forceinline__ void stage_query_rows_fp8_f16(const SplitKVParams& p,
       const uint32_t pair = valid ? src[lane + 32 * i] : 0u;
       const int col = 2 * (lane + 32 * i), within = col % 16;  // the pair's physical columns col, col + 1
       const int scol = col - within + ((within % 4) == 0 ? 2 * (within / 4) : 8 + 2 * (within / 4));
-      *reinterpret_cast<uint32_t*>(&q_smem[r * kQStride + scol]) = e4m3x4_to_f16x4(pair).lo;
+      const int at =
+          kCoreMatrix ? (r / 8) * kQCoreGroup + (scol / 8) * 64 + (r % 8) * 8 + scol % 8 : r * kQStride + scol;
+      *reinterpret_cast<uint32_t*>(&q_smem[at]) = e4m3x4_to_f16x4(pair).lo;
     }
     if (lane == 0) row_fac[r] = fac;
   }

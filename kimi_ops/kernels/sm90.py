@@ -13,8 +13,13 @@ tensor-core MMAs (``mma.sync`` for 16-row CTAs, token-major ``wgmma`` for 32-64 
 rounded to f16, against a running max that moves only when a tile raises it by more than 2^8
 (lazy rescaling: P <= 2^8). See the .cu file's header for the tiling and the byte layouts.
 
-An ``e4m3fnuz`` cache (gfx942's format) has no kernel here: it runs the Triton kernel. So does
-an fp8 query (issue 28's ``q_scale``) until the csrc kernels take one: :func:`_triton_serves`.
+An fp8 query (``torch.float8_e4m3fn`` with ``q_scale``, a float32 [1] device tensor, issue 28):
+the kernels read q_scale on the device into the score scale (a CUDA graph replays a new scale)
+and stage the fp8 q as f16 (exact), so the MMAs are the bf16 query's: sm_90 emulates mma.sync
+e4m3 (f16 MMAs plus conversions of both operands), and the token-major kernel's e4m3 wgmma on
+K's bytes (``KIMI_OPS_SM90_FP8_WGMMA=1``, half the QK MMAs, no K conversion) accumulates with
+reduced precision: |dlse| 6.4e-3 measured, outside the 4e-3 contract. An ``e4m3fnuz`` cache or
+query (gfx942's formats) has no kernel here: it runs the Triton kernel (:func:`_triton_serves`).
 """
 import functools
 import os
@@ -26,6 +31,9 @@ from ..device import device_index, multiprocessor_count
 LOG2E = 1.4426950408889634
 STAGES_ENV = "KIMI_OPS_SM90_STAGES"  # K-ring depth override (MAX_STAGES by CTA height), for tuning
 ROWS_ENV = "KIMI_OPS_SM90_ROWS"  # CTA rows override (16, 32, 48, 64), for tuning
+# "1": the token-major kernel's fp8-query QK as e4m3 wgmma (read by the C++ launcher; outside the
+# fp8-query lse contract: csrc/sm90/decode_token_major.cuh, tm_scores_fp8)
+FP8_WGMMA_ENV = "KIMI_OPS_SM90_FP8_WGMMA"
 BALANCE_WAVES_ENV = "KIMI_OPS_SM90_BALANCE_WAVES"  # waves of CTAs the balanced chunk length aims at (1..8)
 WORK_LIST_ENV = "KIMI_OPS_SM90_WORK_LIST"  # "0": mla_decode on the (split, request) grid instead
 MAX_GRID_Y = 65535
@@ -86,15 +94,16 @@ def balance_waves() -> int:
 
 
 def _triton_serves(q, kv_rows) -> bool:
-    """Inputs the csrc kernels do not take, served by the Triton kernel: an e4m3fnuz cache, and
-    (for now) an fp8 query. The one branch to narrow when the csrc kernels take an fp8 q."""
-    return kv_rows.dtype != torch.float8_e4m3fn or q.dtype != torch.bfloat16
+    """Inputs the csrc kernels do not take, served by the Triton kernel: an e4m3fnuz cache or
+    query (the kernels take a bf16 q, or an e4m3fn q with q_scale, on an e4m3fn cache)."""
+    return kv_rows.dtype != torch.float8_e4m3fn or q.dtype not in (torch.bfloat16, torch.float8_e4m3fn)
 
 
 def mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: float, kv_scale: float,
                        num_splits: int, seq_lens=None, dcp_rank: int = 0, dcp_world_size: int = 1,
                        zero_empty: bool = True, q_scale=None):
-    """M1c. q [T, H, 576] bf16, kv_rows [N, 576] fp8 -> (o_part [S, T, H, 512] bf16, lse_part [S, T, H] f32).
+    """M1c. q [T, H, 576] bf16 (or e4m3fn with q_scale [1] f32), kv_rows [N, 576] fp8 -> (o_part
+    [S, T, H, 512] bf16, lse_part [S, T, H] f32).
 
     A request of n tokens is cut into chunks of max(ceil(n / S), all tokens / the CTAs of
     :func:`balance_waves` waves) rounded up to 64, at most S of them (later splits may be empty:
@@ -109,7 +118,7 @@ def mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: floa
     balance = balance_ctas(q, kv_indptr, kv_indices, qlen)
     return _ops()._mla_decode_splitkv_sm90(
         *_kernel_args(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits, seq_lens, dcp_rank,
-                      dcp_world_size, balance), zero_empty)
+                      dcp_world_size, balance), zero_empty, q_scale)
 
 
 def _kernel_args(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits, seq_lens, dcp_rank,
@@ -141,7 +150,8 @@ def work_list_enabled() -> bool:
 
 def mla_decode(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: float, kv_scale: float,
                num_splits, seq_lens=None, dcp_rank: int = 0, dcp_world_size: int = 1, q_scale=None):
-    """M1c + M1b: q [T, H, 576] bf16, kv_rows [N, 576] fp8 -> (o [T, H, 512] bf16, lse [T, H] f32).
+    """M1c + M1b: q [T, H, 576] bf16 (or e4m3fn with q_scale), kv_rows [N, 576] fp8 -> (o [T, H, 512] bf16,
+    lse [T, H] f32).
 
     The split kernel runs on a work-list grid (``_mla_decode_sm90``): one CTA per (row group,
     non-empty split), whole chunks launched first and partial ones by length after, found on the
@@ -168,7 +178,8 @@ def mla_decode(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: float, kv_sc
                  and work_list_items(num_requests, num_splits, balance) <= MAX_GRID_Y)
     if work_list:
         return _ops()._mla_decode_sm90(*_kernel_args(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale,
-                                                     num_splits, seq_lens, dcp_rank, dcp_world_size, balance))
+                                                     num_splits, seq_lens, dcp_rank, dcp_world_size, balance),
+                                       q_scale)
     o_part, lse_part = mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits,
                                           seq_lens, dcp_rank, dcp_world_size, zero_empty=False, q_scale=q_scale)
     if num_splits == 1:
