@@ -109,10 +109,12 @@ __device__ __forceinline__ void tm_scores(float (&s)[HT][4], const uint8_t* k_la
 // while in flight, so a chunk's buffer is reloaded only after its group completed: groups of two
 // chunks, waiting for all but the newest, loads kDist = 2 chunks ahead: kBufs = 6 buffers (in
 // flight, issued, loaded ahead).
-// Measured on the H200 (2026-12-03): rel L2 of o 2.0e-3 but |dlse| 6.4e-3 against float64 on a
-// short request (H12 q1, lens 1-300), outside the fp8-query contract (4e-3): the e4m3 wgmma
-// accumulates with reduced precision (the error of a score is the lse error of a 1-token row);
-// 0.6-9% faster than the f16 path (H12 B32 8k q2 68.6 vs 75.8 us, q8 133.1 vs 137.3).
+// Measured on the H200 (2026-12-03, tests/test_cuda_attention.py): rel L2 of o <= 2.8e-3 but
+// |dlse| up to 1.7e-2 against float64 (1.1-1.7e-2 over the CTA heights; short requests: the error
+// of a score is the lse error of a 1-token row), outside the fp8-query contract (4e-3): the e4m3
+// wgmma accumulates with reduced precision. Off by default; against the f16 path on the issue-27
+// grid it took H12 B32 8k q2 from 75.1 to 67.9 us, q4 82.5 -> 80.5, q8 136.5 -> 130.9, H96 B64 4k
+// 135.7 -> 132.3 (the QK MMAs halved; PV, the loads and the softmax unchanged).
 template <int HT, class LoadPiece, class BeforeFirstMma>
 __device__ __forceinline__ void tm_scores_fp8(float (&s)[HT][4], const uint8_t* k_lane, uint64_t q_desc,
                                               LoadPiece&& load_piece, BeforeFirstMma&& before_first_mma) {
