@@ -472,7 +472,7 @@ def test_fp8_query_runs_the_kernels(recorded_sm90, monkeypatch):
     assert not hopper._triton_serves(q8, kv) and not hopper._triton_serves(q, kv)
 
 
-def check_fp8q(lens, qlen, H, S, gen, *, oob=0, q_gain=1.0, work_list=False, kv_scale=0.5, lse_atol=FP8Q_LSE_ATOL):
+def check_fp8q(lens, qlen, H, S, gen, *, oob=0, q_gain=1.0, work_list=False, kv_scale=0.5):
     """The cuda kernels on an fp8 q (per-tensor amax scale): mla_decode_splitkv + merge, or
     mla_decode (work-list grid), against the float64 oracle on q8 * q_scale. (rel L2, |dlse|)."""
     import kimi_ops.kernels.sm90 as hopper
@@ -492,7 +492,7 @@ def check_fp8q(lens, qlen, H, S, gen, *, oob=0, q_gain=1.0, work_list=False, kv_
     den = ro.norm().item()
     err = (o.double() - ro).norm().item() / den if den > 0 else o.double().norm().item()
     lerr = (lse.double()[fin] - rl[fin]).abs().max().item() if fin.any() else 0.0
-    assert err <= FP8Q_RTOL and lerr <= lse_atol, (lens[:8], qlen, H, S, work_list, err, lerr)
+    assert err <= FP8Q_RTOL and lerr <= FP8Q_LSE_ATOL, (lens[:8], qlen, H, S, work_list, err, lerr)
     return err, lerr
 
 
@@ -504,7 +504,6 @@ def test_fp8q_grid(rows, monkeypatch):
     query scales."""
     import kimi_ops.kernels.sm90 as hopper
     monkeypatch.setenv(hopper.ROWS_ENV, rows)
-    monkeypatch.delenv(hopper.FP8_WGMMA_ENV, raising=False)
     g = torch.Generator().manual_seed(100 + int(rows))
     worst = (0.0, 0.0)
     for H, qlen in [(12, 1), (12, 2), (16, 4), (12, 8), (96, 1), (128, 1)]:
@@ -521,26 +520,6 @@ def test_fp8q_grid(rows, monkeypatch):
 
 
 @sm90
-@pytest.mark.parametrize("rows", ["32", "48", "64"])
-def test_fp8q_e4m3_wgmma_opt_in(rows, monkeypatch):
-    """KIMI_OPS_SM90_FP8_WGMMA=1: the token-major kernel's S^T as e4m3 wgmma on K's bytes. o is
-    within the contract; the lse is not (reduced-precision accumulation: up to 1.7e-2 measured on
-    the H200 over these cases, 2026-12-03), so this checks it against 3e-2 (a wrong fragment or
-    scale gives O(1)) and prints what it measures."""
-    import kimi_ops.kernels.sm90 as hopper
-    monkeypatch.setenv(hopper.ROWS_ENV, rows)
-    monkeypatch.setenv(hopper.FP8_WGMMA_ENV, "1")
-    g = torch.Generator().manual_seed(200 + int(rows))
-    worst = (0.0, 0.0)
-    for H, qlen in [(12, 1), (12, 4), (96, 1)]:
-        for lens, S in [([0, 1, 2, 7, 63, 64, 65, 300], 3), ([4096, 17, 2500, 0], 8)]:
-            for work_list in (False, True):
-                e = check_fp8q(lens, qlen, H, S, g, work_list=work_list, lse_atol=3e-2)
-                worst = (max(worst[0], e[0]), max(worst[1], e[1]))
-    print(f"cuda fp8 q e4m3 wgmma rows={rows}: worst rel L2 {worst[0]:.2e}, worst |lse| {worst[1]:.2e}")
-
-
-@sm90
 @pytest.mark.parametrize("rows", ["16", "32", "48", "64"])
 def test_fp8q_power_of_two_scale_is_the_bf16_query(rows, monkeypatch):
     """The kernels stage the fp8 q as f16 (exact) and fold q_scale into the score scale, so a
@@ -548,7 +527,6 @@ def test_fp8q_power_of_two_scale_is_the_bf16_query(rows, monkeypatch):
     the same sums scaled by a power of two)."""
     import kimi_ops.kernels.sm90 as hopper
     monkeypatch.setenv(hopper.ROWS_ENV, rows)
-    monkeypatch.delenv(hopper.FP8_WGMMA_ENV, raising=False)
     g = torch.Generator().manual_seed(5)
     q, kv, indptr, idx = make_inputs([700, 3, 0, 2000], 2, 12, device="cuda", gen=g)
     q8, _ = quantize_per_tensor(q.float())

@@ -1,15 +1,25 @@
 // M1c, token-major: splitkv_tm_kernel, 32, 48 or 64 query rows a CTA of two warpgroups, wgmma
-// with the tokens as M (S^T = K Q^T, O^T = V^T P^T; an fp8 query is staged as f16, exact, or, opted
-// in, S^T is wgmma k32 e4m3 on K's bytes as they are: tm_scores_fp8), and its per-tile pieces.
+// with the tokens as M (S^T = K Q^T, O^T = V^T P^T; an fp8 query is staged as f16, exact, and
+// takes the same MMAs), and its per-tile pieces.
+//
+// Tried and removed: S^T for the fp8 query as wgmma m64nNk32 e4m3 (A = K's fp8 bytes straight
+// from ldmatrix, no conversion; B = the fp8 Q in core matrices), behind KIMI_OPS_SM90_FP8_WGMMA=1.
+// Measured on the H200 (2026-12-03): rel L2 of o <= 2.8e-3 but |dlse| 1.1-1.7e-2 against float64
+// over the CTA heights, outside the fp8-query contract (4e-3: the e4m3 wgmma accumulates with
+// reduced precision), for at most 10% speed over the f16 staging (issue-27 grid: H12 B32 8k q2
+// 75.1 -> 67.9 us, q4 82.5 -> 80.5, q8 136.5 -> 130.9, H96 B64 4k 135.7 -> 132.3), at a longer
+// device build (59 s -> 76 s measured with the fp8 query's kernels; the opt-in's own instances: 4,
+// this kernel's, one a CTA shape). The code (tm_scores_fp8, stage_query_rows_fp8, the e4m3
+// WgmmaRS, the KIMI_OPS_SM90_FP8_WGMMA switch, its test) is at commit fbde174.
 //
 // Byte layouts:
-//   reads   q [T*H, 576] bf16 (or fp8 with q_scale [1] f32: kQMode); kv [N, 576] fp8 rows
+//   reads   q [T*H, 576] bf16 (or fp8 with q_scale [1] f32: kFp8Q); kv [N, 576] fp8 rows
 //           (cp.async, 16-byte chunks: TileLoader); kv_indptr / kv_indices int32; seq_lens [R] int32
 //   writes  o [valid_rows, 512] bf16 (16-byte stores) and lse [valid_rows] f32 (natural log) at
 //           the CTA's rows of o_part / lse_part or o_final / lse_final (work_list.cuh)
 //   shared  TokenMajorSmem<NT, STAGES, TILE>: kv[STAGES][TILE * 592] fp8 tiles, q [N * 576] f16
-//           (core-matrix layout, fragments.cuh; an fp8 query: its first N * 576 bytes), p [N * TILE]
-//           f16 (core matrices of 8 tokens x 8 rows, tm_store_p), red [TILE / 16][N] f32,
+//           (core-matrix layout, fragments.cuh; an fp8 query the same, its bytes converted), p
+//           [N * TILE] f16 (core matrices of 8 tokens x 8 rows, tm_store_p), red [TILE / 16][N] f32,
 //           row_scale [N] f32, row_fac [N] f32; the epilogue stages O [N][kOStride = 520] bf16 in
 //           the K ring
 #pragma once
@@ -94,42 +104,6 @@ __device__ __forceinline__ void tm_scores(float (&s)[HT][4], const uint8_t* k_la
     wgmma_fence();  // A written: explicit (a fence ptxas inserts itself can serialize the wgmmas)
     WgmmaF16RS<8 * HT>::run(s, a0, q_desc + (kc * 512 >> 4), kc > 0);
     WgmmaF16RS<8 * HT>::run(s, a1, q_desc + ((kc * 512 + 256) >> 4));
-    if (kc % 2 == 1 || kc + 1 == kChunks) {
-      wgmma_commit();
-      wgmma_wait<1>();
-    }
-  }
-  wgmma_wait<0>();
-  fence_operands(s);
-}
-
-// tm_scores for the fp8 query (kQFp8Wgmma, opt-in: KIMI_OPS_SM90_FP8_WGMMA=1): 18 wgmma m64 k32
-// e4m3, A = the chunk's fp8 K bytes straight from the ldmatrix (no conversion: kw is A's fragment),
-// B = the fp8 Q (stage_query_rows_fp8<true>, 256 bytes a chunk). The wgmmas read kw from registers
-// while in flight, so a chunk's buffer is reloaded only after its group completed: groups of two
-// chunks, waiting for all but the newest, loads kDist = 2 chunks ahead: kBufs = 6 buffers (in
-// flight, issued, loaded ahead).
-// Measured on the H200 (2026-12-03, tests/test_cuda_attention.py): rel L2 of o <= 2.8e-3 but
-// |dlse| up to 1.7e-2 against float64 (1.1-1.7e-2 over the CTA heights; short requests: the error
-// of a score is the lse error of a 1-token row), outside the fp8-query contract (4e-3): the e4m3
-// wgmma accumulates with reduced precision. Off by default; against the f16 path on the issue-27
-// grid it took H12 B32 8k q2 from 75.1 to 67.9 us, q4 82.5 -> 80.5, q8 136.5 -> 130.9, H96 B64 4k
-// 135.7 -> 132.3 (the QK MMAs halved; PV, the loads and the softmax unchanged).
-template <int HT, class LoadPiece, class BeforeFirstMma>
-__device__ __forceinline__ void tm_scores_fp8(float (&s)[HT][4], const uint8_t* k_lane, uint64_t q_desc,
-                                              LoadPiece&& load_piece, BeforeFirstMma&& before_first_mma) {
-  constexpr int kChunks = kRowBytes / 32;
-  constexpr int kDist = 2, kBufs = 6;
-  uint32_t kw[kBufs][4];  // (tokens 0-7, bytes 0-15), (8-15, 0-15), (0-7, 16-31), (8-15, 16-31) of a chunk
-#pragma unroll
-  for (int i = 0; i < kDist; ++i) ldmatrix_x4(kw[i], k_lane + i * 32);
-#pragma unroll
-  for (int kc = 0; kc < kChunks; ++kc) {
-    if (kc % 2 == 0 && kc / 2 < kLoadPieces) load_piece(kc / 2);
-    if (kc + kDist < kChunks) ldmatrix_x4(kw[(kc + kDist) % kBufs], k_lane + (kc + kDist) * 32);
-    if (kc == 0) before_first_mma();
-    wgmma_fence();
-    WgmmaE4M3RS<8 * HT>::run(s, kw[kc % kBufs], q_desc + (kc * 256 >> 4), kc > 0);
     if (kc % 2 == 1 || kc + 1 == kChunks) {
       wgmma_commit();
       wgmma_wait<1>();
@@ -290,10 +264,8 @@ __device__ __forceinline__ void tm_pv(float (&acc)[4][NT][4], const uint8_t* til
   }
 }
 
-// kQMode: kQBf16, kQFp8 (the fp8 query staged as f16, exact: stage_query_rows_fp8_f16<true>, the
-// same MMAs) or kQFp8Wgmma (S^T as e4m3 wgmma: stage_query_rows_fp8<true>, tm_scores_fp8); the rest
-// is the same.
-template <int NT, int STAGES, int TILE, int kQMode = kQBf16>
+// kFp8Q: the fp8 query, staged as f16 (exact: stage_query_rows_fp8_f16<true>); the rest is the same.
+template <int NT, int STAGES, int TILE, bool kFp8Q = false>
 __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const SplitKVParams p) {
   static_assert(NT % 2 == 0 && NT >= 4 && NT <= 8, "two warpgroups of NT / 2 n-tiles: 32..64 rows");
   static_assert(TILE == 64 || TILE == 128, "64- or 128-token tiles");
@@ -327,10 +299,7 @@ __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const Spli
     if (s < ntiles) loader.load(s, sm.kv[s]);
     cp_async_commit();
   }
-  if constexpr (kQMode == kQFp8Wgmma)
-    stage_query_rows_fp8<true>(p, reinterpret_cast<uint8_t*>(sm.q), sm.row_fac, work.flat0, work.valid_rows, kRows,
-                               warp, kTmWarps, lane);
-  else if constexpr (kQMode == kQFp8)
+  if constexpr (kFp8Q)
     stage_query_rows_fp8_f16<true>(p, sm.q, sm.row_fac, work.flat0, work.valid_rows, kRows, warp, kTmWarps, lane);
   else
     stage_query_rows<true>(p, sm.q, sm.row_fac, work.flat0, work.valid_rows, kRows, warp, kTmWarps, lane);
@@ -365,10 +334,7 @@ __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const Spli
   // the fewest tokens any of the CTA's rows sees: its first row's (visible_tokens grows with the position)
   const int cta_lim = work.row_limit(p, row0);
   const int k_lane = (tq * 16 + (lane & 15)) * kSmemRow + (lane >> 4) * 16;
-  const uint8_t* q8_smem = reinterpret_cast<const uint8_t*>(sm.q);
-  const uint64_t q_desc = kQMode == kQFp8Wgmma
-                              ? smem_desc(q8_smem + (half_row0 / 8) * kQ8CoreGroup, 128, kQ8CoreGroup)
-                              : smem_desc(&sm.q[(half_row0 / 8) * kQCoreGroup], 128, kQCoreGroup * 2);
+  const uint64_t q_desc = smem_desc(&sm.q[(half_row0 / 8) * kQCoreGroup], 128, kQCoreGroup * 2);
   const uint64_t p_desc = smem_desc(sm.p, 128, 16 * TILE);
 
   for (int t = 0; t < ntiles; ++t) {
@@ -379,13 +345,12 @@ __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const Spli
     float s[kHT][4];
     const bool load_next = t + STAGES - 1 < ntiles;
     uint8_t* next_stage = sm.kv[(t + STAGES - 1) % STAGES];
-    auto load_piece = [&](int piece) {
-      if (load_next) loader.load_piece(t + STAGES - 1, piece, next_stage);
-    };
-    if constexpr (kQMode == kQFp8Wgmma)
-      tm_scores_fp8<kHT>(s, tile + k_lane, q_desc, load_piece, wait_pv_tail);
-    else
-      tm_scores<kHT>(s, tile + k_lane, q_desc, load_piece, wait_pv_tail);
+    tm_scores<kHT>(
+        s, tile + k_lane, q_desc,
+        [&](int piece) {
+          if (load_next) loader.load_piece(t + STAGES - 1, piece, next_stage);
+        },
+        wait_pv_tail);
     cp_async_commit();
     float tile_max[kHT][2];
     const bool whole = work.lo + (t + 1) * TILE <= cta_lim;  // no token of the tile is masked

@@ -1,6 +1,7 @@
 // Pieces both M1c kernels use: the query rows staged in shared memory (stage_query_rows; the fp8
-// query's: stage_query_rows_fp8), V^T fragments built from a K tile's fp8 bytes (v_token_words /
-// v_token_pairs), and the cp.async tile gatherer (TileLoader, the token-major kernel's loads).
+// query's, as f16: stage_query_rows_fp8_f16), V^T fragments built from a K tile's fp8 bytes
+// (v_token_words / v_token_pairs), and the cp.async tile gatherer (TileLoader, the token-major
+// kernel's loads).
 //
 // Byte layouts:
 //   reads   q [T*H, 576] bf16 (a row = 1152 bytes, 9 words a lane) or fp8 (576 bytes, 4.5 words a
@@ -8,9 +9,8 @@
 //   writes  Q in shared memory as f16: row r, permuted column k at q_smem[r * kQStride + k]
 //           (kQStride = 584 halves, 1168 bytes), or with kCoreMatrix wgmma's no-swizzle K-major
 //           core matrices (8 rows x 8 columns = 128 bytes; K-adjacent ones 128 bytes apart,
-//           8-row groups kQCoreGroup = 4608 halves apart); row_fac [rows] f32
-//           fp8 Q: row r's byte k at r * kSmemRow + k (592-byte rows), or core matrices of 8 rows
-//           x 16 bytes (K-adjacent ones 128 bytes apart, 8-row groups kQ8CoreGroup = 4608 bytes apart)
+//           8-row groups kQCoreGroup = 4608 halves apart); row_fac [rows] f32 (an fp8 Q the same,
+//           its bytes converted to f16)
 //           K tiles: token row j at stage + j * kSmemRow (592 bytes), 576 bytes of the cache row
 //           (zero-filled past the split or for an index outside the cache), 16 bytes of padding
 #pragma once
@@ -73,10 +73,10 @@ __device__ __forceinline__ void stage_query_rows(const SplitKVParams& p, __half*
 }
 
 // The fp8 query for the f16 MMAs (splitkv_kernel: sm_90's mma.sync m16n8k32 e4m3 is emulated, ptxas
-// turns it into f16 HMMA plus conversions of both operands every tile; splitkv_tm_kernel by default:
-// its e4m3 wgmma misses the lse contract, tm_scores_fp8): rows r = first, first + step, ... (< rows),
-// one warp a row, each e4m3 byte to f16 (exact, no scaling needed: |e4m3| <= 448, its smallest
-// subnormal 2^-9) in stage_query_rows' permuted layout (kCoreMatrix: its core matrices);
+// turns it into f16 HMMA plus conversions of both operands every tile; splitkv_tm_kernel: e4m3 wgmma
+// missed the lse contract, decode_token_major.cuh's header): rows r = first, first + step, ...
+// (< rows), one warp a row, each e4m3 byte to f16 (exact, no scaling needed: |e4m3| <= 448, its
+// smallest subnormal 2^-9) in stage_query_rows' permuted layout (kCoreMatrix: its core matrices);
 // row_fac[r] = qk_scale_log2 * q_scale (read on the device, so a graph replays a new scale).
 template <bool kCoreMatrix = false>
 __device__ __forceinline__ void stage_query_rows_fp8_f16(const SplitKVParams& p, __half* q_smem, float* row_fac,
@@ -95,32 +95,6 @@ __device__ __forceinline__ void stage_query_rows_fp8_f16(const SplitKVParams& p,
       const int at =
           kCoreMatrix ? (r / 8) * kQCoreGroup + (scol / 8) * 64 + (r % 8) * 8 + scol % 8 : r * kQStride + scol;
       *reinterpret_cast<uint32_t*>(&q_smem[at]) = e4m3x4_to_f16x4(pair).lo;
-    }
-    if (lane == 0) row_fac[r] = fac;
-  }
-}
-
-// The fp8 query's rows r = first, first + step, ... (< rows), one warp a row: the e4m3 bytes as they
-// are (no scaling, no permutation: the fp8 MMAs' A and B fragments take a row's bytes in order),
-// row r's byte k at q8_smem[r * kSmemRow + k], or with kCoreMatrix in wgmma's no-swizzle K-major
-// layout (core matrices of 8 rows x 16 bytes, K-adjacent ones 128 bytes apart, 8-row groups
-// kQ8CoreGroup bytes apart); row_fac[r] = qk_scale_log2 * q_scale (read on the device, so a graph
-// replays a new scale).
-constexpr int kQ8CoreGroup = 8 * kRowBytes;  // bytes per 8-row group of the fp8 core-matrix layout
-template <bool kCoreMatrix = false>
-__device__ __forceinline__ void stage_query_rows_fp8(const SplitKVParams& p, uint8_t* q8_smem, float* row_fac,
-                                                     int64_t flat0, int valid_rows, int rows, int first, int step,
-                                                     int lane) {
-  const float fac = p.qk_scale_log2 * *p.q_scale;
-  const uint8_t* q8 = reinterpret_cast<const uint8_t*>(p.q);
-  for (int r = first; r < rows; r += step) {
-    const bool valid = r < valid_rows;
-    const uint32_t* src = reinterpret_cast<const uint32_t*>(q8 + (flat0 + r) * kRowBytes);
-    for (int i = lane; i < kRowBytes / 4; i += 32) {
-      const uint32_t w = valid ? src[i] : 0u;
-      const int k = 4 * i;
-      const int at = kCoreMatrix ? (r / 8) * kQ8CoreGroup + (k / 16) * 128 + (r % 8) * 16 + k % 16 : r * kSmemRow + k;
-      *reinterpret_cast<uint32_t*>(q8_smem + at) = w;
     }
     if (lane == 0) row_fac[r] = fac;
   }

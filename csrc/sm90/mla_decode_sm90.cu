@@ -68,7 +68,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 
 #include "copy.cuh"
 #include "params.cuh"
@@ -91,8 +90,8 @@ void check_cuda_tensor(const at::Tensor& t, const char* name, at::ScalarType dty
   TORCH_CHECK(t.is_contiguous(), "kimi_ops._C: ", name, " must be contiguous");
 }
 
-// kQMode: which query instance of the kernel (its own `configured`: the attribute is per function)
-template <typename Smem, int kQMode, typename Kernel>
+// kFp8Q: the kernel's fp8-query instance (its own `configured`: the attribute is per function)
+template <typename Smem, bool kFp8Q, typename Kernel>
 void launch_kernel(Kernel* kernel, int threads, const SplitKVParams& params, dim3 grid, cudaStream_t stream) {
   constexpr size_t smem = sizeof(Smem);
   static bool configured[64] = {};  // per device: the dynamic smem limit is a per-context attribute
@@ -106,32 +105,23 @@ void launch_kernel(Kernel* kernel, int threads, const SplitKVParams& params, dim
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// The fp8-query instance where params.q_scale is set; the token-major kernel's e4m3 wgmma one with
-// KIMI_OPS_SM90_FP8_WGMMA=1 (read at launch: a CUDA graph keeps what its capture launched).
-bool fp8_wgmma_enabled() {
-  const char* v = std::getenv("KIMI_OPS_SM90_FP8_WGMMA");
-  return v != nullptr && v[0] == '1' && v[1] == '\0';
-}
-
+// the fp8-query instance where params.q_scale is set
 template <int STAGES>
 void launch_splitkv(const SplitKVParams& params, dim3 grid, cudaStream_t stream) {
   using Smem = SplitKVSmem<STAGES>;
   if (params.q_scale != nullptr)
-    launch_kernel<Smem, kQFp8>(splitkv_kernel<STAGES, true>, kSplitKVThreads, params, grid, stream);
+    launch_kernel<Smem, true>(splitkv_kernel<STAGES, true>, kSplitKVThreads, params, grid, stream);
   else
-    launch_kernel<Smem, kQBf16>(splitkv_kernel<STAGES>, kSplitKVThreads, params, grid, stream);
+    launch_kernel<Smem, false>(splitkv_kernel<STAGES>, kSplitKVThreads, params, grid, stream);
 }
 
 template <int NT, int STAGES, int TILE = kTileN>
 void launch_splitkv_tm(const SplitKVParams& params, dim3 grid, cudaStream_t stream) {
   using Smem = TokenMajorSmem<NT, STAGES, TILE>;
-  if (params.q_scale != nullptr && fp8_wgmma_enabled())
-    launch_kernel<Smem, kQFp8Wgmma>(splitkv_tm_kernel<NT, STAGES, TILE, kQFp8Wgmma>, 32 * kTmWarps, params, grid,
-                                    stream);
-  else if (params.q_scale != nullptr)
-    launch_kernel<Smem, kQFp8>(splitkv_tm_kernel<NT, STAGES, TILE, kQFp8>, 32 * kTmWarps, params, grid, stream);
+  if (params.q_scale != nullptr)
+    launch_kernel<Smem, true>(splitkv_tm_kernel<NT, STAGES, TILE, true>, 32 * kTmWarps, params, grid, stream);
   else
-    launch_kernel<Smem, kQBf16>(splitkv_tm_kernel<NT, STAGES, TILE>, 32 * kTmWarps, params, grid, stream);
+    launch_kernel<Smem, false>(splitkv_tm_kernel<NT, STAGES, TILE>, 32 * kTmWarps, params, grid, stream);
 }
 
 // Work items of the work-list grid for R requests of at most num_splits splits: the used splits

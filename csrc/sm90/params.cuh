@@ -40,8 +40,6 @@ constexpr float kLn2 = 0.6931471805599453f;
 // (log2 units), so P <= 2^kMaxSlack in f16. Any m gives the same o and lse; most tiles skip the
 // exchange and its barrier.
 constexpr float kMaxSlack = 8.f;
-// The query a kernel instance takes: bf16, fp8 staged as f16 (exact), fp8 on e4m3 wgmma.
-constexpr int kQBf16 = 0, kQFp8 = 1, kQFp8Wgmma = 2;
 
 struct SplitKVParams {
   const __nv_bfloat16* q;  // bf16 [T*H, 576], or with q_scale the fp8 e4m3fn bytes [T*H, 576]

@@ -1,8 +1,8 @@
 // PTX wrappers for sm_90a shared by the M1c kernels: named barriers (bar.sync / bar.red on
-// barrier 1), ldmatrix, wgmma (fence / commit / wait, shared-memory descriptors, the RS
-// instruction for N = 32, 48, 64: f16 k16 or e4m3 k32), 32-bit shared loads, e4m3 -> f16
-// conversion, mma.sync m16n8k16 f16, ex2.approx, f16x2 packing and prmt. (No mma.sync e4m3:
-// sm_90 emulates it, ptxas emitting f16 HMMA and conversions of both operands.)
+// barrier 1), ldmatrix, wgmma (fence / commit / wait, shared-memory descriptors, the f16 RS
+// instruction for N = 32, 48, 64), 32-bit shared loads, e4m3 -> f16 conversion, mma.sync
+// m16n8k16 f16, ex2.approx, f16x2 packing and prmt. (No mma.sync e4m3: sm_90 emulates it, ptxas
+// emitting f16 HMMA and conversions of both operands; the fp8 query is staged as f16.)
 //
 // Byte layouts: registers only, except ldmatrix_x4 / lds32 (shared memory, 16 / 4 bytes a lane)
 // and the wgmma B operand, read through smem_desc: no swizzle, core matrices of 8 rows x 16
@@ -79,84 +79,59 @@ __device__ __forceinline__ uint64_t smem_desc(const void* p, uint32_t lbo, uint3
 // layout per n-tile of 8 columns: d[j] holds (row g, col 8j + 2c), (g, 8j + 2c + 1),
 // (g + 8, 8j + 2c), (g + 8, 8j + 2c + 1). Always accumulates (scale-d true). N = 32, 48 or 64 query rows.
 // B's core matrices are K-major (8 N rows x 8 k, k contiguous), or with kTransB MN-major (8 k rows x 8 N).
-// With kE4M3 the instruction is m64nNk32 e4m3 x e4m3 (fp8 query): A's registers hold 4 bytes each,
-// (row g, k 4c..4c+3), (g + 8, 4c..), (g, 16 + 4c..), (g + 8, 16 + 4c..) of the warp's 16 M rows
-// (the bytes of an ldmatrix_x4 of the rows' 32 k-bytes, in order), B K-major core matrices of
-// 8 N rows x 16 k bytes; no transpose (kTransB must be 0). The accumulators as above.
-#define KIMI_WGMMA_D16(d)                                                                                  \
-  "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), \
-      "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]),            \
-      "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
-#define KIMI_WGMMA_D24(d)                                                                                   \
-  KIMI_WGMMA_D16(d), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), \
-      "+f"(d[5][2]), "+f"(d[5][3])
-#define KIMI_WGMMA_D32(d)                                                                                   \
-  KIMI_WGMMA_D24(d), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), \
-      "+f"(d[7][2]), "+f"(d[7][3])
-#define KIMI_WGMMA_AB "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(scale_d), "n"(kTransB)
-#define KIMI_WGMMA_R16 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
-#define KIMI_WGMMA_R24 KIMI_WGMMA_R16 ", %16, %17, %18, %19, %20, %21, %22, %23"
-#define KIMI_WGMMA_R32 KIMI_WGMMA_R24 ", %24, %25, %26, %27, %28, %29, %30, %31"
-template <int N, int kTransB = 0, bool kE4M3 = false>
-struct WgmmaRS;
-template <int kTransB, bool kE4M3>
-struct WgmmaRS<32, kTransB, kE4M3> {
+template <int N, int kTransB = 0>
+struct WgmmaF16RS;
+template <int kTransB>
+struct WgmmaF16RS<32, kTransB> {
   __device__ __forceinline__ static void run(float (&d)[4][4], const uint32_t (&a)[4], uint64_t b_desc,
                                              int scale_d = 1) {
-    if constexpr (kE4M3)
-      asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %21, 0;\n"
-                   " wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 {"
-                   KIMI_WGMMA_R16 "}, {%16, %17, %18, %19}, %20, p, 1, 1;\n}\n"
-                   : KIMI_WGMMA_D16(d)
-                   : KIMI_WGMMA_AB);
-    else
-      asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %21, 0;\n"
-                   " wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {"
-                   KIMI_WGMMA_R16 "}, {%16, %17, %18, %19}, %20, p, 1, 1, %22;\n}\n"
-                   : KIMI_WGMMA_D16(d)
-                   : KIMI_WGMMA_AB);
+    asm volatile(
+        "{\n .reg .pred p;\n setp.ne.b32 p, %21, 0;\n"
+        " wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+        "}, {%16, %17, %18, %19}, %20, p, 1, 1, %22;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),
+          "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+          "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(scale_d), "n"(kTransB));
   }
 };
-template <int kTransB, bool kE4M3>
-struct WgmmaRS<48, kTransB, kE4M3> {
+template <int kTransB>
+struct WgmmaF16RS<48, kTransB> {
   __device__ __forceinline__ static void run(float (&d)[6][4], const uint32_t (&a)[4], uint64_t b_desc,
                                              int scale_d = 1) {
-    if constexpr (kE4M3)
-      asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %29, 0;\n"
-                   " wgmma.mma_async.sync.aligned.m64n48k32.f32.e4m3.e4m3 {"
-                   KIMI_WGMMA_R24 "}, {%24, %25, %26, %27}, %28, p, 1, 1;\n}\n"
-                   : KIMI_WGMMA_D24(d)
-                   : KIMI_WGMMA_AB);
-    else
-      asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %29, 0;\n"
-                   " wgmma.mma_async.sync.aligned.m64n48k16.f32.f16.f16 {"
-                   KIMI_WGMMA_R24 "}, {%24, %25, %26, %27}, %28, p, 1, 1, %30;\n}\n"
-                   : KIMI_WGMMA_D24(d)
-                   : KIMI_WGMMA_AB);
+    asm volatile(
+        "{\n .reg .pred p;\n setp.ne.b32 p, %29, 0;\n"
+        " wgmma.mma_async.sync.aligned.m64n48k16.f32.f16.f16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23"
+        "}, {%24, %25, %26, %27}, %28, p, 1, 1, %30;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),
+          "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+          "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]),
+          "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(scale_d), "n"(kTransB));
   }
 };
-template <int kTransB, bool kE4M3>
-struct WgmmaRS<64, kTransB, kE4M3> {
+template <int kTransB>
+struct WgmmaF16RS<64, kTransB> {
   __device__ __forceinline__ static void run(float (&d)[8][4], const uint32_t (&a)[4], uint64_t b_desc,
                                              int scale_d = 1) {
-    if constexpr (kE4M3)
-      asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %37, 0;\n"
-                   " wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {"
-                   KIMI_WGMMA_R32 "}, {%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
-                   : KIMI_WGMMA_D32(d)
-                   : KIMI_WGMMA_AB);
-    else
-      asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %37, 0;\n"
-                   " wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
-                   KIMI_WGMMA_R32 "}, {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
-                   : KIMI_WGMMA_D32(d)
-                   : KIMI_WGMMA_AB);
+    asm volatile(
+        "{\n .reg .pred p;\n setp.ne.b32 p, %37, 0;\n"
+        " wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+        "}, {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),
+          "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+          "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]),
+          "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+          "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]),
+          "+f"(d[7][2]), "+f"(d[7][3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(scale_d), "n"(kTransB));
   }
 };
-template <int N, int kTransB = 0>
-using WgmmaF16RS = WgmmaRS<N, kTransB, false>;
-template <int N>
-using WgmmaE4M3RS = WgmmaRS<N, 0, true>;
 
 __device__ __forceinline__ uint32_t lds32(const void* p) {
   uint32_t v;
@@ -184,6 +159,7 @@ __device__ __forceinline__ void mma_f16(float (&d)[4], const uint32_t (&a)[4], u
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
+
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));

@@ -16,10 +16,9 @@ rounded to f16, against a running max that moves only when a tile raises it by m
 An fp8 query (``torch.float8_e4m3fn`` with ``q_scale``, a float32 [1] device tensor, issue 28):
 the kernels read q_scale on the device into the score scale (a CUDA graph replays a new scale)
 and stage the fp8 q as f16 (exact), so the MMAs are the bf16 query's: sm_90 emulates mma.sync
-e4m3 (f16 MMAs plus conversions of both operands), and the token-major kernel's e4m3 wgmma on
-K's bytes (``KIMI_OPS_SM90_FP8_WGMMA=1``, half the QK MMAs, no K conversion) accumulates with
-reduced precision: |dlse| up to 1.7e-2 measured, outside the 4e-3 contract (at most 10% faster). An ``e4m3fnuz`` cache or
-query (gfx942's formats) has no kernel here: it runs the Triton kernel (:func:`_triton_serves`).
+e4m3 (f16 MMAs plus conversions of both operands), and an e4m3 wgmma QK misses the lse contract
+(measured: csrc/sm90/decode_token_major.cuh's header). An ``e4m3fnuz`` cache or query (gfx942's
+formats) has no kernel here: it runs the Triton kernel (:func:`_triton_serves`).
 """
 import functools
 import os
@@ -31,9 +30,6 @@ from ..device import device_index, multiprocessor_count
 LOG2E = 1.4426950408889634
 STAGES_ENV = "KIMI_OPS_SM90_STAGES"  # K-ring depth override (MAX_STAGES by CTA height), for tuning
 ROWS_ENV = "KIMI_OPS_SM90_ROWS"  # CTA rows override (16, 32, 48, 64), for tuning
-# "1": the token-major kernel's fp8-query QK as e4m3 wgmma (read by the C++ launcher; outside the
-# fp8-query lse contract: csrc/sm90/decode_token_major.cuh, tm_scores_fp8)
-FP8_WGMMA_ENV = "KIMI_OPS_SM90_FP8_WGMMA"
 BALANCE_WAVES_ENV = "KIMI_OPS_SM90_BALANCE_WAVES"  # waves of CTAs the balanced chunk length aims at (1..8)
 WORK_LIST_ENV = "KIMI_OPS_SM90_WORK_LIST"  # "0": mla_decode on the (split, request) grid instead
 MAX_GRID_Y = 65535
