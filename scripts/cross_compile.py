@@ -79,6 +79,8 @@ def compile_spec(spec, target_name):
                     constexprs=spec.get("constexprs", {}), attrs=_attrs(kernel, sig))
     target = GPUTarget(*TARGETS[target_name])
     opts = {"num_warps": spec.get("num_warps", 4), "num_stages": spec.get("num_stages", 2)}
+    if target_name.startswith("gfx"):
+        opts.update(spec.get("amd_options", {}))
     return triton.compile(src, target=target, options=opts)
 
 
