@@ -91,16 +91,31 @@ def oracle(q, kv, indptr, indices, qlen, scale, kv_scale):
     return o, lse
 
 
+def quantize_q(q, dtype=torch.float8_e4m3fn):
+    """bf16 q -> (fp8 q, float32 [1] q_scale) with q ~ q8 * q_scale (per-tensor amax scale)."""
+    amax = q.float().abs().max().clamp_min(1e-12)
+    q_scale = (amax / torch.finfo(dtype).max).reshape(1).to(torch.float32)
+    return (q.float() / q_scale).clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max).to(dtype), q_scale
+
+
 def check_decode(lens, qlen, H, S, *, dtype=torch.float8_e4m3fn, oob=0, device="cpu", gen=None,
-                 kv_scale=0.5, kernels=None):
-    """``kernels``: the module whose mla_decode_splitkv / mla_merge run (default: the Triton ones)."""
+                 kv_scale=0.5, kernels=None, fp8_q=False):
+    """``kernels``: the module whose mla_decode_splitkv / mla_merge run (default: the Triton
+    backend's, :mod:`kimi_ops.kernels.triton_m1c`). ``fp8_q``: q quantized to fp8 with a
+    q_scale tensor (issue 28); the oracle takes the same fp8 q and q_scale."""
     if kernels is None:
-        import kimi_ops.kernels.attention as kernels
+        import kimi_ops.kernels.triton_m1c as kernels
     mla_decode_splitkv, mla_merge = kernels.mla_decode_splitkv, kernels.mla_merge
 
     q, kv, indptr, idx = make_inputs(lens, qlen, H, dtype=dtype, kv_scale=kv_scale, oob=oob,
                                      device=device, gen=gen)
-    o_part, lse_part = mla_decode_splitkv(q, kv, indptr, idx, qlen, SCALE, kv_scale, S)
+    if fp8_q:
+        q8, q_scale = quantize_q(q, torch.float8_e4m3fnuz if dtype == torch.float8_e4m3fnuz else torch.float8_e4m3fn)
+        o_part, lse_part = mla_decode_splitkv(q8, kv, indptr, idx, qlen, SCALE, kv_scale, S, q_scale=q_scale)
+        q = q8  # for the oracle, with SCALE * q_scale below
+    else:
+        q_scale = None
+        o_part, lse_part = mla_decode_splitkv(q, kv, indptr, idx, qlen, SCALE, kv_scale, S)
     T = q.shape[0]
     assert o_part.shape == (S, T, H, 512) and o_part.dtype == torch.bfloat16
     assert lse_part.shape == (S, T, H) and lse_part.dtype == torch.float32
@@ -111,7 +126,7 @@ def check_decode(lens, qlen, H, S, *, dtype=torch.float8_e4m3fn, oob=0, device="
     empty = torch.isneginf(lse_part)
     assert (o_part[empty] == 0).all(), "a split with no token must store o = 0"
     o, lse = mla_merge(o_part, lse_part)
-    ro, rl = oracle(q, kv, indptr, idx, qlen, SCALE, kv_scale)
+    ro, rl = oracle(q, kv, indptr, idx, qlen, SCALE * (1.0 if q_scale is None else float(q_scale)), kv_scale)
     assert not torch.isnan(o).any() and not torch.isnan(lse).any()
     assert torch.equal(torch.isneginf(lse), torch.isneginf(rl)), "-inf pattern differs"
     fin = ~torch.isneginf(rl)
@@ -127,6 +142,39 @@ def check_decode(lens, qlen, H, S, *, dtype=torch.float8_e4m3fn, oob=0, device="
     assert torch.equal(torch.isneginf(lse2), torch.isneginf(lse))
     assert (lse2[fin] - lse[fin]).abs().max().item() <= 1e-5 if fin.any() else True
     return err, lerr
+
+
+def check_rising(H, qlen, rise, *, lens=(1000, 300), splits=(1, 3), kv_scale=2.0, device="cpu",
+                 gen=None, kernels=None):
+    """Scores that climb (or fall) by ``rise`` natural-log units every 64 tokens (q = 1 in 16
+    columns, the token's value in the cache's first 16), so the running max keeps moving and
+    |lse| reaches ~rise * n / 128. lse within 1e-3 + 1e-6 |lse| (f32 holds an lse of 5e3 to
+    2.4e-4), rel. L2 of o within 4e-3. Returns the worst |dlse|."""
+    if kernels is None:
+        import kimi_ops.kernels.triton_m1c as kernels
+    q, kv, indptr, idx = make_inputs(list(lens), qlen, H, kv_scale=kv_scale, gen=gen)
+    q.zero_()
+    q[..., :16] = 1.0
+    per_unit = SCALE * 16
+    fmax = torch.finfo(kv.dtype).max
+    for r, n in enumerate(lens):
+        t = torch.arange(n, dtype=torch.float32)
+        value = (t - n / 2) * (rise / 64) / per_unit
+        rows = idx[int(indptr[r]): int(indptr[r + 1])].long()
+        kv[rows, :16] = (value / kv_scale).clamp(-fmax, fmax)[:, None].to(kv.dtype)
+    q, kv, indptr, idx = (x.to(device) for x in (q, kv, indptr, idx))
+    ro, rl = oracle(q, kv, indptr, idx, qlen, SCALE, kv_scale)
+    worst = 0.0
+    for S in splits:
+        o, lse = kernels.mla_merge(*kernels.mla_decode_splitkv(q, kv, indptr, idx, qlen, SCALE, kv_scale, S))
+        assert not torch.isnan(o).any()
+        fin = ~torch.isneginf(rl)
+        assert torch.equal(torch.isneginf(lse), ~fin)
+        d = (lse.double()[fin] - rl[fin]).abs()
+        worst = max(worst, d.max().item())
+        assert (d <= 1e-3 + 1e-6 * rl[fin].abs()).all(), (rise, S, d.max().item(), rl.abs().max().item())
+        assert ((o.double() - ro).norm() / ro.norm()).item() <= 4e-3
+    return worst
 
 
 def _poisoned_empty(real_empty):
@@ -283,12 +331,46 @@ t.check_decode([0, 0], 2, 12, 4, gen=g)                 # nothing visible at all
 
 
 def test_interp_decode_heads():
+    # the token-major kernel (bf16 dots): 96 / 128 heads are 6 / 8 row blocks of 16
     _interp("""
 t.check_decode([33, 70], 1, 96, 2, gen=g)
 t.check_decode([66], 1, 128, 3, gen=g)
 t.check_decode([20, 7], 5, 12, 2, gen=g)
 t.check_decode([9], 6, 12, 1, gen=g)
-""")
+""", mma="bf16")
+
+
+def test_interp_decode_fp8_query():
+    # issue 28: fp8 q + q_scale (both interpreter program shapes: 12 and 36 rows a request)
+    _interp("""
+t.check_decode([100, 0, 33], 1, 12, 2, gen=g, fp8_q=True)
+t.check_decode([40, 7], 3, 12, 3, oob=2, gen=g, fp8_q=True)
+import kimi_ops.kernels.triton_m1c as M
+q, kv, ip, ix = t.make_inputs([10], 1, 4, gen=g)
+for bad in (dict(q_scale=torch.ones(1)),):  # bf16 q with a q_scale: refused, naming it
+    try:
+        M.mla_decode_splitkv(q, kv, ip, ix, 1, 0.1, 0.5, 1, **bad)
+        raise AssertionError("accepted")
+    except ValueError as e:
+        assert "q_scale" in str(e)
+try:
+    M.mla_decode_splitkv(q.to(torch.float8_e4m3fn), kv, ip, ix, 1, 0.1, 0.5, 1)
+    raise AssertionError("accepted")
+except ValueError as e:
+    assert "q_scale" in str(e)
+""", mma="bf16")
+
+
+def test_interp_lse_large_scores():
+    # lse in the thousands (scores rising along the context by 40 and 256 natural-log units a
+    # 64-token tile): the stored lse stays within one f32 rounding of the truth plus 1e-6
+    # relative (the bound test_cuda_attention uses); the first generation's
+    # (m_log2 + log2 l) * ln 2 rounded three times
+    _interp("""
+for rise, ks in ((40.0, 2.0), (256.0, 12.0), (-256.0, 16.0)):
+    t.check_rising(12, 1, rise, kv_scale=ks, gen=g)
+t.check_rising(16, 2, 256.0, kv_scale=16.0, lens=(700, 64), gen=g)
+""", mma="bf16")
 
 
 @pytest.mark.parametrize("mma", ["fp8", "bf16"])
@@ -305,7 +387,9 @@ def test_interp_decode_fnuz_bytes():
     # the NVIDIA path for an e4m3fnuz cache: bytes decoded in the kernel (forced here)
     _interp("""
 import kimi_ops.kernels.attention as A
+import kimi_ops.kernels.triton_m1c as M
 A._kv_mode = lambda kv: (kv.view(torch.uint8), True, True) if kv.dtype == torch.float8_e4m3fnuz else (kv, False, False)
+M._kv_mode = A._kv_mode
 t.check_decode([70, 33, 0], 2, 12, 2, dtype=torch.float8_e4m3fnuz, gen=g)
 """)
 
@@ -411,6 +495,27 @@ def test_gpu_grid(H, mma, monkeypatch):
 
 
 @gpu
+@pytest.mark.parametrize("rise", [-40.0, 0.5, 4.0, 40.0, 256.0])
+@pytest.mark.parametrize("H,qlen", [(12, 1), (16, 2), (96, 1)])
+def test_gpu_rising_scores(H, qlen, rise):
+    """The lse contract where the running max keeps moving (issue 29 item 4), kv_scale 2 and
+    (large |lse|) 12."""
+    g = _gpu_gen(23)
+    for ks in (2.0, 12.0):
+        worst = check_rising(H, qlen, rise, kv_scale=ks, device="cuda", gen=g)
+        print(f"H={H} qlen={qlen} rise={rise} kv_scale={ks}: worst |dlse| {worst:.2e}")
+
+
+@gpu
+@pytest.mark.parametrize("H", [12, 96])
+def test_gpu_fp8_query(H):
+    g = _gpu_gen(29)
+    for qlen in (1, 2, 4):
+        for lens, S in (([0, 1, 65, 3000], 3), ([16384], 16), ([4096, 17], 64)):
+            check_decode(lens, qlen, H, S, device="cuda", gen=g, fp8_q=True)
+
+
+@gpu
 def test_gpu_variable_lengths():
     check_variable_lengths(_gpu_gen(7))
 
@@ -480,7 +585,7 @@ def check_graph_replay(decode, seed=13):
 @gpu
 def test_gpu_cuda_graph():
     """Capture the Triton splitkv + merge, change lengths / indices / q in place, replay == eager."""
-    from kimi_ops.kernels.attention import mla_decode_splitkv, mla_merge
+    from kimi_ops.kernels.triton_m1c import mla_decode_splitkv, mla_merge
 
     check_graph_replay(lambda q, kv, indptr, idx, qlen, S: mla_merge(
         *mla_decode_splitkv(q, kv, indptr, idx, qlen, SCALE, 0.5, S)))
