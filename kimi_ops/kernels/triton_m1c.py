@@ -239,6 +239,25 @@ def arch_of(device: torch.device) -> str:
     return "sm90" if torch.cuda.get_device_capability(device) == (9, 0) else "nvidia"
 
 
+KERNEL_ENV = "KIMI_OPS_TRITON_KERNEL"
+
+
+def kernel_for(arch: str) -> str:
+    """Which Triton M1c the launcher runs on ``arch``: ``"m1c"`` (this module) or ``"first"``
+    (:mod:`kimi_ops.kernels.attention`, the row-major first generation).
+
+    ``KIMI_OPS_TRITON_KERNEL`` = ``auto`` (default) | ``m1c`` | ``first``. auto: the first
+    generation on NVIDIA GPUs (sm_90 and the rest: on the H200 it ran 1.7-6x faster than this
+    kernel, 2026-12-03, docs/PERF.md), this kernel on AMD (gfx950 / gfx942: the first
+    generation spills there, this one does not) and in the interpreter."""
+    choice = os.environ.get(KERNEL_ENV, "auto").strip().lower() or "auto"
+    if choice not in ("auto", "m1c", "first"):
+        raise ValueError(f"{KERNEL_ENV} must be auto, m1c or first, got {choice!r}")
+    if choice != "auto":
+        return choice
+    return "first" if arch in ("sm90", "nvidia") else "m1c"
+
+
 def pick_config(arch: str, rows_per_req: int) -> Config:
     for cfg in CONFIGS[arch]:
         if rows_per_req <= cfg.max_rows:
@@ -295,14 +314,11 @@ def mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: floa
     assert T % qlen == 0
     R = T // qlen
     assert kv_indptr.shape[0] == R + 1
-    if (q.dtype == torch.bfloat16 and torch.version.hip is None
-            and os.environ.get("KIMI_OPS_TRITON_MMA", "bf16") == "fp8"):
-        # the first generation's fp8 hi + lo scheme, kept for experiments on NVIDIA only (on
-        # AMD the launcher picks only the variants tests/test_cross_compile.py checks)
+    if kernel_for(arch_of(q.device)) == "first":
         from .attention import mla_decode_splitkv as first_generation
         return first_generation(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits,
                                 seq_lens=seq_lens, dcp_rank=dcp_rank, dcp_world_size=dcp_world_size,
-                                zero_empty=zero_empty)
+                                zero_empty=zero_empty, q_scale=q_scale)
     qq, has_qs, q_u8 = _q_mode(q, q_scale, kv_rows.dtype)
     S = int(num_splits)
     o_part = torch.empty((S, T, H, KV_LORA_RANK), dtype=torch.bfloat16, device=q.device)
@@ -333,6 +349,9 @@ def suggest_num_splits(num_requests: int, qlen: int, num_heads: int, num_tokens:
     than 256 tokens on average, at most 64."""
     if num_requests <= 0:
         return 1
+    if kernel_for(arch) == "first":
+        from .attention import suggest_num_splits as first_generation
+        return first_generation(num_requests, qlen, num_heads, num_tokens, num_sms)
     bm = pick_config(arch, qlen * num_heads).block_m
     base = num_requests * -(-qlen * num_heads // bm)
     want = max(1, -(-4 * num_sms // base))
