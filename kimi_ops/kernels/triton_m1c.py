@@ -1,4 +1,4 @@
-"""Triton M1c, second generation: token-major split-KV MLA decode for every GPU but sm_90's cuda path.
+"""Triton M1c, second generation: token-major split-KV MLA decode, the Triton M1c of AMD GPUs.
 
 ``mla_decode_splitkv``: one program per (row block, split, request), as the first generation
 (:mod:`kimi_ops.kernels.attention`), but the products run token-major:
@@ -6,7 +6,7 @@
     S^T [BLOCK_N, BLOCK_M] = K [BLOCK_N, 576] . Q^T [576, BLOCK_M]      (tokens are the MMA's M)
     O^T [512, BLOCK_M]    += V^T [512, BLOCK_N] . P^T [BLOCK_N, BLOCK_M] (V = K[:, :512])
 
-so 16-32 query rows (12 heads, or qlen * 12) are the MMA's N and are never padded to the
+so a block of 16 query rows (12 heads fit one) is the MMA's N and are never padded to the
 64 rows of a wgmma's M; the tokens of a tile (64 on sm_90, 32 on AMD) fill M.  The gathered
 K tile is loaded once, converted to bf16 once (exact: E4M3 is a subset of bf16) and is the
 operand of both products (Triton stages it through shared memory / LDS for the second,
@@ -14,22 +14,33 @@ transposed, read).  A request's ``qlen * H`` rows are cut into row blocks of BLO
 row blocks of one (split, request) are adjacent in the grid, so the split's KV chunk comes
 from HBM once and from L2 for the other blocks.
 
-Registers: the f32 accumulator O^T is ``512 * BLOCK_M * 4`` bytes a program (32 KiB at
-BLOCK_M 16); with BLOCK_M <= 32 and 32-64-token tiles a program fits 256 VGPRs on gfx950 /
-gfx942 and 255 registers on sm_90 without spilling (scripts/cross_compile.py reports it;
-tests/test_cross_compile.py fails on a spill).  The configuration of each architecture is
-one table, :data:`CONFIGS`, read by the launcher and by the cross-compile specs alike.
+Where it runs (:func:`kernel_for`, ``KIMI_OPS_TRITON_KERNEL``): on AMD (gfx950 / gfx942) and in
+the interpreter. On NVIDIA the launcher keeps the first generation: on the H200 (2026-12-03,
+Triton 3.6) this kernel measured 105.5 us at H12 B8 8k q1 and 381.6 us at H12 B32 8k q1
+against the first generation's 60.5 / 210.5 us in the session's baseline (ptxas: 255 registers and an 832-byte stack
+at 16 rows x 64 tokens, 4 warps).
 
-Numerics: bf16 x bf16 dots with f32 accumulation on every target (the fp8 hi + lo scheme of
-the seeds is not used: AMD's public documentation states an FP32 accumulator but not that
-the fp8 MFMA's internal sums are rounded as full f32 adds, and sm_90's fp8 wgmma is known to
-truncate them; see :func:`kimi_ops.kernels.attention` for the fp8 variant, kept behind
-``KIMI_OPS_TRITON_MMA=fp8``).  The softmax keeps its running max in raw dot units
-(``d = q . k``, exact f32 from the MMA), ``p = 2^((d - m) * c * log2 e)``, and the row's lse
-``m * c + ln l`` is formed at the end with ``c = scale * kv_scale [* q_scale]`` carried as a
-hi + lo pair and the product's rounding error recovered by an FMA: the stored lse is then
-within about one f32 rounding of the true value even where |lse| is in the thousands (the
-first generation's ``(m_log2 + log2 l) * ln 2`` rounded three times at that magnitude).
+Registers (AMD): O^T is ``DV * BLOCK_M * 4`` bytes a program.  With 16 rows a program and
+``vsplit`` 2 (two programs a row block, each computing all of S and half of O^T, the K tile
+read by both from L2) gfx950 (32-token tiles, 4 waves) needs 252 VGPRs and gfx942 (16-token
+tiles, 8 waves) 192-194, no spills, 2 waves a SIMD (scripts/cross_compile.py; every
+one-program-a-row-block configuration of 16-64 tokens x 2-8 waves, and 32-row blocks, spilled
+or dropped to 1 wave).  Triton's LDS is dynamic (``metadata.shared``: 36992 / 8192 bytes), so
+the code object's group segment reads 0.  The configuration of each architecture is one table,
+:data:`CONFIGS`, read by the launcher and by the cross-compile specs alike.
+
+Numerics: bf16 x bf16 dots with f32 accumulation on every target.  The seeds' fp8 hi + lo
+scheme is not taken on AMD: the AMD material found (the ROCm blog "Matrix Core Programming on
+AMD CDNA3 and CDNA4 architecture", rocm.blogs.amd.com/software-tools-optimization/
+matrix-cores-cdna) says the MFMA's output matrix is stored in FP32 "to minimize accuracy loss
+during accumulation" but states nothing about how the fp8 products are summed inside an
+instruction (alignment, truncation), and sm_90's fp8 MMA is known to keep ~14 bits there; the
+first generation's fp8 variant failed the lse contract on sm_90 for that reason.  S is the sum
+of independent partial products (256 + 256 + 64 channels with vsplit 2) added in f32, since a
+matrix unit's chained accumulation may truncate.  The softmax keeps its running max in raw dot
+units (``d = q . k``), ``p = 2^((d - m) * c * log2 e)``, and the row's lse ``m * c + ln l`` is
+formed at the end with ``c = scale * kv_scale [* q_scale]`` carried as a hi + lo pair and the
+product's rounding error recovered by an FMA.
 
 fp8 query (issue 28): ``q`` float8_e4m3fn (or e4m3fnuz with an e4m3fnuz cache) with a float32
 1-element ``q_scale`` tensor; q is converted to bf16 in the kernel (exact) and ``q_scale``
