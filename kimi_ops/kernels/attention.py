@@ -162,6 +162,10 @@ def _split_kv_kernel(
     else:
         ch = c_hi
         cl = c_lo
+    # a negative scale: the scores are |c| * (-d), so the running max is taken over -d
+    sgn = tl.where(ch < 0, -1.0, 1.0)
+    ch = ch * sgn
+    cl = cl * sgn
 
     if KV_U8_FNUZ:
         FP8: tl.constexpr = tl.float8e4nv
@@ -304,11 +308,12 @@ def _split_kv_kernel(
                 s = tl.dot(qc, tl.trans(kc))
                 s = tl.dot(qp, tl.trans(kp), s)
         vis = tok_ok[None, :] & (tok[None, :] < lim[:, None])
-        s = tl.where(vis, s, float("-inf"))
+        s = tl.where(vis, s * sgn, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2((m_i - m_safe) * row_scale)
-        p = tl.exp2((s - m_safe[:, None]) * row_scale[:, None])
+        # (a zero scale: -inf * 0 would be NaN, so masked scores and an empty start are selected)
+        alpha = tl.where(m_i == float("-inf"), 0.0, tl.exp2((m_i - m_safe) * row_scale))
+        p = tl.where(vis, tl.exp2((s - m_safe[:, None]) * row_scale[:, None]), 0.0)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if S_CHAINS:
             pb = p.to(DT16)

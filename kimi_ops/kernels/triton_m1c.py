@@ -152,6 +152,10 @@ def _splitkv_tm_kernel(
     else:
         ch = c_hi
         cl = c_lo
+    # a negative scale: the scores are |c| * (-d), so the running max is taken over -d
+    sgn = tl.where(ch < 0, -1.0, 1.0)
+    ch = ch * sgn
+    cl = cl * sgn
     rs = ch * 1.4426950408889634
 
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")  # running max of d = q . k
@@ -186,11 +190,12 @@ def _splitkv_tm_kernel(
         else:
             d = d + tl.dot(kp, qpT)
         vis = tok_ok[:, None] & (tok[:, None] < lim[None, :])
-        d = tl.where(vis, d, float("-inf"))
+        d = tl.where(vis, d * sgn, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(d, axis=0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2((m_i - m_safe) * rs)
-        p = tl.exp2((d - m_safe[None, :]) * rs)
+        # (a zero scale: -inf * 0 would be NaN, so masked scores and an empty start are selected)
+        alpha = tl.where(m_i == float("-inf"), 0.0, tl.exp2((m_i - m_safe) * rs))
+        p = tl.where(vis, tl.exp2((d - m_safe[None, :]) * rs), 0.0)
         l_i = l_i * alpha + tl.sum(p, axis=0)
         accT = accT * alpha[None, :]
         accT = tl.dot(tl.trans(kc), p.to(DT16), accT)    # O^T += V^T P^T
