@@ -41,11 +41,12 @@ TORCH_LIBRARY_FRAGMENT(kimi_ops, m) {
   m.def(
       "_mla_decode_splitkv_sm90(Tensor q, Tensor kv_cache, Tensor kv_indptr, Tensor kv_indices, "
       "Tensor? seq_lens, int qlen, float qk_scale_log2, float kv_scale, int num_splits, int dcp_rank, "
-      "int dcp_world_size, int rows_per_cta, int stages, int balance_ctas, bool zero_empty) -> (Tensor, Tensor)");
+      "int dcp_world_size, int rows_per_cta, int stages, int balance_ctas, bool zero_empty, "
+      "Tensor? q_scale=None) -> (Tensor, Tensor)");
   m.def(
       "_mla_decode_sm90(Tensor q, Tensor kv_cache, Tensor kv_indptr, Tensor kv_indices, "
       "Tensor? seq_lens, int qlen, float qk_scale_log2, float kv_scale, int num_splits, int dcp_rank, "
-      "int dcp_world_size, int rows_per_cta, int stages, int balance_ctas) -> (Tensor, Tensor)");
+      "int dcp_world_size, int rows_per_cta, int stages, int balance_ctas, Tensor? q_scale=None) -> (Tensor, Tensor)");
   m.def("_mla_merge_sm90(Tensor o_part, Tensor lse_part) -> (Tensor, Tensor)");
 }
 

@@ -52,9 +52,9 @@ def check_kv_cache(op: str, kv_cache) -> None:
 def check_decode_args(op: str, q, kv_cache, kv_indptr, kv_indices, qlen: int, num_splits: int | None,
                       seq_lens=None, dcp_rank: int = 0, dcp_world_size: int = 1) -> None:
     """q [T, H, 576] bf16, fp8 cache, int32 CSR (indptr [R+1]), T = R * qlen; DCP rank < world."""
-    check_tensor(op, "q", q, ndim=3, dtypes=(torch.bfloat16,), what=f"a [T, H, {KV_ROW}] bfloat16 tensor")
+    check_tensor(op, "q", q, ndim=3, dtypes=Q_DTYPES, what=f"a [T, H, {KV_ROW}] bfloat16 tensor {Q_FP8_NOTE}")
     if q.shape[2] != KV_ROW or q.shape[1] < 1:
-        fail(op, "q", f"a [T, H, {KV_ROW}] bfloat16 tensor with H >= 1", _describe(q))
+        fail(op, "q", f"a [T, H, {KV_ROW}] bfloat16 tensor {Q_FP8_NOTE} with H >= 1", _describe(q))
     if q.stride(2) != 1:
         fail(op, "q", "contiguous in its last dim", f"strides {q.stride()}")
     check_kv_cache(op, kv_cache)
@@ -132,6 +132,44 @@ def check_cache_write_contract(op: str, slot_mapping, kv_scale) -> None:
     check_finite_scales(op, kv_scale=kv_scale)
     if isinstance(kv_scale, (int, float)) and kv_scale == 0:
         fail(op, "kv_scale", "finite and non-zero (rows are stored as fp8(x / kv_scale))", kv_scale)
+
+
+Q_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+"""fp8 query dtypes (issue 28): e4m3fn with any cache, e4m3fnuz only with an e4m3fnuz cache."""
+Q_DTYPES = (torch.bfloat16,) + Q_FP8_DTYPES
+Q_FP8_NOTE = "(or fp8 e4m3fn / e4m3fnuz with q_scale)"
+
+
+def check_q_scale(op: str, q, kv_cache, q_scale) -> None:
+    """The fp8 query's scale (real q = fp8 q x q_scale): with a float8 ``q`` (e4m3fn; e4m3fnuz
+    only with an e4m3fnuz cache) ``q_scale`` must be a float32 tensor of one element (any
+    shape, e.g. ``[]`` or ``[1]``) on q's device; with a bf16 ``q`` it must be None. Shapes,
+    dtypes and devices only: its value is read on the device (a CUDA graph replays a new one).
+    Run after :func:`check_decode_args` (which checks q's dtype is one of :data:`Q_DTYPES`)."""
+    if q.dtype in Q_FP8_DTYPES:
+        if q.dtype == torch.float8_e4m3fnuz and kv_cache.dtype != torch.float8_e4m3fnuz:
+            fail(op, "q", f"float8_e4m3fn with a {kv_cache.dtype} cache (an e4m3fnuz query needs an "
+                 "e4m3fnuz cache)", _describe(q))
+        if q_scale is None:
+            fail(op, "q_scale", f"a float32 tensor of one element (q's dequantization scale) when q is {q.dtype}",
+                 None)
+        check_tensor(op, "q_scale", q_scale, dtypes=(torch.float32,),
+                     what=f"a float32 tensor of one element on q's device ({q.device})")
+        if q_scale.numel() != 1:
+            fail(op, "q_scale", "a float32 tensor of one element (one per-tensor scale)", _describe(q_scale))
+        if q_scale.device != q.device:
+            fail(op, "q_scale", f"on q's device ({q.device})", _describe(q_scale))
+    elif q_scale is not None:
+        fail(op, "q_scale", f"None when q is {q.dtype} (q_scale only goes with an fp8 q)",
+             _describe(q_scale) if isinstance(q_scale, torch.Tensor) else q_scale)
+
+
+def check_query_out_dtype(op: str, dtype) -> None:
+    """An fp8 query dtype: float8_e4m3fn or float8_e4m3fnuz."""
+    if dtype not in Q_FP8_DTYPES:
+        fail(op, "out_dtype" if op == "mla_query" else "dtype",
+             "torch.float8_e4m3fn or torch.float8_e4m3fnuz (or None / torch.bfloat16 for mla_query's bf16 query)",
+             dtype)
 
 
 def check_merge_args(op: str, o_part, lse_part) -> None:

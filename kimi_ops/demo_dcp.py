@@ -20,6 +20,10 @@ import torch.multiprocessing as mp
 
 REPLICATED = ("fused_qkv_a_proj.weight", "q_a_layernorm.weight", "kv_a_layernorm.weight")
 DCP_RTOL = 1e-2   # rank vs one-process layer (the partials' extra bf16 roundings; tests/test_dcp.py)
+DCP_RTOL_FP8Q = 5e-2
+"""The same with the DCP layer's default fp8 query (issue 28) against the one-rank bf16 query:
+what quantizing the query adds to the Kimi-K3 layer (2.7e-2 measured, README Numerics) plus
+the partials' roundings; a wrong shard or scale is off by O(1)."""
 
 
 def rank_weights(config, rank: int, seed: int):
@@ -94,7 +98,7 @@ def _rank_main(rank, world, init_file, use_nccl, opts, results):
                 for md in mds.values():
                     md.advance_()
         gathered = [None] * world if rank == 0 else None
-        dist.gather_object((rank, max(errors), statistics.median(seconds)), gathered, dst=0)
+        dist.gather_object((rank, max(errors), statistics.median(seconds), sharded.query_bf16), gathered, dst=0)
         if rank == 0:
             results.put(gathered)
     finally:
@@ -123,9 +127,12 @@ def run_dcp_demo(args) -> int:
         mp.spawn(_rank_main, args=(world, os.path.join(tmp, "init"), use_nccl, opts, results), nprocs=world)
     failed = False
     print(f"{'rank':>4} {'max rel L2 vs one rank':>24} {'step (eager)':>14}  check")
-    for rank, err, sec in sorted(results.get()):
-        ok = err <= DCP_RTOL
+    bf16q = True
+    for rank, err, sec, bf16q in sorted(results.get()):
+        ok = err <= (DCP_RTOL if bf16q else DCP_RTOL_FP8Q)
         failed |= not ok
         print(f"{rank:>4} {err:>24.2e} {sec * 1e3:>11.2f} ms  {'PASS' if ok else 'FAIL'}")
-    print(f"tolerance: rel L2 <= {DCP_RTOL:g} against the same weights as one rank over the whole cache")
+    query = "bf16 query" if bf16q else "fp8 query (the DCP default; the one rank: bf16)"
+    print(f"tolerance: rel L2 <= {DCP_RTOL if bf16q else DCP_RTOL_FP8Q:g} against the same weights as one rank "
+          f"over the whole cache; {query}")
     return 1 if failed else 0

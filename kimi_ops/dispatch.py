@@ -37,12 +37,12 @@ ENV_VAR = "KIMI_OPS_BACKEND"
 IMPLEMENTATIONS: dict[str, dict[str, str]] = {
     "mla_decode_splitkv": {
         "reference": "kimi_ops.reference.attention:mla_decode_splitkv",
-        "triton": "kimi_ops.kernels.attention:mla_decode_splitkv",
+        "triton": "kimi_ops.kernels.triton_m1c:mla_decode_splitkv",
         "cuda": "kimi_ops.kernels.sm90:mla_decode_splitkv",
     },
     "mla_merge": {
         "reference": "kimi_ops.reference.attention:mla_merge",
-        "triton": "kimi_ops.kernels.attention:mla_merge",
+        "triton": "kimi_ops.kernels.triton_m1c:mla_merge",
         "cuda": "kimi_ops.kernels.sm90:mla_merge",
     },
     "mla_cache_write": {
@@ -153,7 +153,7 @@ def default_num_splits(num_requests: int, num_rows: int, num_heads: int, num_ind
     GPU tensors: the heuristic of the kernel that will run, with ``num_indices / num_requests``
     as a request's length (a fixed-capacity index buffer overestimates it, which only adds
     splits): :func:`kimi_ops.kernels.sm90.suggest_num_splits` for the ``cuda`` backend (one wave of
-    CTAs), :func:`kimi_ops.kernels.attention.suggest_num_splits` for Triton (about four
+    CTAs), :func:`kimi_ops.kernels.triton_m1c.suggest_num_splits` for Triton (about four
     programs per multiprocessor, at least 256 tokens per split, at most 64).
     CPU tensors: 1 (the reference gains nothing from splitting).
     """
@@ -161,7 +161,8 @@ def default_num_splits(num_requests: int, num_rows: int, num_heads: int, num_ind
         return 1
     if backend_for("mla_decode_splitkv", device) == "cuda":
         from .kernels.sm90 import suggest_num_splits
-    else:
-        from .kernels.attention import suggest_num_splits
+        return suggest_num_splits(num_requests, max(1, num_rows // num_requests), num_heads, num_indices,
+                                  multiprocessor_count(device_index(device)))
+    from .kernels.triton_m1c import arch_of, suggest_num_splits
     return suggest_num_splits(num_requests, max(1, num_rows // num_requests), num_heads, num_indices,
-                              multiprocessor_count(device_index(device)))
+                              multiprocessor_count(device_index(device)), arch=arch_of(device))

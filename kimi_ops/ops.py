@@ -18,13 +18,15 @@ NAMESPACE = "kimi_ops"
 SCHEMAS: dict[str, str] = {
     "mla_decode_splitkv": (
         "mla_decode_splitkv(Tensor q, Tensor kv_cache, Tensor kv_indptr, Tensor kv_indices, *, "
-        "int qlen, float scale, float kv_scale, int num_splits, Tensor? seq_lens=None, int dcp_rank=0, "
+        "int qlen, float scale, float kv_scale, int num_splits, Tensor? q_scale=None, Tensor? seq_lens=None, "
+        "int dcp_rank=0, "
         "int dcp_world_size=1) -> (Tensor o_part, Tensor lse_part)"
     ),
     "mla_merge": "mla_merge(Tensor o_part, Tensor lse_part) -> (Tensor o, Tensor lse)",
     "mla_decode": (
         "mla_decode(Tensor q, Tensor kv_cache, Tensor kv_indptr, Tensor kv_indices, *, "
-        "int qlen, float scale, float kv_scale, int? num_splits=None, Tensor? seq_lens=None, int dcp_rank=0, "
+        "int qlen, float scale, float kv_scale, int? num_splits=None, Tensor? q_scale=None, Tensor? seq_lens=None, "
+        "int dcp_rank=0, "
         "int dcp_world_size=1) -> (Tensor o, Tensor lse)"
     ),
     "mla_cache_write": (
@@ -62,29 +64,31 @@ def _flat_rows(kv_cache: torch.Tensor) -> torch.Tensor:
 # --- mla_decode_splitkv (M1c) -------------------------------------------------------------------
 
 def _splitkv_fake(q, kv_cache, kv_indptr, kv_indices, *, qlen, scale, kv_scale, num_splits,
-                  seq_lens=None, dcp_rank=0, dcp_world_size=1):
+                  q_scale=None, seq_lens=None, dcp_rank=0, dcp_world_size=1):
     checks.check_decode_args("mla_decode_splitkv", q, kv_cache, kv_indptr, kv_indices, qlen, num_splits,
                              seq_lens, dcp_rank, dcp_world_size)
     checks.check_decode_contract("mla_decode_splitkv", kv_indptr, kv_indices, seq_lens, num_splits, scale, kv_scale)
+    checks.check_q_scale("mla_decode_splitkv", q, kv_cache, q_scale)
     num_rows, num_heads, _ = q.shape
-    return (q.new_empty((num_splits, num_rows, num_heads, KV_LORA_RANK)),
+    return (q.new_empty((num_splits, num_rows, num_heads, KV_LORA_RANK), dtype=torch.bfloat16),
             q.new_empty((num_splits, num_rows, num_heads), dtype=torch.float32))
 
 
 def _splitkv(q, kv_cache, kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits,
-             seq_lens, dcp_rank, dcp_world_size, zero_empty=True):
+             seq_lens, dcp_rank, dcp_world_size, zero_empty=True, q_scale=None):
     impl = dispatch.implementation("mla_decode_splitkv", q.device)
     return impl(q.contiguous(), _flat_rows(kv_cache), kv_indptr, kv_indices, qlen, scale, kv_scale,
-                num_splits, seq_lens, dcp_rank, dcp_world_size, zero_empty=zero_empty)
+                num_splits, seq_lens, dcp_rank, dcp_world_size, zero_empty=zero_empty, q_scale=q_scale)
 
 
 def _splitkv_real(q, kv_cache, kv_indptr, kv_indices, *, qlen, scale, kv_scale, num_splits,
-                  seq_lens=None, dcp_rank=0, dcp_world_size=1):
+                  q_scale=None, seq_lens=None, dcp_rank=0, dcp_world_size=1):
     checks.check_decode_args("mla_decode_splitkv", q, kv_cache, kv_indptr, kv_indices, qlen, num_splits,
                              seq_lens, dcp_rank, dcp_world_size)
     checks.check_decode_contract("mla_decode_splitkv", kv_indptr, kv_indices, seq_lens, num_splits, scale, kv_scale)
+    checks.check_q_scale("mla_decode_splitkv", q, kv_cache, q_scale)
     return _splitkv(q, kv_cache, kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits,
-                    seq_lens, dcp_rank, dcp_world_size)
+                    seq_lens, dcp_rank, dcp_world_size, q_scale=q_scale)
 
 
 _register("mla_decode_splitkv", fake=_splitkv_fake, real=_splitkv_real)
@@ -108,31 +112,33 @@ _register("mla_merge", fake=_merge_fake, real=_merge_real)
 # --- mla_decode (M1c + M1b) ---------------------------------------------------------------------
 
 def _decode_fake(q, kv_cache, kv_indptr, kv_indices, *, qlen, scale, kv_scale, num_splits=None,
-                 seq_lens=None, dcp_rank=0, dcp_world_size=1):
+                 q_scale=None, seq_lens=None, dcp_rank=0, dcp_world_size=1):
     checks.check_decode_args("mla_decode", q, kv_cache, kv_indptr, kv_indices, qlen, num_splits,
                              seq_lens, dcp_rank, dcp_world_size)
     checks.check_decode_contract("mla_decode", kv_indptr, kv_indices, seq_lens, num_splits, scale, kv_scale)
+    checks.check_q_scale("mla_decode", q, kv_cache, q_scale)
     num_rows, num_heads, _ = q.shape
-    return (q.new_empty((num_rows, num_heads, KV_LORA_RANK)),
+    return (q.new_empty((num_rows, num_heads, KV_LORA_RANK), dtype=torch.bfloat16),
             q.new_empty((num_rows, num_heads), dtype=torch.float32))
 
 
 def _decode_real(q, kv_cache, kv_indptr, kv_indices, *, qlen, scale, kv_scale, num_splits=None,
-                 seq_lens=None, dcp_rank=0, dcp_world_size=1):
+                 q_scale=None, seq_lens=None, dcp_rank=0, dcp_world_size=1):
     checks.check_decode_args("mla_decode", q, kv_cache, kv_indptr, kv_indices, qlen, num_splits,
                              seq_lens, dcp_rank, dcp_world_size)
     checks.check_decode_contract("mla_decode", kv_indptr, kv_indices, seq_lens, num_splits, scale, kv_scale)
+    checks.check_q_scale("mla_decode", q, kv_cache, q_scale)
     if dispatch.backend_for("mla_decode_splitkv", q.device) == "cuda":
         from .kernels.sm90 import mla_decode as cuda_decode
         return cuda_decode(q.contiguous(), _flat_rows(kv_cache), kv_indptr, kv_indices, qlen, scale, kv_scale,
-                           num_splits, seq_lens, dcp_rank, dcp_world_size)
+                           num_splits, seq_lens, dcp_rank, dcp_world_size, q_scale=q_scale)
     if num_splits is None:
         num_splits = dispatch.default_num_splits(
             kv_indptr.shape[0] - 1, q.shape[0], q.shape[1], kv_indices.shape[0], q.device)
     # the partials are private: the merge never reads an empty (-inf) split's o, so the kernel
     # may leave it unwritten
     o_part, lse_part = _splitkv(q, kv_cache, kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits,
-                                seq_lens, dcp_rank, dcp_world_size, zero_empty=False)
+                                seq_lens, dcp_rank, dcp_world_size, zero_empty=False, q_scale=q_scale)
     if num_splits == 1:
         return o_part[0], lse_part[0]
     return dispatch.implementation("mla_merge", q.device)(o_part, lse_part)
@@ -267,12 +273,13 @@ _register("gemm_a16w8_block", fake=_gemm_fp8_fake, real=_gemm_fp8_real)
 # --- Python entry points ------------------------------------------------------------------------
 
 def mla_decode_splitkv(q, kv_cache, kv_indptr, kv_indices, *, qlen, scale, kv_scale, num_splits,
-                       seq_lens=None, dcp_rank=0, dcp_world_size=1):
+                       q_scale=None, seq_lens=None, dcp_rank=0, dcp_world_size=1):
     """M1c: split-KV MLA decode attention, one partial per split.
 
     Args:
-        q: [T, H, 576] bf16, last dim contiguous; T = R * qlen, row ``r * qlen + i``
-            is request r's query position i.
+        q: [T, H, 576] bf16, or fp8 (``float8_e4m3fn``; ``float8_e4m3fnuz`` only with an
+            e4m3fnuz cache) with ``q_scale``; last dim contiguous; T = R * qlen, row
+            ``r * qlen + i`` is request r's query position i.
         kv_cache: fp8 (e4m3fn; e4m3fnuz on gfx942), contiguous, last dim 576
             (``[N, 576]``, ``[blocks, block_size, 576]``, ``[blocks, block_size, 1, 576]``),
             read as flat rows ``[kv_c 512 | k_pe 64]`` = ``fp8(x / kv_scale)``.
@@ -287,6 +294,11 @@ def mla_decode_splitkv(q, kv_cache, kv_indptr, kv_indices, *, qlen, scale, kv_sc
             both finite (zero and negative allowed; NaN / inf raise ValueError).
         num_splits: splits the visible tokens of each request are partitioned into
             (the partition is the backend's choice), 1..65535.
+            (the partition is the backend's choice).
+        q_scale: the fp8 query's dequantization scale, a float32 tensor of one element on
+            q's device (real q = fp8 q x q_scale; read on the device, so a CUDA graph
+            replays a scale computed each step). Required with an fp8 q, refused with a
+            bf16 q. Scores: ``s_j = scale * kv_scale * q_scale * (q8 . k8_j)``.
         seq_lens, dcp_rank, dcp_world_size: decode context parallel (DCP). The cache
             holds rank ``dcp_rank``'s shard: a request's j-th listed token is its global
             position ``j * dcp_world_size + dcp_rank`` (token p lives on rank p % W), and
@@ -300,7 +312,7 @@ def mla_decode_splitkv(q, kv_cache, kv_indptr, kv_indices, *, qlen, scale, kv_sc
     """
     return torch.ops.kimi_ops.mla_decode_splitkv(
         q, kv_cache, kv_indptr, kv_indices, qlen=qlen, scale=scale, kv_scale=kv_scale, num_splits=num_splits,
-        seq_lens=seq_lens, dcp_rank=dcp_rank, dcp_world_size=dcp_world_size)
+        q_scale=q_scale, seq_lens=seq_lens, dcp_rank=dcp_rank, dcp_world_size=dcp_world_size)
 
 
 def mla_merge(o_part, lse_part):
@@ -314,7 +326,7 @@ def mla_merge(o_part, lse_part):
 
 
 def mla_decode(q, kv_cache, kv_indptr, kv_indices, *, qlen, scale, kv_scale, num_splits=None,
-               seq_lens=None, dcp_rank=0, dcp_world_size=1):
+               q_scale=None, seq_lens=None, dcp_rank=0, dcp_world_size=1):
     """M1c + M1b: MLA decode attention, (o [T, H, 512] bf16, lse [T, H] f32).
 
     Arguments as :func:`mla_decode_splitkv`; ``num_splits=None`` picks the split
@@ -322,7 +334,7 @@ def mla_decode(q, kv_cache, kv_indptr, kv_indices, *, qlen, scale, kv_scale, num
     """
     return torch.ops.kimi_ops.mla_decode(
         q, kv_cache, kv_indptr, kv_indices, qlen=qlen, scale=scale, kv_scale=kv_scale, num_splits=num_splits,
-        seq_lens=seq_lens, dcp_rank=dcp_rank, dcp_world_size=dcp_world_size)
+        q_scale=q_scale, seq_lens=seq_lens, dcp_rank=dcp_rank, dcp_world_size=dcp_world_size)
 
 
 def mla_cache_write(kv_c, k_pe, kv_cache, slot_mapping, kv_scale):
@@ -356,14 +368,62 @@ def bmm_a16wfp4(x, w_packed, w_scale):
     return torch.ops.kimi_ops.bmm_a16wfp4(x, w_packed, w_scale)
 
 
-def mla_query(q_nope, q_pe, w_uk, w_uk_scale=None, *, pad_heads=None):
-    """M1a: the absorbed bf16 query ``q [T, H', 576] = [q_nope[t, h] @ W_UK[h] | q_pe[t, h]]``.
+def mla_query(q_nope, q_pe, w_uk, w_uk_scale=None, *, pad_heads=None, out_dtype=None, q_scale=None):
+    """M1a: the absorbed query ``q [T, H', 576] = [q_nope[t, h] @ W_UK[h] | q_pe[t, h]]``.
 
     q_nope [T, H, 128] and q_pe [T, H, 64] bf16; ``w_uk`` bf16 [H, 128, 512], or
     MXFP4 packed along the 128 axis (uint8 [H, 512, 64] with ``w_uk_scale``
     [H, 512, 4]). ``pad_heads`` (>= H) pads the head dim with all-zero rows.
+
+    ``out_dtype``: None / ``torch.bfloat16`` returns the bf16 query (the ``mla_query`` op).
+    ``torch.float8_e4m3fn`` (or ``float8_e4m3fnuz``) returns ``(q8, q_scale)``, the query
+    :func:`mla_decode` takes with ``q_scale=``: M1a's bf16 query quantized by
+    :func:`quantize_query`, per tensor, with ``q_scale`` (a static float32 [1] scale) or,
+    when None, the scale of its amax (:func:`query_scale`, computed on the device).
     """
-    return torch.ops.kimi_ops.mla_query(q_nope, q_pe, w_uk, w_uk_scale, pad_heads=pad_heads)
+    if out_dtype is None or out_dtype == torch.bfloat16:
+        if q_scale is not None:
+            raise ValueError("kimi_ops.mla_query: q_scale must be None for a bf16 output (out_dtype None or "
+                             f"torch.bfloat16), got a q_scale with out_dtype {out_dtype}")
+        return torch.ops.kimi_ops.mla_query(q_nope, q_pe, w_uk, w_uk_scale, pad_heads=pad_heads)
+    checks.check_query_out_dtype("mla_query", out_dtype)
+    q = torch.ops.kimi_ops.mla_query(q_nope, q_pe, w_uk, w_uk_scale, pad_heads=pad_heads)
+    return quantize_query(q, q_scale=q_scale, dtype=out_dtype)
+
+
+def query_scale(q, *, dtype=torch.float8_e4m3fn, amax=None):
+    """The per-tensor fp8 scale of a query: float32 [1] ``amax(|q|) / fp8 max`` (448 for e4m3fn,
+    240 for e4m3fnuz), 1 where q is all zero (or empty). Torch ops on q's device (no host sync,
+    CUDA-graph safe). ``amax`` (float32 [1]) overrides q's own, e.g. the max over DCP ranks."""
+    checks.check_query_out_dtype("query_scale", dtype)
+    if amax is None:
+        amax = (q.abs().amax().to(torch.float32).reshape(1) if q.numel() > 0 else
+                torch.zeros(1, dtype=torch.float32, device=q.device))
+    # a tensor divisor: CUDA turns division by a Python scalar into a multiply by its reciprocal
+    fmax = torch.full((), float(torch.finfo(dtype).max), dtype=torch.float32, device=amax.device)
+    return torch.where(amax > 0, amax / fmax, torch.ones_like(amax))
+
+
+def quantize_query(q, *, q_scale=None, dtype=torch.float8_e4m3fn):
+    """Quantize a query for :func:`mla_decode`'s ``q_scale=``: ``(q8, q_scale)`` with
+    ``q8 = fp8(q / q_scale)`` (float32 division, round to nearest even, saturated to the
+    format's finite max; NaN stays NaN) of the same shape.
+
+    q: bf16 (or f16 / f32) [T, H, 576]; ``q_scale``: a static float32 tensor of one element
+    on q's device, or None for the per-tensor amax scale (:func:`query_scale`). Plain torch
+    ops on q's device (no host sync; under torch.compile Inductor fuses them).
+    """
+    checks.check_query_out_dtype("quantize_query", dtype)
+    if q_scale is None:
+        q_scale = query_scale(q, dtype=dtype)
+    else:
+        checks.check_tensor("quantize_query", "q_scale", q_scale, dtypes=(torch.float32,),
+                            what="a float32 tensor of one element")
+        if q_scale.numel() != 1:
+            checks.fail("quantize_query", "q_scale", "a float32 tensor of one element", tuple(q_scale.shape))
+    fmax = float(torch.finfo(dtype).max)
+    q8 = (q.to(torch.float32) / q_scale.reshape(())).clamp(-fmax, fmax).to(dtype)
+    return q8, q_scale
 
 
 def gemm_a16w8_block(x, w, w_scale_inv, *, block_n=128, block_k=128):
@@ -379,5 +439,6 @@ def gemm_a16w8_block(x, w, w_scale_inv, *, block_n=128, block_k=128):
 
 __all__ = [
     "mla_decode_splitkv", "mla_merge", "mla_decode", "mla_cache_write",
-    "mxfp4_quantize", "mxfp4_dequantize", "bmm_a16wfp4", "mla_query", "gemm_a16w8_block",
+    "mxfp4_quantize", "mxfp4_dequantize", "bmm_a16wfp4", "mla_query", "quantize_query", "query_scale",
+    "gemm_a16w8_block",
 ]

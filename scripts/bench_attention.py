@@ -282,7 +282,7 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
 
     import kimi_ops
-    import kimi_ops.kernels.attention as A
+    import kimi_ops.kernels.triton_m1c as TM
     from kimi_ops import dispatch
 
     dev = torch.device(DEVICE)
@@ -310,7 +310,7 @@ def main(argv=None):
         H, qlen, lens = sh["H"], sh["qlen"], sh["lens"]
         R = len(lens)
         tok = sum(lens)
-        S = max(1, int(round(A.suggest_num_splits(R, qlen, H, tok, nsm) * args.splits_mult)))
+        S = max(1, int(round(TM.suggest_num_splits(R, qlen, H, tok, nsm, arch=TM.arch_of(dev)) * args.splits_mult)))
         fl = floor_of(H, qlen, lens, S)
         nsets = int(min(32, max(2, math.ceil(args.set_bytes / fl["kv_bytes"]))))
         indptr_list = [0]

@@ -12,6 +12,11 @@ every rank and replayed with a ``dist.barrier`` before each replay; median per s
 alone times the same step with the whole cache on one GPU (DCP1: every token of every request)
 the same way. Rank 0 prints a markdown table: batch, context, DCP1 us, DCP W us, DCP1 / DCP W.
 
+``--query`` picks the DCP layer's query (issue 28): ``default`` (the layer's: fp8 under DCP, its
+all-gather half the bytes), ``bf16`` or ``fp8``; DCP1 always runs its default (bf16). Run it
+twice (``--query bf16`` / ``--query fp8``) to time what the fp8 gather saves; until the csrc
+kernels take an fp8 q, the cuda backend runs an fp8 query's attention on Triton.
+
 ``--cpu`` runs the same code path on gloo with eager steps (no graphs): a check that the script
 works, its times mean nothing. Keep NCCL_NVLS_ENABLE=0 (and the device README's other
 multicast-off variables) on the GPU machine.
@@ -68,6 +73,8 @@ def _rank_main(rank, world, init_file, opts, results):
                 args = (config, opts["weights"], batch, opts["context"], opts["qlen"])
                 sets = [decode_set(*args, seed + 16 * rank, device, dcp_group=dist.group.WORLD, dcp_world=world,
                                    dcp_rank=rank) for seed in (0, 1)]
+                for s in sets:
+                    s[0].bf16 = {"default": None, "bf16": True, "fp8": False}[opts["query"]]
                 dcp_s = time_steps(sets, opts["reps"], dist.barrier, use_gpu)
                 del sets
                 one_s = None
@@ -94,20 +101,22 @@ def main(argv=None):
     ap.add_argument("--weights", choices=("bf16", "mxfp4"), default="mxfp4")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--cpu", action="store_true", help="gloo on the CPU, eager: a smoke run")
+    ap.add_argument("--query", choices=("default", "bf16", "fp8"), default="default",
+                    help="the DCP layer's query (default: the layer's, fp8 under DCP)")
     args = ap.parse_args(argv)
     world = args.world or (torch.cuda.device_count() if not args.cpu else 2)
     if not args.cpu and (not torch.cuda.is_available() or torch.cuda.device_count() < world or world < 2):
         print(f"bench_dcp_step: needs {world} >= 2 GPUs (or --cpu)")
         return 1
     opts = dict(batches=[int(b) for b in args.batches.split(",")], context=args.context, qlen=args.qlen,
-                weights=args.weights, reps=args.reps, cpu=args.cpu)
+                weights=args.weights, reps=args.reps, cpu=args.cpu, query=args.query)
     results = mp.get_context("spawn").SimpleQueue()
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_rank_main, args=(world, os.path.join(tmp, "init"), opts, results), nprocs=world)
     rows = results.get()
     how = "gloo, eager (smoke run: times mean nothing)" if args.cpu else "NCCL, CUDA graphs"
     print(f"bench_dcp_step: Kimi-K3 TP8 layer, {args.weights} W_UK/W_UV, qlen {args.qlen}, "
-          f"DCP {world} over {how}")
+          f"DCP {world} over {how}, DCP query {'fp8' if args.query != 'bf16' else 'bf16'} (DCP1: bf16)")
     print(f"| batch | context | DCP1 us | DCP{world} us | DCP1 / DCP{world} |")
     print("|---|---|---|---|---|")
     for batch, one_s, dcp_s in rows:

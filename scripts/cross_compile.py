@@ -79,11 +79,38 @@ def compile_spec(spec, target_name):
                     constexprs=spec.get("constexprs", {}), attrs=_attrs(kernel, sig))
     target = GPUTarget(*TARGETS[target_name])
     opts = {"num_warps": spec.get("num_warps", 4), "num_stages": spec.get("num_stages", 2)}
+    if target_name.startswith("gfx"):
+        opts.update(spec.get("amd_options", {}))
     return triton.compile(src, target=target, options=opts)
 
 
 def mma_instructions(asm: str, backend: str):
     return collections.Counter(m.group(1) for m in _MMA_RE[backend].finditer(asm))
+
+
+_AMD_META = {
+    "vgprs": r"\.vgpr_count:\s+(\d+)",            # arch + accumulation VGPRs (unified file)
+    "agprs": r"\.agpr_count:\s+(\d+)",
+    "vgpr_spills": r"\.vgpr_spill_count:\s+(\d+)",
+    "sgpr_spills": r"\.sgpr_spill_count:\s+(\d+)",
+    "occupancy": r"; Occupancy:\s+(\d+)",          # waves a SIMD
+    "group_segment": r"\.group_segment_fixed_size:\s+(\d+)",  # static LDS bytes
+    "scratch": r"; ScratchSize:\s+(\d+)",
+}
+
+
+def amd_resources(asm: str) -> dict:
+    """The AMD backend's register / occupancy / LDS report from a kernel's .amdgcn text:
+    {vgprs, agprs, vgpr_spills, sgpr_spills, occupancy, group_segment, scratch, mfma} (ints;
+    a field the text lacks is absent). Triton's LDS is dynamic (``metadata.shared``), so
+    ``group_segment`` is 0 for Triton kernels; the launch's LDS is ``shared``."""
+    out = {}
+    for k, pat in _AMD_META.items():
+        m = re.search(pat, asm)
+        if m:
+            out[k] = int(m.group(1))
+    out["mfma"] = len(_MMA_RE["hip"].findall(asm))
+    return out
 
 
 def run(target_name, out_dir, only=None, quiet=False):
@@ -110,10 +137,16 @@ def run(target_name, out_dir, only=None, quiet=False):
         shared = getattr(ck.metadata, "shared", None)
         if shared is not None:
             meta["shared"] = shared
+        if backend == "hip":
+            meta.update(amd_resources(asm))
         results.append(meta)
         if not quiet:
             mma_s = ", ".join(f"{k} x{v}" for k, v in sorted(mma.items())) or "(no MMA)"
-            print(f"[{target_name}] {spec['name']:<28} {mma_s}  ({meta['seconds']}s)", flush=True)
+            res = ""
+            if backend == "hip":
+                res = (f"vgpr {meta.get('vgprs')} spill {meta.get('vgpr_spills')} "
+                       f"waves {meta.get('occupancy')} lds {meta.get('shared')} ")
+            print(f"[{target_name}] {spec['name']:<34} {res}{mma_s}  ({meta['seconds']}s)", flush=True)
     with open(os.path.join(dest, "summary.json"), "w") as f:
         json.dump(results, f, indent=1)
     return results

@@ -7,7 +7,8 @@
 
 Every CTA shape (16, 32, 48, 64 rows), empty splits, out-of-range indices, requests shorter than
 qlen, a causal tail inside the last tile, the balanced split sizing, DCP bounds, empty splits that
-leave o unwritten (zero_empty=False), mla_decode's work-list grid and both merges.
+leave o unwritten (zero_empty=False), mla_decode's work-list grid and both merges, and the fp8
+query (q_scale) on every CTA shape.
 Prints the worst error against the float64 oracle (the sanitizer's report is the point).
 """
 import argparse
@@ -51,6 +52,21 @@ def cases():
     seq_lens = torch.tensor([80, 3, 150], dtype=torch.int32, device="cuda")
     hopper.mla_decode_splitkv(q, kv, indptr, idx, 2, SCALE, 0.5, 2, seq_lens, 1, 2)
     hopper.mla_decode(q, kv, indptr, idx, 2, SCALE, 0.5, 2, seq_lens, 1, 2)
+    # the fp8 query (q_scale) on every CTA height (staged as f16)
+    for rows in ("16", "32", "48", "64"):
+        os.environ[hopper.ROWS_ENV] = rows
+        for lens, qlen, H, S in [([0, 1, 70, 130], 2, 12, 3), ([300, 2], 1, 16, None)]:
+            q, kv, indptr, idx = make_inputs(lens, qlen, H, device="cuda", gen=g, oob=2)
+            amax = q.float().abs().max()
+            q_scale = (amax / 448.0).reshape(1)
+            q8 = (q.float() / q_scale).to(torch.float8_e4m3fn)
+            o, _ = hopper.mla_merge(*hopper.mla_decode_splitkv(q8, kv, indptr, idx, qlen, SCALE, 0.5, S or 2,
+                                                               q_scale=q_scale))
+            o2, _ = hopper.mla_decode(q8, kv, indptr, idx, qlen, SCALE, 0.5, S, q_scale=q_scale)
+            ro, _ = oracle(q8.double() * q_scale.double(), kv, indptr, idx, qlen, SCALE, 0.5)
+            for out in (o, o2):
+                worst = max(worst, ((out.double() - ro).norm() / ro.norm().clamp_min(1e-30)).item())
+    del os.environ[hopper.ROWS_ENV]
     torch.cuda.synchronize()
     print(f"sanitize_cuda: worst rel L2 {worst:.2e}")
 

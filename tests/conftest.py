@@ -69,9 +69,12 @@ def itertools_accumulate(xs):
         yield total
 
 
-def oracle_decode(case: DecodeCase):
-    """float64 (o [T, H, 512], lse [T, H]) by a loop over every query row."""
+def oracle_decode(case: DecodeCase, q_scale=None):
+    """float64 (o [T, H, 512], lse [T, H]) by a loop over every query row. An fp8 ``case.q``
+    takes its ``q_scale`` (a float32 tensor of one element): the real query is q8 * q_scale."""
     q = case.q.cpu().double()
+    if q_scale is not None:
+        q = q * float(q_scale.cpu().reshape(()))
     rows = case.kv_cache.cpu().reshape(-1, KV_ROW).double() * case.kv_scale
     indptr, indices = case.kv_indptr.cpu().tolist(), case.kv_indices.cpu().long()
     num_rows, heads, _ = q.shape
@@ -140,3 +143,13 @@ def dcp_shard(case: DecodeCase, rank: int, world: int):
         local_indptr.append(local_indptr[-1] + rows[-1].numel())
     return (torch.tensor(local_indptr, dtype=torch.int32, device=case.kv_indices.device),
             torch.cat(rows) if rows else case.kv_indices[:0])
+
+
+def quantize_per_tensor(x: torch.Tensor, dtype=torch.float8_e4m3fn):
+    """Test-side fp8 quantization of a query, written apart from kimi_ops': (x8, scale) with
+    scale = amax / fp8 max (float32, shape [1]; 1 for an all-zero x) and x8 = fp8(x / scale)
+    (float32 division, round to nearest, saturated)."""
+    fmax = torch.finfo(dtype).max
+    amax = x.float().abs().max()
+    scale = torch.where(amax > 0, amax / fmax, torch.ones_like(amax)).reshape(1)
+    return (x.float() / scale).clamp(-fmax, fmax).to(dtype), scale

@@ -50,3 +50,48 @@ def test_sm90_wgmma_e4m3(tmp_path):
     mma = res["splitkv_fp8_fn_m64"]["mma"]
     assert any(k.startswith("wgmma") and "e4m3.e4m3" in k for k in mma), mma
     assert res["splitkv_bf16_fn_m16"]["mma"], "the bf16 variant has no MMA"
+
+
+# ----------------------------------------------------------------------------------------------
+# issue 29 item 2: static quality of every AMD variant the launcher can pick
+
+def _launcher_specs(target):
+    """Names of the specs the launcher can launch on ``target``: the token-major M1c of every
+    CONFIGS entry (both q types, each cache format) and every merge shape."""
+    import kimi_ops.kernels.attention as A
+    import kimi_ops.kernels.triton_m1c as M
+
+    names = [s["name"] for s in M.CROSS_COMPILE_SPECS if target in s["targets"]]
+    names += [s["name"] for s in A.CROSS_COMPILE_SPECS if s["kernel"] is A._merge_kernel]
+    return names
+
+
+def test_launcher_configs_are_the_specs():
+    # one table: each config the launcher picks on an architecture (any row count) is a spec
+    import kimi_ops.kernels.triton_m1c as M
+
+    for arch in M.CROSS_TARGETS:
+        cx = {(s["constexprs"]["BLOCK_M"], s["constexprs"]["BLOCK_N"], s["constexprs"]["VSPLIT"],
+               s["num_warps"], s["num_stages"])
+              for s in M.CROSS_COMPILE_SPECS if arch in s["targets"]}
+        for rows in (1, 3, 12, 16, 17, 24, 32, 33, 48, 64, 96, 128, 768, 1024):
+            c = M.pick_config(arch, rows)
+            assert (c.block_m, c.block_n, c.vsplit, c.num_warps, c.num_stages) in cx, (arch, rows, c)
+
+
+@pytest.mark.parametrize("target", ["gfx950", pytest.param("gfx942", marks=needs_fnuz_triton)])
+def test_amd_no_spills(target, tmp_path):
+    """Every attention / merge variant the launcher can pick on ``target``: 0 VGPR (and SGPR)
+    spills and at least 2 waves a SIMD, read from the code object's metadata; the attention
+    variants use the bf16 MFMA."""
+    import re
+
+    res = _run(target, [re.escape(n) for n in _launcher_specs(target)], tmp_path)
+    bad = {n: {k: r.get(k) for k in ("vgprs", "vgpr_spills", "sgpr_spills", "occupancy")}
+           for n, r in res.items()
+           if r.get("vgpr_spills", 1) != 0 or r.get("sgpr_spills", 0) != 0 or r.get("occupancy", 0) < 2}
+    assert not bad, f"{target}: variants that spill or run under 2 waves a SIMD: {bad}"
+    for n, r in res.items():
+        if n.startswith("tm_"):
+            assert any("bf16" in k for k in r["mma"]), (n, r["mma"])
+    assert len(res) == len(_launcher_specs(target))

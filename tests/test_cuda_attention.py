@@ -3,7 +3,10 @@ against the float64 oracle.
 
 GPU tests run on an sm_90 GPU with kimi_ops._C built; they reuse the Triton tests' inputs
 (fresh random data, permuted cache rows among NaN-filled unused rows, out-of-range indices,
-empty and short requests) and oracle. CPU (CI): the extension's private op schemas.
+empty and short requests) and oracle. The fp8 query (test_fp8q_*): every CTA height against the
+float64 oracle on q8 * q_scale within the fp8-query contract (rel L2 of o <= 4e-3, |dlse| <= 4e-3,
+-inf where the oracle has it). CPU (CI): the extension's private op schemas, what the host code
+hands the kernels.
 """
 
 import itertools
@@ -13,8 +16,11 @@ import torch
 
 import kimi_ops
 from kimi_ops import dispatch
+from conftest import quantize_per_tensor
 from test_triton_attention import (SCALE, check_decode, check_decode_grid, check_graph_replay, check_merge,
                                    check_variable_lengths, make_inputs, oracle)
+
+FP8Q_RTOL, FP8Q_LSE_ATOL = 4e-3, 4e-3  # the fp8-query contract (README, Numerics)
 
 
 def _sm90_ready() -> bool:
@@ -34,8 +40,8 @@ def test_private_op_schemas():
     merge = ops._mla_merge_sm90.default._schema
     common = ["q", "kv_cache", "kv_indptr", "kv_indices", "seq_lens", "qlen", "qk_scale_log2", "kv_scale",
               "num_splits", "dcp_rank", "dcp_world_size", "rows_per_cta", "stages", "balance_ctas"]
-    assert [a.name for a in split.arguments] == common + ["zero_empty"]
-    assert [a.name for a in decode.arguments] == common
+    assert [a.name for a in split.arguments] == common + ["zero_empty", "q_scale"]
+    assert [a.name for a in decode.arguments] == common + ["q_scale"]
     assert [a.name for a in merge.arguments] == ["o_part", "lse_part"]
 
 
@@ -343,20 +349,24 @@ class _RecordOps:
     arguments and returns partials / outputs of the right shapes (zeros)."""
 
     def __init__(self):
-        self.split_calls, self.decode_calls, self.merge_calls = [], [], []
+        self.split_calls, self.decode_calls, self.merge_calls, self.q_scales = [], [], [], []
 
     def _mla_decode_splitkv_sm90(self, q, kv, indptr, indices, seq_lens, qlen, qk_scale_log2, kv_scale,
-                                 num_splits, dcp_rank, dcp_world_size, rows, stages, balance, zero_empty):
+                                 num_splits, dcp_rank, dcp_world_size, rows, stages, balance, zero_empty,
+                                 q_scale=None):
         self.split_calls.append(dict(num_splits=num_splits, rows=rows, stages=stages, balance=balance,
                                      zero_empty=zero_empty))
+        self.q_scales.append(q_scale)
         T, H, _ = q.shape
-        return q.new_zeros(num_splits, T, H, 512), q.new_zeros(num_splits, T, H, dtype=torch.float32)
+        return (torch.zeros(num_splits, T, H, 512, dtype=torch.bfloat16),
+                torch.zeros(num_splits, T, H, dtype=torch.float32))
 
     def _mla_decode_sm90(self, q, kv, indptr, indices, seq_lens, qlen, qk_scale_log2, kv_scale,
-                         num_splits, dcp_rank, dcp_world_size, rows, stages, balance):
+                         num_splits, dcp_rank, dcp_world_size, rows, stages, balance, q_scale=None):
         self.decode_calls.append(dict(num_splits=num_splits, rows=rows, stages=stages, balance=balance))
+        self.q_scales.append(q_scale)
         T, H, _ = q.shape
-        return q.new_zeros(T, H, 512), q.new_zeros(T, H, dtype=torch.float32)
+        return torch.zeros(T, H, 512, dtype=torch.bfloat16), torch.zeros(T, H, dtype=torch.float32)
 
     def _mla_merge_sm90(self, o_part, lse_part):
         self.merge_calls.append(o_part.shape[0])
@@ -442,3 +452,116 @@ def test_work_list_items_bound_the_used_splits():
         used = sum(_used_splits(int(n), S, balanced) for n in lens)
         assert used <= work_list_items(R, S, balance), (R, S, balance, used)
         assert all(_used_splits(int(n), S, balanced) <= S for n in lens)
+
+
+def test_fp8_query_runs_the_kernels(recorded_sm90, monkeypatch):
+    """An e4m3fn q with q_scale goes to the csrc kernels (both ops), q_scale handed through as
+    the tensor (read on the device); an e4m3fnuz q or cache still runs the Triton kernel."""
+    hopper, rec = recorded_sm90
+    q, kv, indptr, idx = make_inputs([3000, 400], 2, 12)
+    q8, q_scale = quantize_per_tensor(q.float())
+    o_part, _ = hopper.mla_decode_splitkv(q8, kv, indptr, idx, 2, SCALE, 0.5, 4, q_scale=q_scale)
+    assert o_part.dtype == torch.bfloat16 and rec.q_scales[-1] is q_scale
+    assert rec.split_calls[-1]["rows"] == hopper.rows_per_cta(24)
+    hopper.mla_decode(q8, kv, indptr, idx, 2, SCALE, 0.5, 4, q_scale=q_scale)
+    assert len(rec.decode_calls) == 1 and rec.q_scales[-1] is q_scale
+    hopper.mla_decode_splitkv(q, kv, indptr, idx, 2, SCALE, 0.5, 4)
+    assert rec.q_scales[-1] is None
+    assert hopper._triton_serves(q8.to(torch.float8_e4m3fnuz), kv)
+    assert hopper._triton_serves(q8, kv.to(torch.float8_e4m3fnuz))
+    assert not hopper._triton_serves(q8, kv) and not hopper._triton_serves(q, kv)
+
+
+def check_fp8q(lens, qlen, H, S, gen, *, oob=0, q_gain=1.0, work_list=False, kv_scale=0.5):
+    """The cuda kernels on an fp8 q (per-tensor amax scale): mla_decode_splitkv + merge, or
+    mla_decode (work-list grid), against the float64 oracle on q8 * q_scale. (rel L2, |dlse|)."""
+    import kimi_ops.kernels.sm90 as hopper
+    q, kv, indptr, idx = make_inputs(lens, qlen, H, kv_scale=kv_scale, device="cuda", gen=gen, oob=oob)
+    q8, q_scale = quantize_per_tensor(q.float() * q_gain)
+    if work_list:
+        o, lse = hopper.mla_decode(q8, kv, indptr, idx, qlen, SCALE, kv_scale, S, q_scale=q_scale)
+    else:
+        o_part, lse_part = hopper.mla_decode_splitkv(q8, kv, indptr, idx, qlen, SCALE, kv_scale, S, q_scale=q_scale)
+        assert not torch.isnan(o_part).any() and not torch.isnan(lse_part).any()
+        assert (o_part[torch.isneginf(lse_part)] == 0).all()
+        o, lse = hopper.mla_merge(o_part, lse_part)
+    ro, rl = oracle(q8.double() * q_scale.double(), kv, indptr, idx, qlen, SCALE, kv_scale)
+    fin = ~torch.isneginf(rl)
+    assert not torch.isnan(o).any() and not torch.isnan(lse).any()
+    assert torch.equal(torch.isneginf(lse), ~fin) and (o[~fin] == 0).all()
+    den = ro.norm().item()
+    err = (o.double() - ro).norm().item() / den if den > 0 else o.double().norm().item()
+    lerr = (lse.double()[fin] - rl[fin]).abs().max().item() if fin.any() else 0.0
+    assert err <= FP8Q_RTOL and lerr <= FP8Q_LSE_ATOL, (lens[:8], qlen, H, S, work_list, err, lerr)
+    return err, lerr
+
+
+@sm90
+@pytest.mark.parametrize("rows", ["16", "32", "48", "64"])
+def test_fp8q_grid(rows, monkeypatch):
+    """The fp8 query on each CTA height (both kernels stage it as f16, exact), both grids, edge
+    lengths, out-of-range indices, empty requests, more splits than tokens, small and large
+    query scales."""
+    import kimi_ops.kernels.sm90 as hopper
+    monkeypatch.setenv(hopper.ROWS_ENV, rows)
+    g = torch.Generator().manual_seed(100 + int(rows))
+    worst = (0.0, 0.0)
+    for H, qlen in [(12, 1), (12, 2), (16, 4), (12, 8), (96, 1), (128, 1)]:
+        for lens, S, oob in [([0, 1, 2, 7, 63, 64, 65, 127, 128, 129, 300], 3, 2), ([4096, 17, 2500, 0], 8, 0),
+                             ([5, 1, 0, 2], 9, 0), ([16384], 32, 0)]:
+            if H >= 96 and len(lens) > 4:
+                continue
+            for work_list in (False, True):
+                e = check_fp8q(lens, qlen, H, S, g, oob=oob, work_list=work_list)
+                worst = (max(worst[0], e[0]), max(worst[1], e[1]))
+    for gain in (1e-3, 40.0):
+        check_fp8q([700, 33], 2, 12, 2, g, q_gain=gain, kv_scale=0.03)
+    print(f"cuda fp8 q rows={rows}: worst rel L2 {worst[0]:.2e}, worst |lse| {worst[1]:.2e}")
+
+
+@sm90
+@pytest.mark.parametrize("rows", ["16", "32", "48", "64"])
+def test_fp8q_power_of_two_scale_is_the_bf16_query(rows, monkeypatch):
+    """The kernels stage the fp8 q as f16 (exact) and fold q_scale into the score scale, so a
+    power-of-two q_scale gives the bf16 query q8 * q_scale bit for bit (both exact f16 products,
+    the same sums scaled by a power of two)."""
+    import kimi_ops.kernels.sm90 as hopper
+    monkeypatch.setenv(hopper.ROWS_ENV, rows)
+    g = torch.Generator().manual_seed(5)
+    q, kv, indptr, idx = make_inputs([700, 3, 0, 2000], 2, 12, device="cuda", gen=g)
+    q8, _ = quantize_per_tensor(q.float())
+    p2 = torch.tensor([2.0 ** -5], device="cuda")
+    a = hopper.mla_decode_splitkv(q8, kv, indptr, idx, 2, SCALE, 0.5, 4, q_scale=p2)
+    b = hopper.mla_decode_splitkv((q8.float() * p2).to(torch.bfloat16), kv, indptr, idx, 2, SCALE, 0.5, 4)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+@sm90
+def test_fp8q_graph_replays_a_new_scale():
+    """mla_decode on an fp8 q captured in a CUDA graph, q8 and q_scale rewritten in place between
+    replays: replay == eager, within the contract (the kernels read q_scale on the device)."""
+    import kimi_ops.kernels.sm90 as hopper
+    g = torch.Generator().manual_seed(9)
+    q, kv, indptr, idx = make_inputs([700, 3, 0, 2000], 4, 12, device="cuda", gen=g)
+    q8, q_scale = quantize_per_tensor(q.float())
+
+    def step():
+        return hopper.mla_decode(q8, kv, indptr, idx, 4, SCALE, 0.5, 4, q_scale=q_scale)
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o_g, lse_g = step()
+    for gain in (1.0, 37.0, 1e-2):
+        x8, s = quantize_per_tensor(torch.randn(q.shape, generator=g).cuda() * gain)
+        q8.copy_(x8)
+        q_scale.copy_(s)
+        graph.replay()
+        o_e, lse_e = step()
+        torch.cuda.synchronize()
+        assert torch.equal(o_g, o_e) and torch.equal(lse_g, lse_e)
+        ro, rl = oracle(q8.double() * q_scale.double(), kv, indptr, idx, 4, SCALE, 0.5)
+        fin = ~torch.isneginf(rl)
+        assert ((o_g.double() - ro).norm() / ro.norm()).item() <= FP8Q_RTOL
+        assert (lse_g.double()[fin] - rl[fin]).abs().max().item() <= FP8Q_LSE_ATOL

@@ -26,8 +26,8 @@ def decode(case, **over):
 
 
 DECODE_ERRORS = {
-    "q dtype": (lambda c: dict(q=c.q.half()), r"q must be a \[T, H, 576\] bfloat16 tensor, got .*float16"),
-    "q rank": (lambda c: dict(q=c.q[0]), r"q must be a \[T, H, 576\] bfloat16 tensor, got shape \(4, 576\)"),
+    "q dtype": (lambda c: dict(q=c.q.half()), r"q must be a \[T, H, 576\] bfloat16 tensor \(or fp8 .* with q_scale\), got .*float16"),
+    "q rank": (lambda c: dict(q=c.q[0]), r"q must be a \[T, H, 576\] bfloat16 tensor .*, got shape \(4, 576\)"),
     "q width": (lambda c: dict(q=c.q[..., :512]), r"q must be .* got shape \(4, 4, 512\)"),
     "q strides": (lambda c: dict(q=c.q.transpose(1, 2).contiguous().transpose(1, 2)),
                   r"q must be contiguous in its last dim, got strides"),

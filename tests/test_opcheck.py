@@ -128,3 +128,33 @@ def test_opcheck_mla_query(mxfp4, tokens, heads, pad, device):
         w_uk, w_uk_scale = torch.randn(heads, 128, 512, device=device).to(torch.bfloat16) / 8, None
     torch.library.opcheck(ops.mla_query.default, (q_nope, q_pe, w_uk, w_uk_scale), dict(pad_heads=pad),
                           test_utils=ALL_UTILS)
+
+
+def fp8q_samples():
+    from conftest import quantize_per_tensor
+    for device in DEVICES:
+        for i, sample in enumerate(DECODE_SAMPLES):
+            case = make_decode_case(sample["lengths"], heads=sample["heads"], qlen=sample["qlen"],
+                                    block_size=sample["block_size"], spare_rows=3, seed=200 + i, device=device)
+            case.q, q_scale = quantize_per_tensor(case.q.float())
+            yield case, q_scale.to(device)
+
+
+@pytest.mark.parametrize("case_scale", list(fp8q_samples()),
+                         ids=lambda c: f"{c[0].q.device.type}-R{len(c[0].lengths)}q{c[0].qlen}")
+def test_opcheck_decode_ops_fp8_query(case_scale):
+    """The fp8 query (q8 + q_scale): float8 q and cache, so test_schema cannot run; the q_scale
+    argument, like every other, is left unchanged byte for byte."""
+    case, q_scale = case_scale
+    kwargs = dict(q_scale=q_scale, **case.kwargs)
+    for splits in (1, 3):
+        torch.library.opcheck(ops.mla_decode_splitkv.default, case.args, dict(num_splits=splits, **kwargs),
+                              test_utils=NO_SCHEMA_UTILS)
+    torch.library.opcheck(ops.mla_decode.default, case.args, kwargs, test_utils=NO_SCHEMA_UTILS)
+    torch.library.opcheck(ops.mla_decode.default, case.args, dict(num_splits=2, **kwargs), test_utils=NO_SCHEMA_UTILS)
+    args = case.args + (q_scale,)
+    assert_only_declared_mutations(
+        lambda: kimi_ops.mla_decode(*case.args, num_splits=2, **kwargs), args)
+    seq_lens = (torch.tensor(case.lengths, dtype=torch.int32) * 2 + 1).to(case.q.device)
+    dcp = dict(seq_lens=seq_lens, dcp_rank=1, dcp_world_size=2, **kwargs)
+    torch.library.opcheck(ops.mla_decode.default, case.args, dcp, test_utils=NO_SCHEMA_UTILS)

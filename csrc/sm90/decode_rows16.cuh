@@ -1,15 +1,17 @@
 // M1c, 16 query rows a CTA: splitkv_kernel (4 compute warps sharing one 16-row m-tile, a
-// producer warp, mma.sync m16n8k16 f16) and its per-tile pieces.
+// producer warp, mma.sync m16n8k16 f16; an fp8 query is staged as f16, exact) and its per-tile
+// pieces.
 //
 // Byte layouts:
-//   reads   q [T*H, 576] bf16; kv [N, 576] fp8 rows (one cp.async.bulk of 576 bytes a token row);
-//           kv_indptr / kv_indices int32; seq_lens [R] int32
+//   reads   q [T*H, 576] bf16 (or fp8 with q_scale [1] f32: kFp8Q); kv [N, 576] fp8 rows (one
+//           cp.async.bulk of 576 bytes a token row); kv_indptr / kv_indices int32; seq_lens [R] int32
 //   writes  o [valid_rows, 512] bf16 (16-byte stores) and lse [valid_rows] f32 (natural log) at
 //           the CTA's rows of o_part / lse_part ([S, T*H] or the work list's [W, qlen*H]) or of
 //           o_final / lse_final (work_list.cuh: CtaWork::o_out, lse_out)
 //   shared  SplitKVSmem<STAGES>: kv[STAGES][64 * 592] fp8 tiles, q [16 * 584] f16 (permuted
-//           columns), p [16 * 72] f16 (P rows), red [4][16] f32, row_fac [16] f32, the full /
-//           empty_lo / empty_hi mbarriers; the epilogue stages O [16][512] bf16 in kv[0]
+//           columns; an fp8 query the same, its bytes converted), p [16 * 72] f16
+//           (P rows), red [4][16] f32, row_fac [16] f32, the full / empty_lo / empty_hi
+//           mbarriers; the epilogue stages O [16][512] bf16 in kv[0]
 #pragma once
 
 #include <cuda_bf16.h>
@@ -202,7 +204,8 @@ static_assert(kConsumerRegs + kProducerRegs <= 2 * (65536 / (2 * kSplitKVThreads
               "setmaxnreg counts exceed the CTA's register pool");
 __device__ __align__(16) uint8_t g_zero_row[kRowBytes];
 
-template <int STAGES>
+// kFp8Q: the fp8 query, staged as f16 (stage_query_rows_fp8_f16); the rest is the same.
+template <int STAGES, bool kFp8Q = false>
 __global__ void __launch_bounds__(kSplitKVThreads, 2) splitkv_kernel(const SplitKVParams p) {
   extern __shared__ __align__(128) uint8_t smem_raw[];
   auto& sm = *reinterpret_cast<SplitKVSmem<STAGES>*>(smem_raw);
@@ -267,7 +270,10 @@ __global__ void __launch_bounds__(kSplitKVThreads, 2) splitkv_kernel(const Split
   // ---- consumers
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs) : "memory");
   const int wq = warp;
-  stage_query_rows(p, sm.q, sm.row_fac, flat0, valid_rows, kRows, warp, kWarps, lane);
+  if constexpr (kFp8Q)
+    stage_query_rows_fp8_f16(p, sm.q, sm.row_fac, flat0, valid_rows, kRows, warp, kWarps, lane);
+  else
+    stage_query_rows(p, sm.q, sm.row_fac, flat0, valid_rows, kRows, warp, kWarps, lane);
   int lim[2];
   float m_run[2], l_run[2];
   float acc[16][4];

@@ -1,15 +1,27 @@
 // M1c, token-major: splitkv_tm_kernel, 32, 48 or 64 query rows a CTA of two warpgroups, wgmma
-// with the tokens as M (S^T = K Q^T, O^T = V^T P^T), and its per-tile pieces.
+// with the tokens as M (S^T = K Q^T, O^T = V^T P^T; an fp8 query is staged as f16, exact, and
+// takes the same MMAs), and its per-tile pieces.
+//
+// Tried and removed: S^T for the fp8 query as wgmma m64nNk32 e4m3 (A = K's fp8 bytes straight
+// from ldmatrix, no conversion; B = the fp8 Q in core matrices), behind KIMI_OPS_SM90_FP8_WGMMA=1.
+// Measured on the H200 (2026-12-03): rel L2 of o <= 2.8e-3 but |dlse| 1.1-1.7e-2 against float64
+// over the CTA heights, outside the fp8-query contract (4e-3: the e4m3 wgmma accumulates with
+// reduced precision), for at most 10% speed over the f16 staging (issue-27 grid: H12 B32 8k q2
+// 75.1 -> 67.9 us, q4 82.5 -> 80.5, q8 136.5 -> 130.9, H96 B64 4k 135.7 -> 132.3), at a longer
+// device build (59 s -> 76 s measured with the fp8 query's kernels; the opt-in's own instances: 4,
+// this kernel's, one a CTA shape). The code (tm_scores_fp8, stage_query_rows_fp8, the e4m3
+// WgmmaRS, the KIMI_OPS_SM90_FP8_WGMMA switch, its test) is at commit fbde174.
 //
 // Byte layouts:
-//   reads   q [T*H, 576] bf16; kv [N, 576] fp8 rows (cp.async, 16-byte chunks: TileLoader);
-//           kv_indptr / kv_indices int32; seq_lens [R] int32
+//   reads   q [T*H, 576] bf16 (or fp8 with q_scale [1] f32: kFp8Q); kv [N, 576] fp8 rows
+//           (cp.async, 16-byte chunks: TileLoader); kv_indptr / kv_indices int32; seq_lens [R] int32
 //   writes  o [valid_rows, 512] bf16 (16-byte stores) and lse [valid_rows] f32 (natural log) at
 //           the CTA's rows of o_part / lse_part or o_final / lse_final (work_list.cuh)
 //   shared  TokenMajorSmem<NT, STAGES, TILE>: kv[STAGES][TILE * 592] fp8 tiles, q [N * 576] f16
-//           (core-matrix layout, fragments.cuh), p [N * TILE] f16 (core matrices of 8 tokens x
-//           8 rows, tm_store_p), red [TILE / 16][N] f32, row_scale [N] f32, row_fac [N] f32; the
-//           epilogue stages O [N][kOStride = 520] bf16 in the K ring
+//           (core-matrix layout, fragments.cuh; an fp8 query the same, its bytes converted), p
+//           [N * TILE] f16 (core matrices of 8 tokens x 8 rows, tm_store_p), red [TILE / 16][N] f32,
+//           row_scale [N] f32, row_fac [N] f32; the epilogue stages O [N][kOStride = 520] bf16 in
+//           the K ring
 #pragma once
 
 #include <cuda_bf16.h>
@@ -252,7 +264,8 @@ __device__ __forceinline__ void tm_pv(float (&acc)[4][NT][4], const uint8_t* til
   }
 }
 
-template <int NT, int STAGES, int TILE>
+// kFp8Q: the fp8 query, staged as f16 (exact: stage_query_rows_fp8_f16<true>); the rest is the same.
+template <int NT, int STAGES, int TILE, bool kFp8Q = false>
 __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const SplitKVParams p) {
   static_assert(NT % 2 == 0 && NT >= 4 && NT <= 8, "two warpgroups of NT / 2 n-tiles: 32..64 rows");
   static_assert(TILE == 64 || TILE == 128, "64- or 128-token tiles");
@@ -286,7 +299,10 @@ __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const Spli
     if (s < ntiles) loader.load(s, sm.kv[s]);
     cp_async_commit();
   }
-  stage_query_rows<true>(p, sm.q, sm.row_fac, work.flat0, work.valid_rows, kRows, warp, kTmWarps, lane);
+  if constexpr (kFp8Q)
+    stage_query_rows_fp8_f16<true>(p, sm.q, sm.row_fac, work.flat0, work.valid_rows, kRows, warp, kTmWarps, lane);
+  else
+    stage_query_rows<true>(p, sm.q, sm.row_fac, work.flat0, work.valid_rows, kRows, warp, kTmWarps, lane);
   fence_proxy_async_smem();
 
   // the thread's S^T rows (CTA-relative): half_row0 + 8j + 2c + h

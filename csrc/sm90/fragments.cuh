@@ -1,13 +1,16 @@
-// Pieces both M1c kernels use: the query rows staged in shared memory (stage_query_rows), V^T
-// fragments built from a K tile's fp8 bytes (v_token_words / v_token_pairs), and the cp.async
-// tile gatherer (TileLoader, the token-major kernel's loads).
+// Pieces both M1c kernels use: the query rows staged in shared memory (stage_query_rows; the fp8
+// query's, as f16: stage_query_rows_fp8_f16), V^T fragments built from a K tile's fp8 bytes
+// (v_token_words / v_token_pairs), and the cp.async tile gatherer (TileLoader, the token-major
+// kernel's loads).
 //
 // Byte layouts:
-//   reads   q [T*H, 576] bf16 (a row = 1152 bytes, 9 words a lane), kv [N, 576] fp8 rows, kv_indices
+//   reads   q [T*H, 576] bf16 (a row = 1152 bytes, 9 words a lane) or fp8 (576 bytes, 4.5 words a
+//           lane) and q_scale [1] f32, kv [N, 576] fp8 rows, kv_indices
 //   writes  Q in shared memory as f16: row r, permuted column k at q_smem[r * kQStride + k]
 //           (kQStride = 584 halves, 1168 bytes), or with kCoreMatrix wgmma's no-swizzle K-major
 //           core matrices (8 rows x 8 columns = 128 bytes; K-adjacent ones 128 bytes apart,
-//           8-row groups kQCoreGroup = 4608 halves apart); row_fac [rows] f32
+//           8-row groups kQCoreGroup = 4608 halves apart); row_fac [rows] f32 (an fp8 Q the same,
+//           its bytes converted to f16)
 //           K tiles: token row j at stage + j * kSmemRow (592 bytes), 576 bytes of the cache row
 //           (zero-filled past the split or for an index outside the cache), 16 bytes of padding
 #pragma once
@@ -66,6 +69,34 @@ __device__ __forceinline__ void stage_query_rows(const SplitKVParams& p, __half*
       *reinterpret_cast<uint32_t*>(&q_smem[at]) = pack_half2(ldexpf(v[i].x, k), ldexpf(v[i].y, k));
     }
     if (lane == 0) row_fac[r] = ldexpf(p.qk_scale_log2, -k);
+  }
+}
+
+// The fp8 query for the f16 MMAs (splitkv_kernel: sm_90's mma.sync m16n8k32 e4m3 is emulated, ptxas
+// turns it into f16 HMMA plus conversions of both operands every tile; splitkv_tm_kernel: e4m3 wgmma
+// missed the lse contract, decode_token_major.cuh's header): rows r = first, first + step, ...
+// (< rows), one warp a row, each e4m3 byte to f16 (exact, no scaling needed: |e4m3| <= 448, its
+// smallest subnormal 2^-9) in stage_query_rows' permuted layout (kCoreMatrix: its core matrices);
+// row_fac[r] = qk_scale_log2 * q_scale (read on the device, so a graph replays a new scale).
+template <bool kCoreMatrix = false>
+__device__ __forceinline__ void stage_query_rows_fp8_f16(const SplitKVParams& p, __half* q_smem, float* row_fac,
+                                                         int64_t flat0, int valid_rows, int rows, int first,
+                                                         int step, int lane) {
+  const float fac = p.qk_scale_log2 * *p.q_scale;
+  const uint8_t* q8 = reinterpret_cast<const uint8_t*>(p.q);
+  for (int r = first; r < rows; r += step) {
+    const bool valid = r < valid_rows;
+    const uint16_t* src = reinterpret_cast<const uint16_t*>(q8 + (flat0 + r) * kRowBytes);
+#pragma unroll
+    for (int i = 0; i < 9; ++i) {
+      const uint32_t pair = valid ? src[lane + 32 * i] : 0u;
+      const int col = 2 * (lane + 32 * i), within = col % 16;  // the pair's physical columns col, col + 1
+      const int scol = col - within + ((within % 4) == 0 ? 2 * (within / 4) : 8 + 2 * (within / 4));
+      const int at =
+          kCoreMatrix ? (r / 8) * kQCoreGroup + (scol / 8) * 64 + (r % 8) * 8 + scol % 8 : r * kQStride + scol;
+      *reinterpret_cast<uint32_t*>(&q_smem[at]) = e4m3x4_to_f16x4(pair).lo;
+    }
+    if (lane == 0) row_fac[r] = fac;
   }
 }
 

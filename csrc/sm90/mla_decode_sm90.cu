@@ -90,7 +90,8 @@ void check_cuda_tensor(const at::Tensor& t, const char* name, at::ScalarType dty
   TORCH_CHECK(t.is_contiguous(), "kimi_ops._C: ", name, " must be contiguous");
 }
 
-template <typename Smem, typename Kernel>
+// kFp8Q: the kernel's fp8-query instance (its own `configured`: the attribute is per function)
+template <typename Smem, bool kFp8Q, typename Kernel>
 void launch_kernel(Kernel* kernel, int threads, const SplitKVParams& params, dim3 grid, cudaStream_t stream) {
   constexpr size_t smem = sizeof(Smem);
   static bool configured[64] = {};  // per device: the dynamic smem limit is a per-context attribute
@@ -104,15 +105,23 @@ void launch_kernel(Kernel* kernel, int threads, const SplitKVParams& params, dim
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// the fp8-query instance where params.q_scale is set
 template <int STAGES>
 void launch_splitkv(const SplitKVParams& params, dim3 grid, cudaStream_t stream) {
-  launch_kernel<SplitKVSmem<STAGES>>(splitkv_kernel<STAGES>, kSplitKVThreads, params, grid, stream);
+  using Smem = SplitKVSmem<STAGES>;
+  if (params.q_scale != nullptr)
+    launch_kernel<Smem, true>(splitkv_kernel<STAGES, true>, kSplitKVThreads, params, grid, stream);
+  else
+    launch_kernel<Smem, false>(splitkv_kernel<STAGES>, kSplitKVThreads, params, grid, stream);
 }
 
 template <int NT, int STAGES, int TILE = kTileN>
 void launch_splitkv_tm(const SplitKVParams& params, dim3 grid, cudaStream_t stream) {
-  launch_kernel<TokenMajorSmem<NT, STAGES, TILE>>(splitkv_tm_kernel<NT, STAGES, TILE>, 32 * kTmWarps, params, grid,
-                                                  stream);
+  using Smem = TokenMajorSmem<NT, STAGES, TILE>;
+  if (params.q_scale != nullptr)
+    launch_kernel<Smem, true>(splitkv_tm_kernel<NT, STAGES, TILE, true>, 32 * kTmWarps, params, grid, stream);
+  else
+    launch_kernel<Smem, false>(splitkv_tm_kernel<NT, STAGES, TILE>, 32 * kTmWarps, params, grid, stream);
 }
 
 // Work items of the work-list grid for R requests of at most num_splits splits: the used splits
@@ -127,8 +136,15 @@ int64_t work_list_items(int64_t num_requests, int64_t num_splits, int64_t balanc
 SplitKVParams splitkv_params(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& indptr,
                              const at::Tensor& indices, const std::optional<at::Tensor>& seq_lens, int64_t qlen,
                              double qk_scale_log2, double kv_scale, int64_t num_splits, int64_t dcp_rank,
-                             int64_t dcp_world_size, int64_t rows_per_cta, int64_t stages, int64_t balance_ctas) {
-  check_cuda_tensor(q, "q", at::kBFloat16);
+                             int64_t dcp_world_size, int64_t rows_per_cta, int64_t stages, int64_t balance_ctas,
+                             const std::optional<at::Tensor>& q_scale) {
+  // the fp8 query: e4m3fn bytes with q_scale, a float32 [1] tensor on q's device (read by the kernel)
+  check_cuda_tensor(q, "q", q_scale.has_value() ? at::ScalarType::Float8_e4m3fn : at::kBFloat16);
+  if (q_scale.has_value()) {
+    check_cuda_tensor(*q_scale, "q_scale", at::kFloat);
+    TORCH_CHECK(q_scale->numel() == 1, "kimi_ops._C: q_scale must hold one element");
+    TORCH_CHECK(q_scale->device() == q.device(), "kimi_ops._C: q_scale must be on q's device");
+  }
   check_cuda_tensor(kv, "kv_cache", at::ScalarType::Float8_e4m3fn);
   check_cuda_tensor(indptr, "kv_indptr", at::kInt);
   check_cuda_tensor(indices, "kv_indices", at::kInt);
@@ -162,6 +178,7 @@ SplitKVParams splitkv_params(const at::Tensor& q, const at::Tensor& kv, const at
   params.dcp_world = static_cast<int>(dcp_world_size);
   params.qk_scale_log2 = static_cast<float>(qk_scale_log2);
   params.kv_scale = static_cast<float>(kv_scale);
+  params.q_scale = q_scale.has_value() ? q_scale->data_ptr<float>() : nullptr;
   return params;
 }
 
@@ -218,12 +235,13 @@ std::tuple<at::Tensor, at::Tensor> mla_decode_splitkv_sm90(const at::Tensor& q, 
                                                            double qk_scale_log2, double kv_scale, int64_t num_splits,
                                                            int64_t dcp_rank, int64_t dcp_world_size,
                                                            int64_t rows_per_cta, int64_t stages,
-                                                           int64_t balance_ctas, bool zero_empty) {
+                                                           int64_t balance_ctas, bool zero_empty,
+                                                           const std::optional<at::Tensor>& q_scale) {
   const c10::cuda::CUDAGuard guard(q.device());
   SplitKVParams params = splitkv_params(q, kv, indptr, indices, seq_lens, qlen, qk_scale_log2, kv_scale, num_splits,
-                                        dcp_rank, dcp_world_size, rows_per_cta, stages, balance_ctas);
+                                        dcp_rank, dcp_world_size, rows_per_cta, stages, balance_ctas, q_scale);
   const int64_t T = q.size(0), H = q.size(1), R = T / qlen;
-  auto o_part = at::empty({num_splits, T, H, kLatent}, q.options());
+  auto o_part = at::empty({num_splits, T, H, kLatent}, q.options().dtype(at::kBFloat16));
   auto lse_part = at::empty({num_splits, T, H}, q.options().dtype(at::kFloat));
   if (T == 0 || H == 0) return {o_part, lse_part};
   params.o_part = reinterpret_cast<__nv_bfloat16*>(o_part.data_ptr());
@@ -242,17 +260,18 @@ std::tuple<at::Tensor, at::Tensor> mla_decode_sm90(const at::Tensor& q, const at
                                                    const at::Tensor& indices, const std::optional<at::Tensor>& seq_lens,
                                                    int64_t qlen, double qk_scale_log2, double kv_scale,
                                                    int64_t num_splits, int64_t dcp_rank, int64_t dcp_world_size,
-                                                   int64_t rows_per_cta, int64_t stages, int64_t balance_ctas) {
+                                                   int64_t rows_per_cta, int64_t stages, int64_t balance_ctas,
+                                                   const std::optional<at::Tensor>& q_scale) {
   const c10::cuda::CUDAGuard guard(q.device());
   SplitKVParams params = splitkv_params(q, kv, indptr, indices, seq_lens, qlen, qk_scale_log2, kv_scale, num_splits,
-                                        dcp_rank, dcp_world_size, rows_per_cta, stages, balance_ctas);
+                                        dcp_rank, dcp_world_size, rows_per_cta, stages, balance_ctas, q_scale);
   const int64_t T = q.size(0), H = q.size(1), R = T / qlen;
   const int64_t items = work_list_items(R, num_splits, balance_ctas);
   TORCH_CHECK(items <= 65535, "kimi_ops._C: the work-list grid takes at most 65535 items, got ", items);
-  auto o = at::empty({T, H, kLatent}, q.options());
+  auto o = at::empty({T, H, kLatent}, q.options().dtype(at::kBFloat16));
   auto lse = at::empty({T, H}, q.options().dtype(at::kFloat));
   if (T == 0 || H == 0) return {o, lse};
-  auto o_part = at::empty({items, qlen, H, kLatent}, q.options());
+  auto o_part = at::empty({items, qlen, H, kLatent}, q.options().dtype(at::kBFloat16));
   auto lse_part = at::empty({items, qlen, H}, q.options().dtype(at::kFloat));
   auto work_first = at::empty({R}, indptr.options());
   params.o_part = reinterpret_cast<__nv_bfloat16*>(o_part.data_ptr());

@@ -2,7 +2,9 @@
 // by impl_sm90_ops, which mla_decode_sm90.cu defines:
 //   _mla_decode_splitkv_sm90  q [T, H, 576] bf16, kv_cache [N, 576] fp8 e4m3fn, kv_indptr
 //                             [T / qlen + 1] int32, kv_indices [kv_indptr[-1]] int32, seq_lens
-//                             [T / qlen] int32 or none -> o_part [S, T, H, 512] bf16, lse_part [S, T, H] f32
+//                             [T / qlen] int32 or none, q_scale [1] f32 or none (with it q is fp8
+//                             e4m3fn [T, H, 576], real q = q * q_scale)
+//                             -> o_part [S, T, H, 512] bf16, lse_part [S, T, H] f32
 //   _mla_decode_sm90          the same inputs -> o [T, H, 512] bf16, lse [T, H] f32 (work-list grid + merge)
 //   _mla_merge_sm90           o_part [S, T, H, 512] bf16, lse_part [S, T, H] f32 -> o, lse
 // (CUDA tensors, contiguous; kimi_ops/kernels/sm90.py calls them.)

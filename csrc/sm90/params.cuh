@@ -3,7 +3,8 @@
 // (mla_decode_sm90.cu).
 //
 // Byte layouts the kernels read and write through SplitKVParams (DESIGN.md):
-//   q         [T*H, 576] bf16      flat row (r*qlen + i)*H + h: request r, position i, head h
+//   q         [T*H, 576] bf16      flat row (r*qlen + i)*H + h: request r, position i, head h;
+//             or [T*H, 576] fp8 e4m3fn (576-byte rows) with q_scale [1] f32 (the fp8 query)
 //   kv        [N, 576] fp8 e4m3fn  token row = [kv_c (512) | k_pe (64)] (576 bytes), value = fp8 * kv_scale
 //   indptr    [R+1] int32, indices [indptr[R]] int32 (page-size-1 CSR; an index outside
 //             [0, N) reads as an all-zero row, nothing outside the cache is touched)
@@ -41,7 +42,7 @@ constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kMaxSlack = 8.f;
 
 struct SplitKVParams {
-  const __nv_bfloat16* q;
+  const __nv_bfloat16* q;  // bf16 [T*H, 576], or with q_scale the fp8 e4m3fn bytes [T*H, 576]
   const uint8_t* kv;
   const int* indptr;
   const int* indices;
@@ -60,6 +61,7 @@ struct SplitKVParams {
   int* work_first;         // work list: [R], a request's first partials slot (written by its split 0)
   float qk_scale_log2;  // scale * kv_scale * log2(e)
   float kv_scale;
+  const float* q_scale;  // fp8 query: its scale, [1] f32 on the device (real q = fp8 q * q_scale); else nullptr
 };
 
 }  // namespace

@@ -1,7 +1,8 @@
 // PTX wrappers for sm_90a shared by the M1c kernels: named barriers (bar.sync / bar.red on
 // barrier 1), ldmatrix, wgmma (fence / commit / wait, shared-memory descriptors, the f16 RS
 // instruction for N = 32, 48, 64), 32-bit shared loads, e4m3 -> f16 conversion, mma.sync
-// m16n8k16 f16, ex2.approx, f16x2 packing and prmt.
+// m16n8k16 f16, ex2.approx, f16x2 packing and prmt. (No mma.sync e4m3: sm_90 emulates it, ptxas
+// emitting f16 HMMA and conversions of both operands; the fp8 query is staged as f16.)
 //
 // Byte layouts: registers only, except ldmatrix_x4 / lds32 (shared memory, 16 / 4 bytes a lane)
 // and the wgmma B operand, read through smem_desc: no swizzle, core matrices of 8 rows x 16

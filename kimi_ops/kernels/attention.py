@@ -18,6 +18,12 @@ fp8 dots on the cache as stored; P = exp2(S - m) * 2^PLOG is split into E4M3 ``h
 O += (P_hi + P_lo) V as fp8 x fp8 dots.  ``MMA="bf16"``: the K tile is converted to bf16
 (exact) and both products run as bf16 dots.  ``KV_U8_FNUZ``: an e4m3fnuz cache on a backend
 without that type (NVIDIA) is read as bytes and decoded in the kernel (bf16 dots).
+
+fp8 query (issue 28, ``q_scale`` given): q is loaded as stored (e4m3fn, or e4m3fnuz read as
+bytes where the backend has no such type) and converted exactly to bf16 (every e4m3 value is a
+bf16 value), then runs the bf16 (or fp8 hi + lo) path above unchanged; ``q_scale`` is loaded
+from its device pointer in the kernel and multiplied into the score scale
+(``scale * kv_scale * q_scale``), so no host sync and a CUDA graph replays a new scale.
 """
 import os
 
@@ -55,6 +61,29 @@ def _to_bf16(x, INTERP: tl.constexpr):
 
 
 @triton.jit
+def _fnuz_bytes_to_f32(b):
+    # e4m3fnuz bytes (uint8) -> f32: value(b) = e4m3fn(b) / 2, except 0x7f/0xff (+-240), 0x80 (NaN)
+    x = b.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 0.5
+    x = tl.where((b & 0x7F) == 0x7F, tl.where(b >= 128, -240.0, 240.0), x)
+    return tl.where(b == 0x80, float("nan"), x)
+
+
+@triton.jit
+def _q_half(ptrs, row_ok, Q_FP8: tl.constexpr, Q_U8_FNUZ: tl.constexpr, DT16: tl.constexpr):
+    x = tl.load(ptrs, mask=row_ok[:, None], other=0.0)
+    if Q_FP8 and Q_U8_FNUZ:
+        x = _fnuz_bytes_to_f32(x)
+    return x.to(tl.float32).to(DT16)
+
+
+@triton.jit
+def _k_to16(k, KV_U8_FNUZ: tl.constexpr, DT16: tl.constexpr):
+    if KV_U8_FNUZ:
+        return _fnuz_bytes_to_f32(k).to(DT16)
+    return k.to(DT16)
+
+
+@triton.jit
 def _visible_tokens(n, n_global, qlen, pos, dcp_rank, dcp_world_size):
     """Tokens (of the n listed) that query position ``pos`` sees: the listed token j is global
     position ``j * W + rank`` and position pos sees global positions ``<= n_global - qlen + pos``
@@ -65,10 +94,12 @@ def _visible_tokens(n, n_global, qlen, pos, dcp_rank, dcp_world_size):
 
 @triton.jit
 def _split_kv_kernel(
-    q_ptr, kv_ptr, indptr_ptr, indices_ptr, seq_lens_ptr, o_ptr, lse_ptr,
+    q_ptr, kv_ptr, indptr_ptr, indices_ptr, seq_lens_ptr, o_ptr, lse_ptr, q_scale_ptr,
     T, H, N, qlen, num_splits, dcp_rank, dcp_world_size,
-    qk_scale_log2,  # scale * kv_scale * log2(e)
+    c_hi, c_lo,  # scale * kv_scale (natural units) as hi + lo f32
     kv_scale,
+    Q_FP8: tl.constexpr,  # q is fp8 (q_ptr's type, or e4m3fnuz bytes with Q_U8_FNUZ); q_scale_ptr -> f32 [1]
+    Q_U8_FNUZ: tl.constexpr,
     MMA_FP8: tl.constexpr,
     KV_U8_FNUZ: tl.constexpr,
     FNUZ: tl.constexpr,
@@ -78,8 +109,10 @@ def _split_kv_kernel(
     PREFETCH: tl.constexpr,
     GLOBAL_LENS: tl.constexpr,  # seq_lens given: causal bounds in global (DCP) positions
     INTERP_STEPS: tl.constexpr,  # interpreter: a fixed trip count (Triton 3.6's cannot loop to a runtime bound)
+    S_CHAINS: tl.constexpr = False,  # bf16: S as three independent products (256 + 256 + 64 channels)
 ):
     DC: tl.constexpr = 512
+    DH: tl.constexpr = 256
     DP: tl.constexpr = 64
     D: tl.constexpr = 576
     pid_m = tl.program_id(0)
@@ -109,11 +142,30 @@ def _split_kv_kernel(
 
     flat_row = pid_r.to(tl.int64) * rows_per_req + m_offs  # row of q viewed [T*H, 576]
     offs_c = tl.arange(0, DC)
+    offs_h = tl.arange(0, DH)
     offs_p = tl.arange(0, DP)
     offs_n = tl.arange(0, BLOCK_N)
 
     qc = tl.load(q_ptr + flat_row[:, None] * D + offs_c[None, :], mask=row_ok[:, None], other=0.0)
     qp = tl.load(q_ptr + flat_row[:, None] * D + DC + offs_p[None, :], mask=row_ok[:, None], other=0.0)
+    if Q_FP8:
+        # the fp8 query as stored -> f32 (exact; exact in bf16 too), its scale from the device
+        if Q_U8_FNUZ:
+            qc = _fnuz_bytes_to_f32(qc)
+            qp = _fnuz_bytes_to_f32(qp)
+        else:
+            qc = qc.to(tl.float32)
+            qp = qp.to(tl.float32)
+        qs = tl.load(q_scale_ptr)
+        ch = c_hi * qs
+        cl = tl.fma(c_hi, qs, -ch) + c_lo * qs
+    else:
+        ch = c_hi
+        cl = c_lo
+    # a negative scale: the scores are |c| * (-d), so the running max is taken over -d
+    sgn = tl.where(ch < 0, -1.0, 1.0)
+    ch = ch * sgn
+    cl = cl * sgn
 
     if KV_U8_FNUZ:
         FP8: tl.constexpr = tl.float8e4nv
@@ -146,15 +198,30 @@ def _split_kv_kernel(
         qc_lo = _to_fp8(xc - qc_hi.to(tl.float32), FP8, FNUZ, INTERP)
         qp_hi = _to_fp8(xp, FP8, FNUZ, INTERP)
         qp_lo = _to_fp8(xp - qp_hi.to(tl.float32), FP8, FNUZ, INTERP)
-        row_scale = qinv * qk_scale_log2
+        row_c = qinv * ch  # exact: 2^-k
+        row_cl = qinv * cl
     else:
         qc = qc.to(DT16)
         qp = qp.to(DT16)
-        row_scale = tl.zeros([BLOCK_M], dtype=tl.float32) + qk_scale_log2
+        if S_CHAINS:
+            qc0 = _q_half(q_ptr + flat_row[:, None] * D + offs_h[None, :], row_ok, Q_FP8, Q_U8_FNUZ, DT16)
+            qc1 = _q_half(q_ptr + flat_row[:, None] * D + DH + offs_h[None, :], row_ok, Q_FP8, Q_U8_FNUZ,
+                          DT16)
+        row_c = tl.zeros([BLOCK_M], dtype=tl.float32) + ch
+        row_cl = tl.zeros([BLOCK_M], dtype=tl.float32) + cl
+    # the softmax runs on raw dots d (max m in dot units), p = 2^((d - m) * c * log2 e): d - m is
+    # exact near the max, and the lse m * c + ln l is formed once, its product's rounding error
+    # recovered by an FMA (issue 29 item 4: (m_log2 + log2 l) * ln 2 rounded s * c * log2 e, the
+    # sum and the product, ~1 ulp of |lse| each)
+    row_scale = row_c * 1.4426950408889634
 
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, DC], dtype=tl.float32)
+    if S_CHAINS:
+        acc0 = tl.zeros([BLOCK_M, DH], dtype=tl.float32)
+        acc1 = tl.zeros([BLOCK_M, DH], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, DC], dtype=tl.float32)
 
     if PREFETCH:
         # software pipeline in registers: the K tile of the next step and the indices of the
@@ -163,7 +230,11 @@ def _split_kv_kernel(
         tok1 = lo + offs_n
         idx1 = tl.load(indices_ptr + start + tok1, mask=tok1 < hi, other=-1).to(tl.int64)
         ok1 = (tok1 < hi) & (idx1 >= 0) & (idx1 < N)
-        kc_nx = tl.load(kv_ptr + idx1[:, None] * D + offs_c[None, :], mask=ok1[:, None], other=0.0)
+        if S_CHAINS:
+            kc0_nx = tl.load(kv_ptr + idx1[:, None] * D + offs_h[None, :], mask=ok1[:, None], other=0.0)
+            kc1_nx = tl.load(kv_ptr + idx1[:, None] * D + DH + offs_h[None, :], mask=ok1[:, None], other=0.0)
+        else:
+            kc_nx = tl.load(kv_ptr + idx1[:, None] * D + offs_c[None, :], mask=ok1[:, None], other=0.0)
         kp_nx = tl.load(kv_ptr + idx1[:, None] * D + DC + offs_p[None, :], mask=ok1[:, None], other=0.0)
         tok2 = lo + BLOCK_N + offs_n
         idx_nx = tl.load(indices_ptr + start + tok2, mask=tok2 < hi, other=-1).to(tl.int64)
@@ -174,11 +245,20 @@ def _split_kv_kernel(
         tok = j0 + offs_n
         tok_ok = tok < hi
         if PREFETCH:
-            kc = kc_nx
+            if S_CHAINS:
+                kc0 = kc0_nx
+                kc1 = kc1_nx
+            else:
+                kc = kc_nx
             kp = kp_nx
             tokn = j0 + BLOCK_N + offs_n
             okn = (tokn < hi) & (idx_nx >= 0) & (idx_nx < N)
-            kc_nx = tl.load(kv_ptr + idx_nx[:, None] * D + offs_c[None, :], mask=okn[:, None], other=0.0)
+            if S_CHAINS:
+                kc0_nx = tl.load(kv_ptr + idx_nx[:, None] * D + offs_h[None, :], mask=okn[:, None], other=0.0)
+                kc1_nx = tl.load(kv_ptr + idx_nx[:, None] * D + DH + offs_h[None, :], mask=okn[:, None],
+                                 other=0.0)
+            else:
+                kc_nx = tl.load(kv_ptr + idx_nx[:, None] * D + offs_c[None, :], mask=okn[:, None], other=0.0)
             kp_nx = tl.load(kv_ptr + idx_nx[:, None] * D + DC + offs_p[None, :], mask=okn[:, None],
                             other=0.0)
             tokn2 = j0 + 2 * BLOCK_N + offs_n
@@ -187,9 +267,18 @@ def _split_kv_kernel(
             idx = tl.load(indices_ptr + start + tok, mask=tok_ok, other=-1).to(tl.int64)
             ld_ok = tok_ok & (idx >= 0) & (idx < N)
             krow = kv_ptr + idx * D
-            kc = tl.load(krow[:, None] + offs_c[None, :], mask=ld_ok[:, None], other=0.0)
+            if S_CHAINS:
+                kc0 = tl.load(krow[:, None] + offs_h[None, :], mask=ld_ok[:, None], other=0.0)
+                kc1 = tl.load(krow[:, None] + DH + offs_h[None, :], mask=ld_ok[:, None], other=0.0)
+            else:
+                kc = tl.load(krow[:, None] + offs_c[None, :], mask=ld_ok[:, None], other=0.0)
             kp = tl.load(krow[:, None] + DC + offs_p[None, :], mask=ld_ok[:, None], other=0.0)
-        if KV_U8_FNUZ:
+        if S_CHAINS:
+            # bf16 dots only (S_CHAINS is never set with MMA_FP8)
+            kc0 = _k_to16(kc0, KV_U8_FNUZ, DT16)
+            kc1 = _k_to16(kc1, KV_U8_FNUZ, DT16)
+            kp = _k_to16(kp, KV_U8_FNUZ, DT16)
+        elif KV_U8_FNUZ:
             # e4m3fnuz bytes: value(b) = e4m3fn(b) / 2, except 0x7f/0xff (+-240) and 0x80 (NaN)
             kcf = kc.to(FP8, bitcast=True).to(tl.float32) * 0.5
             kcf = tl.where((kc & 0x7F) == 0x7F, tl.where(kc >= 128, -240.0, 240.0), kcf)
@@ -206,28 +295,39 @@ def _split_kv_kernel(
             s = tl.dot(qp_hi, tl.trans(kp), s)
             s = tl.dot(qp_lo, tl.trans(kp), s)
         else:
-            if not KV_U8_FNUZ:
-                kc = kc.to(DT16)
-                kp = kp.to(DT16)
-            s = tl.dot(qc, tl.trans(kc))
-            s = tl.dot(qp, tl.trans(kp), s)
-        s = s * row_scale[:, None]
+            if S_CHAINS:
+                # three short MMA chains added in f32 (RNE): a tensor core's chained
+                # accumulation truncates, and one 36-step chain of dots ~1e5 biases the scores
+                # (and the lse) by up to ~1e-3 (issue 29 item 4)
+                s = tl.dot(qc0, tl.trans(kc0)) + tl.dot(qc1, tl.trans(kc1))
+                s = s + tl.dot(qp, tl.trans(kp))
+            else:
+                if not KV_U8_FNUZ:
+                    kc = kc.to(DT16)
+                    kp = kp.to(DT16)
+                s = tl.dot(qc, tl.trans(kc))
+                s = tl.dot(qp, tl.trans(kp), s)
         vis = tok_ok[None, :] & (tok[None, :] < lim[:, None])
-        s = tl.where(vis, s, float("-inf"))
+        s = tl.where(vis, s * sgn, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
+        # (a zero scale: -inf * 0 would be NaN, so masked scores and an empty start are selected)
+        alpha = tl.where(m_i == float("-inf"), 0.0, tl.exp2((m_i - m_safe) * row_scale))
+        p = tl.where(vis, tl.exp2((s - m_safe[:, None]) * row_scale[:, None]), 0.0)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None]
-        if MMA_FP8:
+        if S_CHAINS:
+            pb = p.to(DT16)
+            acc0 = tl.dot(pb, kc0, acc0 * alpha[:, None])
+            acc1 = tl.dot(pb, kc1, acc1 * alpha[:, None])
+        elif MMA_FP8:
+            acc = acc * alpha[:, None]
             ps = p * (2.0**PLOG)
             p_hi = _to_fp8(ps, FP8, FNUZ, INTERP)
             p_lo = _to_fp8(ps - p_hi.to(tl.float32), FP8, FNUZ, INTERP)
             acc = tl.dot(p_hi, kc, acc)
             acc = tl.dot(p_lo, kc, acc)
         else:
-            acc = tl.dot(p.to(DT16), kc, acc)
+            acc = tl.dot(p.to(DT16), kc, acc * alpha[:, None])
         m_i = m_new
 
     if MMA_FP8:
@@ -236,10 +336,18 @@ def _split_kv_kernel(
         out_scale = kv_scale
     has = l_i > 0
     inv = tl.where(has, out_scale / tl.where(has, l_i, 1.0), 0.0)
-    o = acc * inv[:, None]
-    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    mm = tl.where(has, m_i, 0.0)
+    big = mm * row_c
+    small = tl.fma(mm, row_c, -big) + mm * row_cl + tl.log2(tl.where(has, l_i, 1.0)) * 0.6931471805599453
+    lse = tl.where(has, big + small, float("-inf"))
     out_row = (pid_s.to(tl.int64) * T) * H + flat_row
-    tl.store(o_ptr + out_row[:, None] * DC + offs_c[None, :], _to_bf16(o, INTERP), mask=row_ok[:, None])
+    if S_CHAINS:
+        o_rows = o_ptr + out_row[:, None] * DC
+        tl.store(o_rows + offs_h[None, :], _to_bf16(acc0 * inv[:, None], INTERP), mask=row_ok[:, None])
+        tl.store(o_rows + DH + offs_h[None, :], _to_bf16(acc1 * inv[:, None], INTERP), mask=row_ok[:, None])
+    else:
+        o = acc * inv[:, None]
+        tl.store(o_ptr + out_row[:, None] * DC + offs_c[None, :], _to_bf16(o, INTERP), mask=row_ok[:, None])
     tl.store(lse_ptr + out_row, lse, mask=row_ok)
 
 
@@ -292,6 +400,12 @@ def _merge_kernel(
 # ----------------------------------------------------------------------------------------------
 # host side
 
+def _split_f32(x: float):
+    """x (a Python float) as (hi, lo) float32 values with hi + lo = x to ~2^-48 relative."""
+    hi = float(torch.tensor(x, dtype=torch.float32))
+    return hi, float(torch.tensor(x - hi, dtype=torch.float32))
+
+
 def _mma_mode() -> str:
     mode = os.environ.get("KIMI_OPS_TRITON_MMA", DEFAULT_MMA)
     if mode not in ("fp8", "bf16"):
@@ -321,6 +435,14 @@ def _config(rows_per_req: int, mma: str):
     return bm, 64, 8, 2
 
 
+S_CHAINS_ENV = "KIMI_OPS_TRITON_S_CHAINS"
+
+
+def _s_chains(mma: str) -> bool:
+    """bf16: S as three independent MMA chains (``KIMI_OPS_TRITON_S_CHAINS=0`` turns it off)."""
+    return mma == "bf16" and os.environ.get(S_CHAINS_ENV, "1") != "0"
+
+
 def _prefetch(mma: str, bm: int) -> bool:
     return mma == "bf16" and bm <= 32
 
@@ -345,16 +467,30 @@ def _kv_mode(kv_rows: torch.Tensor):
     raise TypeError(f"kv_rows must be float8_e4m3fn or float8_e4m3fnuz, got {kv_rows.dtype}")
 
 
+def _q_mode(q: torch.Tensor, q_scale):
+    """(tensor to pass, Q_FP8, Q_U8_FNUZ) for a bf16 q, or an fp8 q with its q_scale."""
+    if q.dtype == torch.bfloat16:
+        assert q_scale is None, "a bf16 q takes no q_scale"
+        return q, False, False
+    assert q.dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz), q.dtype
+    assert q_scale is not None and q_scale.numel() == 1 and q_scale.dtype == torch.float32
+    if q.dtype == torch.float8_e4m3fnuz and not interpreting() and torch.version.hip is None:
+        return q.view(torch.uint8), True, True
+    return q, True, False
+
+
 def mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: float, kv_scale: float,
                        num_splits: int, seq_lens=None, dcp_rank: int = 0, dcp_world_size: int = 1,
-                       zero_empty: bool = True):
-    """M1c. q [T, H, 576] bf16, kv_rows [N, 576] fp8 -> (o_part [S, T, H, 512] bf16, lse_part [S, T, H] f32).
+                       zero_empty: bool = True, q_scale=None):
+    """M1c. q [T, H, 576] bf16 (or fp8 with ``q_scale``, a float32 [1] device tensor), kv_rows [N, 576]
+    fp8 -> (o_part [S, T, H, 512] bf16, lse_part [S, T, H] f32).
 
     ``seq_lens`` [R] int32 (global lengths), ``dcp_rank`` / ``dcp_world_size``: decode context
     parallel, as :func:`kimi_ops.mla_decode_splitkv` documents. ``zero_empty=False`` permits
     leaving an empty split's o unwritten (see :func:`kimi_ops.kernels.sm90.mla_decode_splitkv`); this
     kernel writes it anyway."""
-    assert q.dim() == 3 and q.shape[2] == KV_ROW and q.dtype == torch.bfloat16 and q.is_contiguous()
+    assert q.dim() == 3 and q.shape[2] == KV_ROW and q.is_contiguous()
+    q_arg, q_fp8, q_u8_fnuz = _q_mode(q, q_scale)
     assert kv_rows.dim() == 2 and kv_rows.shape[1] == KV_ROW and kv_rows.is_contiguous()
     assert kv_indptr.dtype == torch.int32 and kv_indices.dtype == torch.int32
     assert num_splits >= 1 and qlen >= 1
@@ -373,12 +509,13 @@ def mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: floa
     grid = (triton.cdiv(qlen * H, bm), S, R)
     indices = kv_indices if kv_indices.numel() > 0 else kv_indptr  # never dereferenced when empty
     _split_kv_kernel[grid](
-        q, kv, kv_indptr, indices, seq_lens if seq_lens is not None else kv_indptr, o_part, lse_part,
+        q_arg, kv, kv_indptr, indices, seq_lens if seq_lens is not None else kv_indptr, o_part, lse_part,
+        q_scale if q_fp8 else lse_part,  # never read without an fp8 q
         T, H, kv_rows.shape[0], qlen, S, dcp_rank, dcp_world_size,
-        float(scale) * float(kv_scale) * LOG2E, float(kv_scale),
-        MMA_FP8=(mma == "fp8"), KV_U8_FNUZ=u8_fnuz, FNUZ=fnuz, INTERP=interpreting(),
+        *_split_f32(float(scale) * float(kv_scale)), float(kv_scale),
+        Q_FP8=q_fp8, Q_U8_FNUZ=q_u8_fnuz, MMA_FP8=(mma == "fp8"), KV_U8_FNUZ=u8_fnuz, FNUZ=fnuz, INTERP=interpreting(),
         BLOCK_M=bm, BLOCK_N=bn, PREFETCH=_prefetch(mma, bm), GLOBAL_LENS=seq_lens is not None,
-        INTERP_STEPS=_interpreter_steps(kv_indptr, bn),
+        INTERP_STEPS=_interpreter_steps(kv_indptr, bn), S_CHAINS=_s_chains(mma),
         num_warps=warps, num_stages=stages,
     )
     return o_part, lse_part
@@ -451,9 +588,9 @@ def suggest_num_splits(num_requests: int, qlen: int, num_heads: int, num_tokens:
 def _specs():
     specs = []
     sig_common = {"indptr_ptr": "*i32", "indices_ptr": "*i32", "seq_lens_ptr": "*i32", "o_ptr": "*bf16",
-                  "lse_ptr": "*fp32", "T": "i32", "H": "i32", "N": "i32", "qlen": "i32", "num_splits": "i32",
+                  "lse_ptr": "*fp32", "q_scale_ptr": "*fp32", "T": "i32", "H": "i32", "N": "i32", "qlen": "i32", "num_splits": "i32",
                   "dcp_rank": "i32", "dcp_world_size": "i32",
-                  "qk_scale_log2": "fp32", "kv_scale": "fp32"}
+                  "c_hi": "fp32", "c_lo": "fp32", "kv_scale": "fp32"}
     variants = [("bf16", 16), ("bf16", 32), ("bf16", 64), ("fp8", 16), ("fp8", 32), ("fp8", 64)]
     for mma, rows in variants:
         bm, bn, warps, stages = _config(rows, mma)
@@ -464,14 +601,19 @@ def _specs():
             targets = {"fn": ("gfx950", "gfx942", "sm90"), "fnuz": ("gfx942",),
                        "u8fnuz": ("sm90",)}[fmt]
             sig = {"q_ptr": "*bf16", "kv_ptr": kvt, **sig_common}
-            cx = {"MMA_FP8": mma == "fp8", "KV_U8_FNUZ": fmt == "u8fnuz", "FNUZ": fmt != "fn",
+            cx = {"Q_FP8": False, "Q_U8_FNUZ": False, "MMA_FP8": mma == "fp8", "KV_U8_FNUZ": fmt == "u8fnuz", "FNUZ": fmt != "fn",
                   "INTERP": False, "BLOCK_M": bm, "BLOCK_N": bn, "PREFETCH": _prefetch(mma, bm),
-                  "GLOBAL_LENS": False, "INTERP_STEPS": 0}
+                  "GLOBAL_LENS": False, "INTERP_STEPS": 0, "S_CHAINS": _s_chains(mma)}
             for kk in cx:
                 sig[kk] = "constexpr"
             specs.append(dict(name=f"splitkv_{mma}_{fmt}_m{bm}", kernel=_split_kv_kernel,
                               signature=sig, constexprs=cx, num_warps=warps, num_stages=stages,
                               targets=targets))
+            if fmt == "fn" and mma == "bf16":
+                # the fp8 query (issue 28): loaded as e4m3fn, converted to bf16 in registers
+                specs.append(dict(name=f"splitkv_{mma}_{fmt}_m{bm}_q8", kernel=_split_kv_kernel,
+                                  signature={**sig, "q_ptr": "*fp8e4nv"}, constexprs={**cx, "Q_FP8": True},
+                                  num_warps=warps, num_stages=stages, targets=targets))
     # every (BLOCK_S, BLOCK_C, num_warps) _merge_config can return
     merge_cfgs = sorted({_merge_config(S, TH) for S in (1, 2, 4, 8, 16, 32, 64, 65)
                          for TH in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)})

@@ -11,6 +11,13 @@ an MXFP4 tile to bf16 in registers (exactly, as :mod:`kimi_ops.kernels.mxfp4`), 
 also copy the rows' q_pe into columns ``L .. L + P``. **Pad heads** (``H <= h < H'``) are
 written as all zeros (latent and rope parts), by the same launch. D, L and P are generic (any
 D with D % 32 == 0 for MXFP4; any L, P), the block sizes are powers of two with masks.
+
+The fp8 query (issue 28, ``kimi_ops.mla_query(..., out_dtype=torch.float8_e4m3fn)``) is this
+kernel's bf16 output quantized by :func:`kimi_ops.ops.quantize_query` (torch ops: amax, one
+division, the cast; Inductor fuses them in a compiled step). It is not fused into this kernel:
+the default per-tensor scale needs the amax of the whole output before the first element can
+be stored (a second pass, or a grid-wide barrier), and the bf16 query is 2 x T x H x 576 bytes
+(T x H = 384 at batch 32: 442 KB), read back once.
 """
 import torch
 import triton

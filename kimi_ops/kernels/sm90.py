@@ -13,7 +13,12 @@ tensor-core MMAs (``mma.sync`` for 16-row CTAs, token-major ``wgmma`` for 32-64 
 rounded to f16, against a running max that moves only when a tile raises it by more than 2^8
 (lazy rescaling: P <= 2^8). See the .cu file's header for the tiling and the byte layouts.
 
-An ``e4m3fnuz`` cache (gfx942's format) has no kernel here: it runs the Triton kernel.
+An fp8 query (``torch.float8_e4m3fn`` with ``q_scale``, a float32 [1] device tensor, issue 28):
+the kernels read q_scale on the device into the score scale (a CUDA graph replays a new scale)
+and stage the fp8 q as f16 (exact), so the MMAs are the bf16 query's: sm_90 emulates mma.sync
+e4m3 (f16 MMAs plus conversions of both operands), and an e4m3 wgmma QK misses the lse contract
+(measured: csrc/sm90/decode_token_major.cuh's header). An ``e4m3fnuz`` cache or query (gfx942's
+formats) has no kernel here: it runs the Triton kernel (:func:`_triton_serves`).
 """
 import functools
 import os
@@ -84,10 +89,17 @@ def balance_waves() -> int:
     return waves
 
 
+def _triton_serves(q, kv_rows) -> bool:
+    """Inputs the csrc kernels do not take, served by the Triton kernel: an e4m3fnuz cache or
+    query (the kernels take a bf16 q, or an e4m3fn q with q_scale, on an e4m3fn cache)."""
+    return kv_rows.dtype != torch.float8_e4m3fn or q.dtype not in (torch.bfloat16, torch.float8_e4m3fn)
+
+
 def mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: float, kv_scale: float,
                        num_splits: int, seq_lens=None, dcp_rank: int = 0, dcp_world_size: int = 1,
-                       zero_empty: bool = True):
-    """M1c. q [T, H, 576] bf16, kv_rows [N, 576] fp8 -> (o_part [S, T, H, 512] bf16, lse_part [S, T, H] f32).
+                       zero_empty: bool = True, q_scale=None):
+    """M1c. q [T, H, 576] bf16 (or e4m3fn with q_scale [1] f32), kv_rows [N, 576] fp8 -> (o_part
+    [S, T, H, 512] bf16, lse_part [S, T, H] f32).
 
     A request of n tokens is cut into chunks of max(ceil(n / S), all tokens / the CTAs of
     :func:`balance_waves` waves) rounded up to 64, at most S of them (later splits may be empty:
@@ -95,14 +107,14 @@ def mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: floa
     graph replayed on a new mix of lengths stays balanced. ``zero_empty=False`` lets an empty
     split leave its o unwritten (for a caller whose merge never reads a -inf split's o); with
     one split o is always written."""
-    if kv_rows.dtype != torch.float8_e4m3fn:
+    if _triton_serves(q, kv_rows):
         from .attention import mla_decode_splitkv as triton_splitkv
         return triton_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits,
-                              seq_lens, dcp_rank, dcp_world_size)
+                              seq_lens, dcp_rank, dcp_world_size, q_scale=q_scale)
     balance = balance_ctas(q, kv_indptr, kv_indices, qlen)
     return _ops()._mla_decode_splitkv_sm90(
         *_kernel_args(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits, seq_lens, dcp_rank,
-                      dcp_world_size, balance), zero_empty)
+                      dcp_world_size, balance), zero_empty, q_scale)
 
 
 def _kernel_args(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits, seq_lens, dcp_rank,
@@ -133,8 +145,9 @@ def work_list_enabled() -> bool:
 
 
 def mla_decode(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: float, kv_scale: float,
-               num_splits, seq_lens=None, dcp_rank: int = 0, dcp_world_size: int = 1):
-    """M1c + M1b: q [T, H, 576] bf16, kv_rows [N, 576] fp8 -> (o [T, H, 512] bf16, lse [T, H] f32).
+               num_splits, seq_lens=None, dcp_rank: int = 0, dcp_world_size: int = 1, q_scale=None):
+    """M1c + M1b: q [T, H, 576] bf16 (or e4m3fn with q_scale), kv_rows [N, 576] fp8 -> (o [T, H, 512] bf16,
+    lse [T, H] f32).
 
     The split kernel runs on a work-list grid (``_mla_decode_sm90``): one CTA per (row group,
     non-empty split), whole chunks launched first and partial ones by length after, found on the
@@ -148,18 +161,23 @@ def mla_decode(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: float, kv_sc
     num_requests = kv_indptr.shape[0] - 1
     if num_requests <= 0:
         num_splits = 1
+    elif num_splits is None and _triton_serves(q, kv_rows):
+        from .attention import suggest_num_splits as triton_splits  # the kernel that will run
+        num_splits = triton_splits(num_requests, qlen, q.shape[1], kv_indices.shape[0],
+                                   _multiprocessor_count(q.device))
     elif num_splits is None:
         num_splits = (_split_cap(num_requests, kv_indices.shape[0]) if work_list_enabled() else
                       suggest_num_splits(num_requests, qlen, q.shape[1], kv_indices.shape[0],
                                          _multiprocessor_count(q.device)))
     balance = balance_ctas(q, kv_indptr, kv_indices, qlen) if num_requests > 0 else 0
-    work_list = (kv_rows.dtype == torch.float8_e4m3fn and num_splits > 1 and work_list_enabled()
+    work_list = (not _triton_serves(q, kv_rows) and num_splits > 1 and work_list_enabled()
                  and work_list_items(num_requests, num_splits, balance) <= MAX_GRID_Y)
     if work_list:
         return _ops()._mla_decode_sm90(*_kernel_args(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale,
-                                                     num_splits, seq_lens, dcp_rank, dcp_world_size, balance))
+                                                     num_splits, seq_lens, dcp_rank, dcp_world_size, balance),
+                                       q_scale)
     o_part, lse_part = mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits,
-                                          seq_lens, dcp_rank, dcp_world_size, zero_empty=False)
+                                          seq_lens, dcp_rank, dcp_world_size, zero_empty=False, q_scale=q_scale)
     if num_splits == 1:
         return o_part[0], lse_part[0]
     return mla_merge(o_part, lse_part)

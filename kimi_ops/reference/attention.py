@@ -51,17 +51,21 @@ def masked_attention(s: torch.Tensor, v: torch.Tensor, mask: torch.Tensor):
 
 
 def mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits,
-                       seq_lens=None, dcp_rank=0, dcp_world_size=1, zero_empty=True):
-    """q [T, H, 576] bf16, kv_rows [N, 576] fp8 -> o_part [S, T, H, 512] bf16, lse_part [S, T, H] f32.
-    ``zero_empty`` is accepted for the dispatcher's common signature; empty splits' o is always 0."""
+                       seq_lens=None, dcp_rank=0, dcp_world_size=1, zero_empty=True, q_scale=None):
+    """q [T, H, 576] bf16 (or fp8 with q_scale [1] f32), kv_rows [N, 576] fp8 -> o_part [S, T, H, 512]
+    bf16, lse_part [S, T, H] f32. ``zero_empty`` is accepted for the dispatcher's common signature;
+    empty splits' o is always 0."""
     o_part, lse_part = splitkv_float64(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits,
-                                       seq_lens, dcp_rank, dcp_world_size)
+                                       seq_lens, dcp_rank, dcp_world_size, q_scale=q_scale)
     return o_part.to(torch.bfloat16), lse_part.to(torch.float32)
 
 
 def splitkv_float64(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits,
-                    seq_lens=None, dcp_rank=0, dcp_world_size=1):
+                    seq_lens=None, dcp_rank=0, dcp_world_size=1, q_scale=None):
     """:func:`mla_decode_splitkv` before the output rounding: float64 (o_part, lse_part).
+
+    fp8 query: the real query is ``q.double() * q_scale`` (the fp8 values and the float32
+    scale are exact in float64, so is their product); ``q_scale=None`` means 1 (bf16 q).
 
     Decode context parallel: the rank's j-th token of a request is its global
     position ``j * dcp_world_size + dcp_rank``, and query position i sees the
@@ -70,6 +74,7 @@ def splitkv_float64(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale, nu
     """
     num_rows, num_heads, _ = q.shape
     device = q.device
+    q64 = dequantized_query(q, q_scale)
     o_part = torch.zeros(num_splits, num_rows, num_heads, KV_LORA_RANK, dtype=torch.float64, device=device)
     lse_part = torch.full((num_splits, num_rows, num_heads), -math.inf, dtype=torch.float64, device=device)
     indptr = kv_indptr.tolist()
@@ -81,7 +86,7 @@ def splitkv_float64(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale, nu
             continue
         k = gather_rows(kv_rows, idx) * kv_scale                       # [n, 576]
         rows = slice(r * qlen, (r + 1) * qlen)
-        s = torch.einsum("ihd,jd->ihj", q[rows].to(torch.float64), k) * scale  # [qlen, H, n]
+        s = torch.einsum("ihd,jd->ihj", q64[rows], k) * scale  # [qlen, H, n]
         pos = torch.arange(n, device=device)
         global_pos = pos * dcp_world_size + dcp_rank
         bound = lengths[r] - qlen + torch.arange(qlen, device=device)   # last visible position of row i
@@ -105,9 +110,17 @@ def mla_merge(o_part, lse_part):
     return o.to(torch.bfloat16), lse.to(torch.float32)
 
 
-def decode_float64(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale):
+def dequantized_query(q, q_scale=None):
+    """The real query in float64: ``q`` (bf16) or ``q8 * q_scale`` (fp8 q, float32 q_scale of one element)."""
+    q64 = q.to(torch.float64)
+    if q_scale is None:
+        return q64
+    return q64 * q_scale.to(device=q.device, dtype=torch.float64).reshape(())
+
+
+def decode_float64(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale, q_scale=None):
     """Unsplit attention, unrounded: float64 (o [T, H, 512], lse [T, H]). The demo's oracle."""
-    o, lse = splitkv_float64(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale, 1)
+    o, lse = splitkv_float64(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale, 1, q_scale=q_scale)
     return o[0], lse[0]
 
 

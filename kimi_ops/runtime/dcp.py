@@ -5,7 +5,10 @@ With W ranks, a request's token at global position p lives on rank ``p % W``
 shard). A decode step then runs, on every rank:
 
 1. :func:`query_all_gather`: each rank's query for its H heads [T, H, 576] is
-   gathered along heads into [T, W * H, 576] (gathered head ``rank * H + h``);
+   gathered along heads into [T, W * H, 576] (gathered head ``rank * H + h``). An fp8
+   query (the default under DCP, issue 28) goes as its bytes, 576 a row and head instead
+   of bf16's 1152, under one scale: :func:`global_amax` (an all-reduce of one float32)
+   makes the per-tensor scale every rank's, or the layer's static scale needs none;
 2. the attention of all W * H heads against this rank's shard, with causal bounds
    in global positions (``kimi_ops.mla_decode(..., seq_lens=global lengths,
    dcp_rank=rank, dcp_world_size=W)``): partials o [T, W * H, 512] bf16 and
@@ -54,6 +57,38 @@ def query_all_gather(q: torch.Tensor, group) -> torch.Tensor:
     gathered = q.new_empty((world * rows, heads, dim))       # rank w's query at rows w * T ..
     _all_gather(gathered, q.contiguous(), group=group)
     return gathered.view(world, rows, heads, dim).transpose(0, 1).reshape(rows, world * heads, dim)
+
+
+def query_all_gather_fp8(q8: torch.Tensor, q_scale: torch.Tensor, group):
+    """The fp8 query's all-gather: q8 [T, H, 576] fp8 on each rank (one ``q_scale`` shared by
+    the ranks: :func:`global_amax`, or a static scale) -> (q8 [T, W * H, 576], q_scale). The
+    bytes go as uint8 (a collective need not know the float8 types: gloo does not), half
+    the bytes of the bf16 gather."""
+    world, _ = world_and_rank(group)
+    if world == 1:
+        return q8, q_scale
+    return query_all_gather(q8.view(torch.uint8), group).view(q8.dtype), q_scale
+
+
+def global_amax(amax: torch.Tensor, group) -> torch.Tensor:
+    """The max over the ranks of each rank's float32 [1] amax (an all-reduce of 4 bytes), so
+    every rank quantizes its heads of the query with the same per-tensor scale."""
+    world, _ = world_and_rank(group)
+    if world == 1:
+        return amax
+    amax = amax.clone()
+    dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    return amax
+
+
+def query_gather_bytes(rows: int, heads: int, world: int, *, fp8: bool, static_scale: bool = False) -> dict:
+    """Bytes one rank sends and receives in a step's query gather (payload only): the all-gather
+    of ``rows x heads x 576`` elements (bf16: 2 bytes each, fp8: 1), plus, for an fp8 query with
+    a per-tensor scale from the amax, the all-reduce of one float32 (4 bytes)."""
+    per_rank = rows * heads * 576 * (1 if fp8 else 2)
+    scale = 4 if fp8 and not static_scale and world > 1 else 0
+    return dict(send=per_rank + scale, recv=(world - 1) * per_rank + (world - 1) * scale if world > 1 else 0,
+                gathered=world * per_rank)
 
 
 def _by_owner(x: torch.Tensor, world: int) -> torch.Tensor:

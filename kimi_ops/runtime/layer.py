@@ -221,12 +221,21 @@ class MLADecodeLayer(nn.Module):
         dcp_combine: how the ranks' partials are combined (:data:`kimi_ops.runtime.dcp.COMBINES`).
         attention: ``'kimi_ops'`` (our kernels, every platform) or ``'aiter'`` (AITER's
             ``mla_decode_fwd``; ROCm with ``aiter`` importable only, never run on AMD by us).
+        bf16: the seeds' query switch (issue 28). True: the bf16 query; False: the fp8 query
+            (M1a's bf16 query quantized per tensor, all-gathered in fp8 under DCP: half the
+            bytes); None (the default): fp8 under DCP, bf16 at DCP1 and with ``'aiter'``.
+        q_scale: a static per-tensor scale of the fp8 query (``q8 = fp8(q / q_scale)``); None:
+            the scale of each step's amax, computed on the device (under DCP the max over the
+            ranks, one all-reduce of 4 bytes).
+        query_dtype: the fp8 query's format (``torch.float8_e4m3fn``; ``float8_e4m3fnuz``
+            only with an e4m3fnuz cache).
     """
 
     def __init__(self, config: MLAConfig | None = None, *, weights: str = "bf16", dtype=torch.bfloat16,
                  device="cpu", seed: int | None = 0, merge_gate: bool = True, kv_scale: float = 1.0 / 16,
                  num_splits: int | None = None, dcp_group=None, dcp_combine: str = "all_to_all",
-                 attention: str = "kimi_ops"):
+                 attention: str = "kimi_ops", bf16: bool | None = None, q_scale: float | None = None,
+                 query_dtype=torch.float8_e4m3fn):
         super().__init__()
         config = config or MLAConfig.kimi_k3()
         if weights not in WEIGHT_FORMATS:
@@ -248,7 +257,18 @@ class MLADecodeLayer(nn.Module):
         if attention == "aiter" and not aiter_fallback.available():
             raise ValueError("MLADecodeLayer: attention='aiter' needs a ROCm torch with aiter importable")
         self.attention = attention
+        if query_dtype not in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
+            raise ValueError(f"MLADecodeLayer: query_dtype must be torch.float8_e4m3fn or torch.float8_e4m3fnuz, "
+                             f"got {query_dtype}")
+        if bf16 is False and attention == "aiter":
+            raise ValueError("MLADecodeLayer: attention='aiter' takes the bf16 query; bf16=False needs 'kimi_ops'")
+        if q_scale is not None and not (math.isfinite(q_scale) and q_scale > 0):
+            raise ValueError(f"MLADecodeLayer: q_scale must be None or a finite float > 0, got {q_scale}")
+        self.bf16 = bf16
+        self.query_dtype = query_dtype
         c, h, dev = config, config.num_heads, torch.device(device)
+        self.register_buffer("q_scale", None if q_scale is None else
+                             torch.full((1,), float(q_scale), dtype=torch.float32, device=dev), persistent=False)
 
         def zeros(*shape, dt=dtype):
             return torch.zeros(*shape, dtype=dt, device=dev)
@@ -290,6 +310,14 @@ class MLADecodeLayer(nn.Module):
     @property
     def dcp_world_size(self) -> int:
         return dcp.world_and_rank(self.dcp_group)[0]
+
+    @property
+    def query_bf16(self) -> bool:
+        """Whether :func:`kimi_ops.runtime.mla.pre` makes the bf16 query (the ``bf16`` switch;
+        its default: fp8 under DCP, where the all-gather halves, bf16 at DCP1 and with AITER)."""
+        if self.bf16 is not None:
+            return self.bf16
+        return self.dcp_world_size == 1 or self.attention == "aiter"
 
     @property
     def device(self) -> torch.device:
@@ -556,4 +584,4 @@ class MLADecodeLayer(nn.Module):
         c = self.config
         return (f"{c.name}: heads {c.num_heads}/{c.total_heads}, hidden {c.hidden_size}, q_lora {c.q_lora_rank}, "
                 f"weights {self.weight_format}, gate {c.gate} (merged {self.merge_gate}), rope {c.rope}, "
-                f"o_proj {c.o_proj}, kv_scale {self.kv_scale}")
+                f"o_proj {c.o_proj}, kv_scale {self.kv_scale}, query {'bf16' if self.query_bf16 else self.query_dtype}")

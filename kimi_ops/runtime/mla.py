@@ -23,6 +23,7 @@ starts with the LSE combine back to the rank's H heads (the seeds'
 """
 
 import contextlib
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +31,33 @@ import torch.nn.functional as F
 from .. import ops
 from ..formats import KV_LORA_RANK, ROPE_DIM
 from . import aiter_fallback, dcp
+
+# --- the query -----------------------------------------------------------------------------
+
+class FP8Query(NamedTuple):
+    """The fp8 query :func:`pre` returns with ``bf16=False``: ``q8 [T, H (W * H under DCP), 576]``
+    fp8 and its per-tensor ``q_scale`` (float32 [1], on the device): real q = q8 x q_scale."""
+    q8: torch.Tensor
+    q_scale: torch.Tensor
+
+    @property
+    def shape(self):
+        return self.q8.shape
+
+
+def quantize_step_query(layer, q: torch.Tensor):
+    """M1a's bf16 query [T, H, 576] -> FP8Query in the layer's ``query_dtype``: the layer's
+    static scale (``layer.q_scale``) or the per-tensor amax scale, the amax taken over every
+    DCP rank (:func:`kimi_ops.runtime.dcp.global_amax`: one all-reduce of 4 bytes) so that the
+    gathered query has one scale."""
+    dtype = layer.query_dtype
+    q_scale = layer.q_scale
+    if q_scale is None:
+        amax = (q.abs().amax().to(torch.float32).reshape(1) if q.numel() > 0 else
+                torch.zeros(1, dtype=torch.float32, device=q.device))
+        q_scale = ops.query_scale(q, dtype=dtype, amax=dcp.global_amax(amax, layer.dcp_group))
+    return FP8Query(*ops.quantize_query(q, q_scale=q_scale, dtype=dtype))
+
 
 # --- the step's context (the seeds' get_attention_context, without vLLM) ---------------------
 
@@ -107,11 +135,15 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
     return out.flatten(-2).to(x.dtype)
 
 
-def pre(layer, hidden: torch.Tensor, kv_cache: torch.Tensor, md):
+def pre(layer, hidden: torch.Tensor, kv_cache: torch.Tensor, md, bf16: bool | None = None):
     """``hidden``: input_layernorm's output ``[T, hidden]`` bf16. Writes this step's KV rows
-    (slots ``md.slot_mapping``) into ``kv_cache`` and returns ``(q, gate)``: M1a's bf16
-    query ``q [T, H, 576]`` and ``gate = sigmoid(g_proj(hidden)) [T, H * v]`` bf16
-    (``None`` without a gate)."""
+    (slots ``md.slot_mapping``) into ``kv_cache`` and returns ``(q, gate)``: M1a's query and
+    ``gate = sigmoid(g_proj(hidden)) [T, H * v]`` bf16 (``None`` without a gate).
+
+    ``bf16`` (the seeds' switch; None: the layer's ``query_bf16``, which defaults to fp8 under
+    DCP and bf16 at DCP1): True gives the bf16 query ``q [T, H, 576]``; False the fp8 query
+    :class:`FP8Query` ``(q8, q_scale)`` (:func:`quantize_step_query`). Under DCP the query
+    is all-gathered over heads (``[T, W * H, 576]``), an fp8 one as its bytes."""
     c = layer.config
     nope, rope = c.qk_nope_head_dim, c.qk_rope_head_dim
     qkv = project(hidden, layer.fused_qkv_a_proj)        # [T, q_lora + 576 (+ gate)]
@@ -129,43 +161,56 @@ def pre(layer, hidden: torch.Tensor, kv_cache: torch.Tensor, md):
     if c.rope:
         q_pe = apply_rope(q_pe, md.positions, layer.rotary_inv_freq, c.rope_mscale)
         k_pe = apply_rope(k_pe, md.positions, layer.rotary_inv_freq, c.rope_mscale)
+    bf16 = layer.query_bf16 if bf16 is None else bf16
     q = ops.mla_query(q_nope, q_pe, layer.W_UK, layer.W_UK_scale)
+    if not bf16:
+        q = quantize_step_query(layer, q)
     ops.mla_cache_write(kv_c, k_pe, kv_cache, md.slot_mapping, layer.kv_scale)
     if md.dcp_world_size != layer.dcp_world_size:
         raise ValueError(f"kimi_ops.runtime.mla.pre: the metadata is built for DCP world size "
                          f"{md.dcp_world_size}, the layer's group has {layer.dcp_world_size} ranks")
-    q = dcp.query_all_gather(q, layer.dcp_group)           # DCP: [T, H, 576] -> [T, W * H, 576]
+    if bf16:
+        q = dcp.query_all_gather(q, layer.dcp_group)       # DCP: [T, H, 576] -> [T, W * H, 576]
+    else:
+        q = FP8Query(*dcp.query_all_gather_fp8(q.q8, q.q_scale, layer.dcp_group))
     gate = torch.sigmoid(g) if g is not None else None
     return q, gate
 
 
-def attend(layer, q: torch.Tensor, kv_cache: torch.Tensor, md):
-    """The attention (M1c + M1b) of the query ``q [T, H, 576]`` over the cache:
+def attend(layer, q, kv_cache: torch.Tensor, md):
+    """The attention (M1c + M1b) of the query ``q [T, H, 576]`` (bf16, or :class:`FP8Query`) over the cache:
     ``(o [T, H, 512] bf16, lse [T, H] f32)``, softmax scale ``config.softmax_scale``,
     ``kv_scale`` the layer's. Under DCP, ``q`` holds every rank's heads and the result
     is this rank's partial over its shard of the tokens (causal bounds in global
     positions: ``md.seq_lens`` are global). ``layer.attention == "aiter"`` routes to
     AITER's kernel (ROCm)."""
+    q, q_scale = (q.q8, q.q_scale) if isinstance(q, FP8Query) else (q, None)
     if layer.attention == "aiter":
+        if q_scale is not None:
+            raise ValueError("kimi_ops.runtime.mla.attend: attention='aiter' takes the bf16 query (pre(bf16=True))")
         return aiter_fallback.aiter_attend(q, kv_cache, md, scale=layer.config.softmax_scale,
                                            kv_scale=layer.kv_scale, return_lse=md.dcp_world_size > 1)
     return ops.mla_decode(q, kv_cache, md.kv_indptr, md.kv_indices, qlen=md.qlen,
                           scale=layer.config.softmax_scale, kv_scale=layer.kv_scale, num_splits=layer.num_splits,
-                          seq_lens=md.seq_lens, dcp_rank=md.dcp_rank, dcp_world_size=md.dcp_world_size)
+                          q_scale=q_scale, seq_lens=md.seq_lens, dcp_rank=md.dcp_rank, dcp_world_size=md.dcp_world_size)
 
 
-def m1c_inputs(layer, q: torch.Tensor, kv_cache: torch.Tensor, md, num_splits: int | None = None):
-    """M1c's inputs for M1a's query ``q [T, H, 576]`` and buffers of its partials:
+def m1c_inputs(layer, q, kv_cache: torch.Tensor, md, num_splits: int | None = None):
+    """M1c's inputs for M1a's query ``q [T, H, 576]`` (bf16, or :class:`FP8Query`: then
+    ``q_scale`` is among them) and buffers of its partials:
     ``(m1c_in, o_part [splits, T, H, 512] bf16, lse_part [splits, T, H] f32)``;
     ``kimi_ops.mla_decode_splitkv(**m1c_in)`` computes the partials, ``kimi_ops.mla_merge``
     merges them (M1b)."""
     from .. import dispatch
+    q, q_scale = (q.q8, q.q_scale) if isinstance(q, FP8Query) else (q, None)
     splits = num_splits or layer.num_splits or dispatch.default_num_splits(
         md.num_requests, q.shape[0], q.shape[1], md.max_tokens, q.device)
     m1c_in = dict(q=q, kv_cache=kv_cache.view(-1, kv_cache.shape[-1]), kv_indptr=md.kv_indptr,
                   kv_indices=md.kv_indices, qlen=md.qlen, scale=layer.config.softmax_scale,
                   kv_scale=layer.kv_scale, num_splits=splits)
-    po = q.new_empty((splits, q.shape[0], q.shape[1], KV_LORA_RANK))
+    if q_scale is not None:
+        m1c_in["q_scale"] = q_scale
+    po = torch.empty((splits, q.shape[0], q.shape[1], KV_LORA_RANK), dtype=torch.bfloat16, device=q.device)
     plse = torch.empty((splits, q.shape[0], q.shape[1]), dtype=torch.float32, device=q.device)
     return m1c_in, po, plse
 
