@@ -361,6 +361,7 @@ def test_gemm_config_env(monkeypatch):
     # the defaults measured on the H200 (gemm_config's docstring), Kimi-K3 TP8's fused qkv_a + gate
     assert fp8_gemm.gemm_config(64, 3648, 7168, 128, 132) == (64, 128, 128, 4, 8, 4)
     assert fp8_gemm.gemm_config(1, 3648, 7168, 128, 132) == (32, 64, 128, 4, 4, 6)
+    assert fp8_gemm.gemm_config(3, 3648, 7168, 128, 132) == (32, 64, 128, 4, 4, 6)
     assert fp8_gemm.gemm_config(32, 2304, 1536, 128, 132) == (32, 64, 128, 4, 4, 6)
     bm, bn, bk, split, _, _ = fp8_gemm.gemm_config(8, 3648, 7168, 128, 132)
     assert (bm, bn, bk, split) == (16, 32, 128, 2)

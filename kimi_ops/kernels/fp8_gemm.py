@@ -126,7 +126,9 @@ def gemm_config(m: int, n: int, k: int, block_k: int = 128, sms: int = 132) -> t
 
     * M = 1: (32, 64, 128, 4, 4, 6): qkv_a + gate 32.7 -> 21.6, q_b 15.7 -> 10.6, o_proj 19.2 ->
       16.8 (the first guess (16, 16, 128, 1, 4, 8): 228 programs of 16 rows over K = 7168).
-    * 2 <= M <= 16: the byte-count rule (BLOCK_N about 4 M, SPLIT_K to about 2 programs an SM);
+      M = 2..4 take it too (not measured: the byte-count rule below would give them the slow
+      16 x 16 tiles of the first guess).
+    * 5 <= M <= 16: the byte-count rule (BLOCK_N about 4 M, SPLIT_K to about 2 programs an SM);
       at M = 8 no config of the five tried beat it by more than the noise.
     * 17 <= M <= 32: (32, 64, 128, 4, 4, 6): qkv_a + gate 26.8 -> 22.7 (q_b, o_proj: within the noise).
     * 33 <= M <= 64: (64, 128, 128, 4, 8, 4): qkv_a + gate 39.6 -> 32.5, q_b 20.8 -> 15.3, o_proj
@@ -142,7 +144,7 @@ def gemm_config(m: int, n: int, k: int, block_k: int = 128, sms: int = 132) -> t
     k_tiles = max(1, triton.cdiv(k, bk))
     cap = _pow2_floor(max(1, k_tiles // 2))
     m = max(1, m)
-    if m == 1:
+    if m <= 4:
         return 32, 64, bk, min(4, cap), 4, 6
     if 17 <= m <= 32:
         return 32, 64, bk, min(4, cap), 4, 6
