@@ -8,9 +8,10 @@
 #      and fp8 weights at batch 1, 8, 32, 64 (8k context; the eager step captured in a CUDA graph),
 #      then the compiled variants at --then-points while the time lasts.
 # Logs, json and md under $OUT (or ./out); the tables print last.
-#   run(command="cd .xfer/fp8ckpt && bash scripts/device_layer_bench.sh", carry=[".xfer/fp8ckpt"])
+#   run(command="bash scripts/device_layer_bench.sh")
 # CALL_BUDGET: seconds the whole script may take (default 148); TEST_BUDGET: the tests' (default 58).
 set -uo pipefail
+if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0; fi
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
