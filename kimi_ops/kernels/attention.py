@@ -24,6 +24,10 @@ bytes where the backend has no such type) and converted exactly to bf16 (every e
 bf16 value), then runs the bf16 (or fp8 hi + lo) path above unchanged; ``q_scale`` is loaded
 from its device pointer in the kernel and multiplied into the score scale
 (``scale * kv_scale * q_scale``), so no host sync and a CUDA graph replays a new scale.
+
+The second generation (:mod:`kimi_ops.kernels.triton_m1c`, token-major) takes its prologue,
+score scale, fp8 conversion and lse epilogue (``_program_rows``, ``_score_scale``,
+``_fp8_to16``, ``_row_inv``, ``_row_lse``: Triton inlines them) and its host checks from here.
 """
 import os
 
@@ -77,10 +81,11 @@ def _q_half(ptrs, row_ok, Q_FP8: tl.constexpr, Q_U8_FNUZ: tl.constexpr, DT16: tl
 
 
 @triton.jit
-def _k_to16(k, KV_U8_FNUZ: tl.constexpr, DT16: tl.constexpr):
-    if KV_U8_FNUZ:
-        return _fnuz_bytes_to_f32(k).to(DT16)
-    return k.to(DT16)
+def _fp8_to16(x, U8_FNUZ: tl.constexpr, DT16: tl.constexpr):
+    # an fp8 tile (or e4m3fnuz bytes with U8_FNUZ) -> DT16, exact (every e4m3 value is a bf16 value)
+    if U8_FNUZ:
+        return _fnuz_bytes_to_f32(x).to(DT16)
+    return x.to(DT16)
 
 
 @triton.jit
@@ -90,6 +95,81 @@ def _visible_tokens(n, n_global, qlen, pos, dcp_rank, dcp_world_size):
     (one rank: ``n - qlen + pos + 1``, clipped to [0, n])."""
     last = n_global - qlen + pos - dcp_rank
     return tl.minimum(tl.where(last >= 0, last // dcp_world_size + 1, 0), n)
+
+
+# ----------------------------------------------------------------------------------------------
+# the parts both M1c kernels share (this module's and kimi_ops.kernels.triton_m1c's; Triton
+# inlines them)
+
+@triton.jit
+def _program_rows(indptr_ptr, seq_lens_ptr, pid_m, pid_s, pid_r, H, qlen, num_splits,
+                  dcp_rank, dcp_world_size,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GLOBAL_LENS: tl.constexpr):
+    """A program's rows and tokens: row block ``pid_m`` (BLOCK_M consecutive flat rows of
+    request ``pid_r``'s ``qlen * H``) over split ``pid_s``'s chunk of the request's tokens.
+
+    Returns (start, flat_row, row_ok, lim, lo, hi): the request's first entry in the index
+    list; the rows' flat row in q viewed [T*H, 576] (int64 [BLOCK_M]) and which exist; each
+    row's causal bound ``lim`` (tokens it sees, 0 for a missing row); the split's token range
+    [lo, hi), its chunk ``ceil(ceil(n / num_splits) / BLOCK_N) * BLOCK_N`` tokens long and
+    clipped to what the block's last row sees."""
+    start = tl.load(indptr_ptr + pid_r)
+    n = tl.load(indptr_ptr + pid_r + 1) - start
+    n = tl.maximum(n, 0)
+    rows_per_req = qlen * H
+    m_offs = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = m_offs < rows_per_req
+    pos = m_offs // H
+    if GLOBAL_LENS:
+        n_global = tl.load(seq_lens_ptr + pid_r)
+    else:
+        n_global = n
+    lim = tl.where(row_ok, _visible_tokens(n, n_global, qlen, pos, dcp_rank, dcp_world_size), 0)
+    # the block's last row sees the most (a scalar, not a reduction: Triton 3.6's interpreter
+    # cannot take a loop bound from a reduction)
+    last_pos = (tl.minimum(pid_m * BLOCK_M + BLOCK_M, rows_per_req) - 1) // H
+    hi_rows = _visible_tokens(n, n_global, qlen, last_pos, dcp_rank, dcp_world_size)
+
+    chunk = tl.cdiv(tl.cdiv(n, num_splits), BLOCK_N) * BLOCK_N
+    lo = pid_s * chunk
+    hi = tl.minimum(lo + chunk, hi_rows)
+    flat_row = pid_r.to(tl.int64) * rows_per_req + m_offs
+    return start, flat_row, row_ok, lim, lo, hi
+
+
+@triton.jit
+def _score_scale(c_hi, c_lo, q_scale_ptr, HAS_QSCALE: tl.constexpr):
+    """c = scale * kv_scale [* q_scale, loaded from the device] as an f32 hi + lo pair (the
+    product's rounding error recovered by an FMA).  Returns (|c| hi, |c| lo, sign of c): with a
+    negative scale the scores are |c| * (-d), so the running max is taken over sign * d."""
+    if HAS_QSCALE:
+        qs = tl.load(q_scale_ptr)
+        ch = c_hi * qs
+        cl = tl.fma(c_hi, qs, -ch) + c_lo * qs
+    else:
+        ch = c_hi
+        cl = c_lo
+    sgn = tl.where(ch < 0, -1.0, 1.0)
+    return ch * sgn, cl * sgn, sgn
+
+
+@triton.jit
+def _row_inv(l_i, out_scale):
+    """A row's output factor from its softmax sum ``l_i``: out_scale / l, 0 where it saw nothing."""
+    has = l_i > 0
+    return tl.where(has, out_scale / tl.where(has, l_i, 1.0), 0.0)
+
+
+@triton.jit
+def _row_lse(m_i, l_i, c, c_lo):
+    """A row's lse = m * c + ln l from its running max ``m_i`` (raw dot units) and sum ``l_i``
+    (-inf where it saw nothing): the product m * c formed with its rounding error (FMA) and c's
+    low part added back."""
+    has = l_i > 0
+    mm = tl.where(has, m_i, 0.0)
+    big = mm * c
+    small = tl.fma(mm, c, -big) + mm * c_lo + tl.log2(tl.where(has, l_i, 1.0)) * 0.6931471805599453
+    return tl.where(has, big + small, float("-inf"))
 
 
 @triton.jit
@@ -119,28 +199,10 @@ def _split_kv_kernel(
     pid_s = tl.program_id(1)
     pid_r = tl.program_id(2)
 
-    start = tl.load(indptr_ptr + pid_r)
-    n = tl.load(indptr_ptr + pid_r + 1) - start
-    n = tl.maximum(n, 0)
-    rows_per_req = qlen * H
-    m_offs = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = m_offs < rows_per_req
-    pos = m_offs // H
-    if GLOBAL_LENS:
-        n_global = tl.load(seq_lens_ptr + pid_r)
-    else:
-        n_global = n
-    lim = tl.where(row_ok, _visible_tokens(n, n_global, qlen, pos, dcp_rank, dcp_world_size), 0)
-    # the block's last row sees the most (a scalar, not a reduction: Triton 3.6's interpreter
-    # cannot take a loop bound from a reduction)
-    last_pos = (tl.minimum(pid_m * BLOCK_M + BLOCK_M, rows_per_req) - 1) // H
-    hi_rows = _visible_tokens(n, n_global, qlen, last_pos, dcp_rank, dcp_world_size)
+    start, flat_row, row_ok, lim, lo, hi = _program_rows(
+        indptr_ptr, seq_lens_ptr, pid_m, pid_s, pid_r, H, qlen, num_splits, dcp_rank, dcp_world_size,
+        BLOCK_M, BLOCK_N, GLOBAL_LENS)  # flat_row: the row of q viewed [T*H, 576]
 
-    chunk = tl.cdiv(tl.cdiv(n, num_splits), BLOCK_N) * BLOCK_N
-    lo = pid_s * chunk
-    hi = tl.minimum(lo + chunk, hi_rows)
-
-    flat_row = pid_r.to(tl.int64) * rows_per_req + m_offs  # row of q viewed [T*H, 576]
     offs_c = tl.arange(0, DC)
     offs_h = tl.arange(0, DH)
     offs_p = tl.arange(0, DP)
@@ -149,23 +211,14 @@ def _split_kv_kernel(
     qc = tl.load(q_ptr + flat_row[:, None] * D + offs_c[None, :], mask=row_ok[:, None], other=0.0)
     qp = tl.load(q_ptr + flat_row[:, None] * D + DC + offs_p[None, :], mask=row_ok[:, None], other=0.0)
     if Q_FP8:
-        # the fp8 query as stored -> f32 (exact; exact in bf16 too), its scale from the device
+        # the fp8 query as stored -> f32 (exact; exact in bf16 too); its scale: _score_scale
         if Q_U8_FNUZ:
             qc = _fnuz_bytes_to_f32(qc)
             qp = _fnuz_bytes_to_f32(qp)
         else:
             qc = qc.to(tl.float32)
             qp = qp.to(tl.float32)
-        qs = tl.load(q_scale_ptr)
-        ch = c_hi * qs
-        cl = tl.fma(c_hi, qs, -ch) + c_lo * qs
-    else:
-        ch = c_hi
-        cl = c_lo
-    # a negative scale: the scores are |c| * (-d), so the running max is taken over -d
-    sgn = tl.where(ch < 0, -1.0, 1.0)
-    ch = ch * sgn
-    cl = cl * sgn
+    ch, cl, sgn = _score_scale(c_hi, c_lo, q_scale_ptr, Q_FP8)
 
     if KV_U8_FNUZ:
         FP8: tl.constexpr = tl.float8e4nv
@@ -275,19 +328,12 @@ def _split_kv_kernel(
             kp = tl.load(krow[:, None] + DC + offs_p[None, :], mask=ld_ok[:, None], other=0.0)
         if S_CHAINS:
             # bf16 dots only (S_CHAINS is never set with MMA_FP8)
-            kc0 = _k_to16(kc0, KV_U8_FNUZ, DT16)
-            kc1 = _k_to16(kc1, KV_U8_FNUZ, DT16)
-            kp = _k_to16(kp, KV_U8_FNUZ, DT16)
+            kc0 = _fp8_to16(kc0, KV_U8_FNUZ, DT16)
+            kc1 = _fp8_to16(kc1, KV_U8_FNUZ, DT16)
+            kp = _fp8_to16(kp, KV_U8_FNUZ, DT16)
         elif KV_U8_FNUZ:
-            # e4m3fnuz bytes: value(b) = e4m3fn(b) / 2, except 0x7f/0xff (+-240) and 0x80 (NaN)
-            kcf = kc.to(FP8, bitcast=True).to(tl.float32) * 0.5
-            kcf = tl.where((kc & 0x7F) == 0x7F, tl.where(kc >= 128, -240.0, 240.0), kcf)
-            kcf = tl.where(kc == 0x80, float("nan"), kcf)
-            kpf = kp.to(FP8, bitcast=True).to(tl.float32) * 0.5
-            kpf = tl.where((kp & 0x7F) == 0x7F, tl.where(kp >= 128, -240.0, 240.0), kpf)
-            kpf = tl.where(kp == 0x80, float("nan"), kpf)
-            kc = kcf.to(DT16)
-            kp = kpf.to(DT16)
+            kc = _fp8_to16(kc, KV_U8_FNUZ, DT16)  # e4m3fnuz bytes, decoded
+            kp = _fp8_to16(kp, KV_U8_FNUZ, DT16)
 
         if MMA_FP8:
             s = tl.dot(qc_hi, tl.trans(kc))
@@ -334,12 +380,8 @@ def _split_kv_kernel(
         out_scale = kv_scale * (2.0**(-PLOG))
     else:
         out_scale = kv_scale
-    has = l_i > 0
-    inv = tl.where(has, out_scale / tl.where(has, l_i, 1.0), 0.0)
-    mm = tl.where(has, m_i, 0.0)
-    big = mm * row_c
-    small = tl.fma(mm, row_c, -big) + mm * row_cl + tl.log2(tl.where(has, l_i, 1.0)) * 0.6931471805599453
-    lse = tl.where(has, big + small, float("-inf"))
+    inv = _row_inv(l_i, out_scale)
+    lse = _row_lse(m_i, l_i, row_c, row_cl)
     out_row = (pid_s.to(tl.int64) * T) * H + flat_row
     if S_CHAINS:
         o_rows = o_ptr + out_row[:, None] * DC
@@ -467,6 +509,26 @@ def _kv_mode(kv_rows: torch.Tensor):
     raise TypeError(f"kv_rows must be float8_e4m3fn or float8_e4m3fnuz, got {kv_rows.dtype}")
 
 
+def _launch_shape(q, kv_rows, kv_indptr, kv_indices, qlen: int, num_splits: int):
+    """The launchers' own checks of the M1c arguments (both generations; the ops check them
+    first, with messages): (T, H, R) of q [T, H, 576] with T = R * qlen."""
+    assert q.dim() == 3 and q.shape[2] == KV_ROW and q.is_contiguous()
+    assert kv_rows.dim() == 2 and kv_rows.shape[1] == KV_ROW and kv_rows.is_contiguous()
+    assert kv_indptr.dtype == torch.int32 and kv_indices.dtype == torch.int32
+    assert num_splits >= 1 and qlen >= 1
+    T, H, _ = q.shape
+    assert T % qlen == 0
+    R = T // qlen
+    assert kv_indptr.shape[0] == R + 1
+    return T, H, R
+
+
+def _partials(S: int, T: int, H: int, device):
+    """M1c's outputs, unwritten: (o_part [S, T, H, 512] bf16, lse_part [S, T, H] f32)."""
+    return (torch.empty((S, T, H, KV_LORA_RANK), dtype=torch.bfloat16, device=device),
+            torch.empty((S, T, H), dtype=torch.float32, device=device))
+
+
 def _q_mode(q: torch.Tensor, q_scale):
     """(tensor to pass, Q_FP8, Q_U8_FNUZ) for a bf16 q, or an fp8 q with its q_scale."""
     if q.dtype == torch.bfloat16:
@@ -489,18 +551,10 @@ def mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: floa
     parallel, as :func:`kimi_ops.mla_decode_splitkv` documents. ``zero_empty=False`` permits
     leaving an empty split's o unwritten (see :func:`kimi_ops.kernels.sm90.mla_decode_splitkv`); this
     kernel writes it anyway."""
-    assert q.dim() == 3 and q.shape[2] == KV_ROW and q.is_contiguous()
+    T, H, R = _launch_shape(q, kv_rows, kv_indptr, kv_indices, qlen, num_splits)
     q_arg, q_fp8, q_u8_fnuz = _q_mode(q, q_scale)
-    assert kv_rows.dim() == 2 and kv_rows.shape[1] == KV_ROW and kv_rows.is_contiguous()
-    assert kv_indptr.dtype == torch.int32 and kv_indices.dtype == torch.int32
-    assert num_splits >= 1 and qlen >= 1
-    T, H, _ = q.shape
-    assert T % qlen == 0
-    R = T // qlen
-    assert kv_indptr.shape[0] == R + 1
     S = int(num_splits)
-    o_part = torch.empty((S, T, H, KV_LORA_RANK), dtype=torch.bfloat16, device=q.device)
-    lse_part = torch.empty((S, T, H), dtype=torch.float32, device=q.device)
+    o_part, lse_part = _partials(S, T, H, q.device)
     if T == 0:
         return o_part, lse_part
     kv, u8_fnuz, fnuz = _kv_mode(kv_rows)

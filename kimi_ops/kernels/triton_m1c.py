@@ -56,22 +56,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ..formats import KV_LORA_RANK, KV_ROW
 from . import interpreting
-from .attention import _kv_mode, _merge_config, _merge_kernel, _to_bf16, _visible_tokens
+from .attention import (_fp8_to16, _interpreter_steps, _kv_mode, _launch_shape, _partials, _program_rows,
+                        _row_inv, _row_lse, _score_scale, _split_f32, _to_bf16)
 from .attention import mla_merge  # noqa: F401  (the M1b of this backend: one merge for both generations)
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
-
-
-@triton.jit
-def _decode_fnuz_bytes(b, DT: tl.constexpr):
-    # e4m3fnuz bytes (uint8) -> DT: value(b) = e4m3fn(b) / 2, except 0x7f/0xff (+-240), 0x80 (NaN)
-    f = b.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 0.5
-    f = tl.where((b & 0x7F) == 0x7F, tl.where(b >= 128, -240.0, 240.0), f)
-    f = tl.where(b == 0x80, float("nan"), f)
-    return f.to(DT)
 
 
 @triton.jit
@@ -99,30 +90,15 @@ def _splitkv_tm_kernel(
     pid_s = tl.program_id(1)
     pid_r = tl.program_id(2)
 
-    start = tl.load(indptr_ptr + pid_r)
-    n = tl.maximum(tl.load(indptr_ptr + pid_r + 1) - start, 0)
-    rows_per_req = qlen * H
-    m_offs = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = m_offs < rows_per_req
-    pos = m_offs // H
-    if GLOBAL_LENS:
-        n_global = tl.load(seq_lens_ptr + pid_r)
-    else:
-        n_global = n
-    lim = tl.where(row_ok, _visible_tokens(n, n_global, qlen, pos, dcp_rank, dcp_world_size), 0)
-    last_pos = (tl.minimum(pid_m * BLOCK_M + BLOCK_M, rows_per_req) - 1) // H
-    hi_rows = _visible_tokens(n, n_global, qlen, last_pos, dcp_rank, dcp_world_size)
-
-    chunk = tl.cdiv(tl.cdiv(n, num_splits), BLOCK_N) * BLOCK_N
-    lo = pid_s * chunk
-    hi = tl.minimum(lo + chunk, hi_rows)
+    start, flat_row, row_ok, lim, lo, hi = _program_rows(
+        indptr_ptr, seq_lens_ptr, pid_m, pid_s, pid_r, H, qlen, num_splits, dcp_rank, dcp_world_size,
+        BLOCK_M, BLOCK_N, GLOBAL_LENS)
 
     if INTERP:
         DT16: tl.constexpr = tl.float32  # the interpreter multiplies bf16 as integers
     else:
         DT16: tl.constexpr = tl.bfloat16
 
-    flat_row = pid_r.to(tl.int64) * rows_per_req + m_offs
     offs_c = pid_v * DV + tl.arange(0, DV)      # the output channels (also V's)
     offs_x = (1 - pid_v) * DV + tl.arange(0, DV)  # VSPLIT 2: the other half (S only)
     offs_p = tl.arange(0, DP)
@@ -131,31 +107,14 @@ def _splitkv_tm_kernel(
     q_rows = q_ptr + flat_row[None, :] * D
     qcT = tl.load(q_rows + offs_c[:, None], mask=row_ok[None, :], other=0.0)
     qpT = tl.load(q_rows + DC + offs_p[:, None], mask=row_ok[None, :], other=0.0)
-    if Q_U8_FNUZ:
-        qcT = _decode_fnuz_bytes(qcT, DT16)
-        qpT = _decode_fnuz_bytes(qpT, DT16)
-    else:
-        qcT = qcT.to(DT16)
-        qpT = qpT.to(DT16)
+    qcT = _fp8_to16(qcT, Q_U8_FNUZ, DT16)
+    qpT = _fp8_to16(qpT, Q_U8_FNUZ, DT16)
     if VSPLIT == 2:
         qxT = tl.load(q_rows + offs_x[:, None], mask=row_ok[None, :], other=0.0)
-        if Q_U8_FNUZ:
-            qxT = _decode_fnuz_bytes(qxT, DT16)
-        else:
-            qxT = qxT.to(DT16)
+        qxT = _fp8_to16(qxT, Q_U8_FNUZ, DT16)
 
-    # c = scale * kv_scale [* q_scale] as hi + lo; the scores' base-2 factor
-    if HAS_QSCALE:
-        qs = tl.load(q_scale_ptr)
-        ch = c_hi * qs
-        cl = tl.fma(c_hi, qs, -ch) + c_lo * qs
-    else:
-        ch = c_hi
-        cl = c_lo
-    # a negative scale: the scores are |c| * (-d), so the running max is taken over -d
-    sgn = tl.where(ch < 0, -1.0, 1.0)
-    ch = ch * sgn
-    cl = cl * sgn
+    # |c| = |scale * kv_scale [* q_scale]| as hi + lo, its sign; the scores' base-2 factor
+    ch, cl, sgn = _score_scale(c_hi, c_lo, q_scale_ptr, HAS_QSCALE)
     rs = ch * 1.4426950408889634
 
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")  # running max of d = q . k
@@ -170,22 +129,15 @@ def _splitkv_tm_kernel(
         krow = kv_ptr + idx * D
         kc = tl.load(krow[:, None] + offs_c[None, :], mask=ld_ok[:, None], other=0.0)
         kp = tl.load(krow[:, None] + DC + offs_p[None, :], mask=ld_ok[:, None], other=0.0)
-        if KV_U8_FNUZ:
-            kc = _decode_fnuz_bytes(kc, DT16)
-            kp = _decode_fnuz_bytes(kp, DT16)
-        else:
-            kc = kc.to(DT16)
-            kp = kp.to(DT16)
+        kc = _fp8_to16(kc, KV_U8_FNUZ, DT16)
+        kp = _fp8_to16(kp, KV_U8_FNUZ, DT16)
         # S^T in raw dot units [BLOCK_N, BLOCK_M], as independent partial products added in
         # f32 (RNE): an MMA's chained accumulation truncates its running sum, so one long
         # chain's error grows with |s| (the lse of large scores); short chains bound it
         d = tl.dot(kc, qcT)
         if VSPLIT == 2:
             kx = tl.load(krow[:, None] + offs_x[None, :], mask=ld_ok[:, None], other=0.0)
-            if KV_U8_FNUZ:
-                kx = _decode_fnuz_bytes(kx, DT16)
-            else:
-                kx = kx.to(DT16)
+            kx = _fp8_to16(kx, KV_U8_FNUZ, DT16)
             d = d + (tl.dot(kx, qxT) + tl.dot(kp, qpT))
         else:
             d = d + tl.dot(kp, qpT)
@@ -201,14 +153,8 @@ def _splitkv_tm_kernel(
         accT = tl.dot(tl.trans(kc), p.to(DT16), accT)    # O^T += V^T P^T
         m_i = m_new
 
-    has = l_i > 0
-    inv = tl.where(has, kv_scale / tl.where(has, l_i, 1.0), 0.0)
-    oT = accT * inv[None, :]
-    # lse = m * c + ln l: the product's rounding error (FMA) and c's low part added back
-    mm = tl.where(has, m_i, 0.0)
-    big = mm * ch
-    small = tl.fma(mm, ch, -big) + mm * cl + tl.log2(tl.where(has, l_i, 1.0)) * 0.6931471805599453
-    lse = tl.where(has, big + small, float("-inf"))
+    oT = accT * _row_inv(l_i, kv_scale)[None, :]
+    lse = _row_lse(m_i, l_i, ch, cl)  # m * c + ln l, the product's rounding error added back
     out_row = (pid_s.to(tl.int64) * T) * H + flat_row
     tl.store(o_ptr + out_row[None, :] * DC + offs_c[:, None], _to_bf16(oT, INTERP), mask=row_ok[None, :])
     tl.store(lse_ptr + out_row, lse, mask=row_ok)
@@ -284,18 +230,6 @@ def pick_config(arch: str, rows_per_req: int) -> Config:
     return CONFIGS[arch][-1]
 
 
-def _split_f64(x: float) -> tuple[float, float]:
-    hi = float(torch.tensor(x, dtype=torch.float32))
-    return hi, float(torch.tensor(x - hi, dtype=torch.float32))
-
-
-def _interpreter_steps(kv_indptr: torch.Tensor, block_n: int) -> int:
-    if not interpreting() or kv_indptr.numel() < 2:
-        return 0
-    longest = int((kv_indptr[1:] - kv_indptr[:-1]).max())
-    return max(1, -(-longest // block_n))
-
-
 def _q_mode(q: torch.Tensor, q_scale, kv_dtype):
     """(tensor to pass, HAS_QSCALE, Q_U8_FNUZ) after checking the q / q_scale pair."""
     if q.dtype == torch.bfloat16:
@@ -325,14 +259,7 @@ def mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: floa
     Same contract as :func:`kimi_ops.kernels.attention.mla_decode_splitkv` (``seq_lens`` /
     ``dcp_rank`` / ``dcp_world_size``: decode context parallel; every split is written, so
     ``zero_empty`` is moot); ``q_scale``: float32 [1] on q's device, required with an fp8 q."""
-    assert q.dim() == 3 and q.shape[2] == KV_ROW and q.is_contiguous()
-    assert kv_rows.dim() == 2 and kv_rows.shape[1] == KV_ROW and kv_rows.is_contiguous()
-    assert kv_indptr.dtype == torch.int32 and kv_indices.dtype == torch.int32
-    assert num_splits >= 1 and qlen >= 1
-    T, H, _ = q.shape
-    assert T % qlen == 0
-    R = T // qlen
-    assert kv_indptr.shape[0] == R + 1
+    T, H, R = _launch_shape(q, kv_rows, kv_indptr, kv_indices, qlen, num_splits)
     if kernel_for(arch_of(q.device)) == "first":
         from .attention import mla_decode_splitkv as first_generation
         return first_generation(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits,
@@ -340,15 +267,14 @@ def mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: floa
                                 zero_empty=zero_empty, q_scale=q_scale)
     qq, has_qs, q_u8 = _q_mode(q, q_scale, kv_rows.dtype)
     S = int(num_splits)
-    o_part = torch.empty((S, T, H, KV_LORA_RANK), dtype=torch.bfloat16, device=q.device)
-    lse_part = torch.empty((S, T, H), dtype=torch.float32, device=q.device)
+    o_part, lse_part = _partials(S, T, H, q.device)
     if T == 0:
         return o_part, lse_part
     kv, u8_fnuz, _ = _kv_mode(kv_rows)
     cfg = pick_config(arch_of(q.device), qlen * H)
     grid = (triton.cdiv(qlen * H, cfg.block_m) * cfg.vsplit, S, R)
     indices = kv_indices if kv_indices.numel() > 0 else kv_indptr  # never dereferenced when empty
-    c_hi, c_lo = _split_f64(float(scale) * float(kv_scale))
+    c_hi, c_lo = _split_f32(float(scale) * float(kv_scale))
     _splitkv_tm_kernel[grid](
         qq, q_scale if has_qs else kv_indptr, kv, kv_indptr, indices,
         seq_lens if seq_lens is not None else kv_indptr, o_part, lse_part,
