@@ -61,14 +61,22 @@ def _flat_rows(kv_cache: torch.Tensor) -> torch.Tensor:
     return kv_cache.view(-1, KV_ROW)
 
 
+def _check_decode(op, q, kv_cache, kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits, q_scale,
+                  seq_lens, dcp_rank, dcp_world_size) -> None:
+    """The host checks of mla_decode_splitkv and mla_decode (fake and real alike), in this order:
+    shapes / dtypes / devices, the value contract, then the q / q_scale pair."""
+    checks.check_decode_args(op, q, kv_cache, kv_indptr, kv_indices, qlen, num_splits,
+                             seq_lens, dcp_rank, dcp_world_size)
+    checks.check_decode_contract(op, kv_indptr, kv_indices, seq_lens, num_splits, scale, kv_scale)
+    checks.check_q_scale(op, q, kv_cache, q_scale)
+
+
 # --- mla_decode_splitkv (M1c) -------------------------------------------------------------------
 
 def _splitkv_fake(q, kv_cache, kv_indptr, kv_indices, *, qlen, scale, kv_scale, num_splits,
                   q_scale=None, seq_lens=None, dcp_rank=0, dcp_world_size=1):
-    checks.check_decode_args("mla_decode_splitkv", q, kv_cache, kv_indptr, kv_indices, qlen, num_splits,
-                             seq_lens, dcp_rank, dcp_world_size)
-    checks.check_decode_contract("mla_decode_splitkv", kv_indptr, kv_indices, seq_lens, num_splits, scale, kv_scale)
-    checks.check_q_scale("mla_decode_splitkv", q, kv_cache, q_scale)
+    _check_decode("mla_decode_splitkv", q, kv_cache, kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits, q_scale,
+                  seq_lens, dcp_rank, dcp_world_size)
     num_rows, num_heads, _ = q.shape
     return (q.new_empty((num_splits, num_rows, num_heads, KV_LORA_RANK), dtype=torch.bfloat16),
             q.new_empty((num_splits, num_rows, num_heads), dtype=torch.float32))
@@ -83,10 +91,8 @@ def _splitkv(q, kv_cache, kv_indptr, kv_indices, qlen, scale, kv_scale, num_spli
 
 def _splitkv_real(q, kv_cache, kv_indptr, kv_indices, *, qlen, scale, kv_scale, num_splits,
                   q_scale=None, seq_lens=None, dcp_rank=0, dcp_world_size=1):
-    checks.check_decode_args("mla_decode_splitkv", q, kv_cache, kv_indptr, kv_indices, qlen, num_splits,
-                             seq_lens, dcp_rank, dcp_world_size)
-    checks.check_decode_contract("mla_decode_splitkv", kv_indptr, kv_indices, seq_lens, num_splits, scale, kv_scale)
-    checks.check_q_scale("mla_decode_splitkv", q, kv_cache, q_scale)
+    _check_decode("mla_decode_splitkv", q, kv_cache, kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits, q_scale,
+                  seq_lens, dcp_rank, dcp_world_size)
     return _splitkv(q, kv_cache, kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits,
                     seq_lens, dcp_rank, dcp_world_size, q_scale=q_scale)
 
@@ -113,10 +119,8 @@ _register("mla_merge", fake=_merge_fake, real=_merge_real)
 
 def _decode_fake(q, kv_cache, kv_indptr, kv_indices, *, qlen, scale, kv_scale, num_splits=None,
                  q_scale=None, seq_lens=None, dcp_rank=0, dcp_world_size=1):
-    checks.check_decode_args("mla_decode", q, kv_cache, kv_indptr, kv_indices, qlen, num_splits,
-                             seq_lens, dcp_rank, dcp_world_size)
-    checks.check_decode_contract("mla_decode", kv_indptr, kv_indices, seq_lens, num_splits, scale, kv_scale)
-    checks.check_q_scale("mla_decode", q, kv_cache, q_scale)
+    _check_decode("mla_decode", q, kv_cache, kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits, q_scale,
+                  seq_lens, dcp_rank, dcp_world_size)
     num_rows, num_heads, _ = q.shape
     return (q.new_empty((num_rows, num_heads, KV_LORA_RANK), dtype=torch.bfloat16),
             q.new_empty((num_rows, num_heads), dtype=torch.float32))
@@ -124,10 +128,8 @@ def _decode_fake(q, kv_cache, kv_indptr, kv_indices, *, qlen, scale, kv_scale, n
 
 def _decode_real(q, kv_cache, kv_indptr, kv_indices, *, qlen, scale, kv_scale, num_splits=None,
                  q_scale=None, seq_lens=None, dcp_rank=0, dcp_world_size=1):
-    checks.check_decode_args("mla_decode", q, kv_cache, kv_indptr, kv_indices, qlen, num_splits,
-                             seq_lens, dcp_rank, dcp_world_size)
-    checks.check_decode_contract("mla_decode", kv_indptr, kv_indices, seq_lens, num_splits, scale, kv_scale)
-    checks.check_q_scale("mla_decode", q, kv_cache, q_scale)
+    _check_decode("mla_decode", q, kv_cache, kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits, q_scale,
+                  seq_lens, dcp_rank, dcp_world_size)
     if dispatch.backend_for("mla_decode_splitkv", q.device) == "cuda":
         from .kernels.sm90 import mla_decode as cuda_decode
         return cuda_decode(q.contiguous(), _flat_rows(kv_cache), kv_indptr, kv_indices, qlen, scale, kv_scale,
