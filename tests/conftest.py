@@ -5,6 +5,9 @@ over requests and query rows), so a wrong reference cannot agree with itself.
 """
 
 import math
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import pytest
@@ -13,6 +16,9 @@ import torch
 KV_ROW, KV_LORA = 576, 512
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
 
 
 @dataclass
@@ -153,3 +159,27 @@ def quantize_per_tensor(x: torch.Tensor, dtype=torch.float8_e4m3fn):
     amax = x.float().abs().max()
     scale = torch.where(amax > 0, amax / fmax, torch.ones_like(amax)).reshape(1)
     return (x.float() / scale).clamp(-fmax, fmax).to(dtype), scale
+
+
+_INTERPRETED = r"""
+import sys, torch
+sys.path.insert(0, {root!r})
+sys.path.insert(0, {tests!r})
+{imports}
+g = torch.Generator().manual_seed({seed})
+torch.manual_seed({seed})
+{body}
+print("OK")
+"""
+
+
+def run_interpreted(imports: str, body: str, *, seed: int = 0, timeout: float = 300, **env: str) -> None:
+    """Run ``body`` in a fresh Python under the Triton interpreter (TRITON_INTERPRET=1 must be
+    set before triton is imported, hence the subprocess), with no GPU visible and ``env`` added
+    to the environment: the repository root and tests/ on sys.path, then ``imports``, then a
+    torch.Generator ``g`` and torch's global generator seeded with ``seed``.  Fails with the
+    tails of the child's stdout and stderr unless it exits 0 having printed OK."""
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", **env)
+    code = _INTERPRETED.format(root=ROOT, tests=TESTS, imports=imports, seed=seed, body=body)
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-3000:] + r.stderr[-6000:]

@@ -14,7 +14,6 @@ with a new q_scale written in place.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -22,10 +21,9 @@ import torch
 
 import kimi_ops
 from conftest import (assert_attention_close, dcp_shard, make_decode_case, oracle_decode,
-                      quantize_per_tensor)
+                      quantize_per_tensor, run_interpreted)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-HERE = os.path.dirname(os.path.abspath(__file__))
 FP8Q_RTOL = 4e-3       # the fp8-query contract: rel L2 of o
 FP8Q_LSE_ATOL = 4e-3   # |lse - ref|
 FN, FNUZ = torch.float8_e4m3fn, torch.float8_e4m3fnuz
@@ -217,24 +215,10 @@ def check_triton_fp8q(lens, qlen, H, S, *, kv_dtype=FN, q_dtype=FN, oob=0, gen=N
     return err, lerr
 
 
-_INTERP = r"""
-import sys, torch
-sys.path.insert(0, {root!r})
-sys.path.insert(0, {tests!r})
-import test_fp8_query as f
-from test_fp8_query import FN, FNUZ
-g = torch.Generator().manual_seed({seed})
-torch.manual_seed({seed})
-{body}
-print("OK")
-"""
-
-
 def _interp(body, seed=0, mma="bf16", timeout=300):
-    env = dict(os.environ, TRITON_INTERPRET="1", KIMI_OPS_TRITON_MMA=mma, CUDA_VISIBLE_DEVICES="")
-    code = _INTERP.format(root=ROOT, tests=HERE, seed=seed, body=body)
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
-    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-3000:] + r.stderr[-6000:]
+    """``body`` under the interpreter (conftest.run_interpreted), with this module as ``f``."""
+    run_interpreted("import test_fp8_query as f\nfrom test_fp8_query import FN, FNUZ", body, seed=seed,
+                    timeout=timeout, KIMI_OPS_TRITON_MMA=mma)
 
 
 @pytest.mark.parametrize("mma", ["bf16", "fp8"])

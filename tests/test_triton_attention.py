@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 import triton
+
+from conftest import run_interpreted
 
 needs_fnuz_triton = pytest.mark.skipif(
     tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 7),
@@ -334,30 +335,14 @@ def check_cache_write(dtype, xdt, sdt, T=24, N=61, device="cpu", gen=None):
 # ----------------------------------------------------------------------------------------------
 # CPU: the interpreter, in a subprocess
 
-_INTERP_CASES = r"""
-import sys, torch
-sys.path.insert(0, {root!r})
-sys.path.insert(0, {tests!r})
-import test_triton_attention as t
-g = torch.Generator().manual_seed({seed})
-torch.manual_seed({seed})
-{body}
-print("OK")
-"""
-
-
 def _interp(body, seed=0, mma="fp8", timeout=240, kernel=None):
-    """kernel: KIMI_OPS_TRITON_KERNEL for the subprocess (default: fp8 -> the first generation,
+    """``body`` under the interpreter (conftest.run_interpreted), with this module as ``t``.
+    kernel: KIMI_OPS_TRITON_KERNEL for the subprocess (default: fp8 -> the first generation,
     whose fp8 hi + lo scheme it is; bf16 -> auto, i.e. triton_m1c in the interpreter)."""
     if kernel is None:
         kernel = "first" if mma == "fp8" else "auto"
-    env = dict(os.environ, TRITON_INTERPRET="1", KIMI_OPS_TRITON_MMA=mma, CUDA_VISIBLE_DEVICES="",
-               KIMI_OPS_TRITON_KERNEL=kernel)
-    code = _INTERP_CASES.format(root=ROOT, tests=os.path.dirname(os.path.abspath(__file__)),
-                                seed=seed, body=body)
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                       timeout=timeout)
-    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-3000:] + r.stderr[-6000:]
+    run_interpreted("import test_triton_attention as t", body, seed=seed, timeout=timeout,
+                    KIMI_OPS_TRITON_MMA=mma, KIMI_OPS_TRITON_KERNEL=kernel)
 
 
 @pytest.mark.parametrize("mma,kernel", [("fp8", "first"), ("bf16", "first"), ("bf16", "m1c")])
