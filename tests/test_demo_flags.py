@@ -16,21 +16,24 @@ from kimi_ops.demo_dcp import dcp_options
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-BAD_FLAGS = [
-    (["--batch", "0"], r"argument --batch: must be >= 1, got 0"),
-    (["--context", "0"], r"argument --context: must be >= 1, got 0"),
-    (["--attention-only", "--splits", "0"], r"argument --splits: must be 1..65535, got 0"),
-    (["--qlen", "9"], r"argument --qlen: must be 1..8, got 9"),
-    (["--qlen", "0"], r"argument --qlen: must be 1..8, got 0"),
+
+def _int_flag(flags, rule):
+    """(flags, the line that refuses them) for an integer flag whose value (the last word) breaks
+    ``rule`` (">= 1", "1..8")."""
+    flag, got = flags[-2:]
+    return flags, rf"argument {flag}: must be {rule}, got {got}"
+
+
+# (flags, a regex the one stderr line must match)
+BAD_FLAGS = [_int_flag(flags, ">= 1") for flags in (
+    ["--batch", "0"], ["--context", "0"], ["--block-size", "0"], ["--steps", "0"], ["--dcp", "0"],
+    ["--check-every", "0"], ["--attention-only", "--batch", "-1"], ["--attention-only", "--repeats", "0"])]
+BAD_FLAGS += [_int_flag(["--qlen", "9"], "1..8"), _int_flag(["--qlen", "0"], "1..8"),
+              _int_flag(["--attention-only", "--splits", "0"], "1..65535"),
+              _int_flag(["--attention-only", "--heads", "0"], "1..128")]
+BAD_FLAGS += [
     (["--device", "bogus"], r"argument --device: must be cpu, cuda or cuda:N, got 'bogus'"),
     (["--device", "mps"], r"argument --device: must be cpu, cuda or cuda:N, got 'mps'"),
-    (["--block-size", "0"], r"argument --block-size: must be >= 1, got 0"),
-    (["--attention-only", "--batch", "-1"], r"argument --batch: must be >= 1, got -1"),
-    (["--steps", "0"], r"argument --steps: must be >= 1, got 0"),
-    (["--dcp", "0"], r"argument --dcp: must be >= 1, got 0"),
-    (["--check-every", "0"], r"argument --check-every: must be >= 1, got 0"),
-    (["--attention-only", "--heads", "0"], r"argument --heads: must be 1..128, got 0"),
-    (["--attention-only", "--repeats", "0"], r"argument --repeats: must be >= 1, got 0"),
     (["--batch", "two"], r"argument --batch: expected an integer, got 'two'"),
     (["--attention-only", "--dcp", "2"], r"argument --dcp: --attention-only runs one process"),
     (["--weights", "int4"], r"argument --weights: invalid choice: 'int4'"),
