@@ -12,9 +12,7 @@
 # CALL_BUDGET: seconds the whole script may take (default 148); TEST_BUDGET: the tests' (default 58).
 set -uo pipefail
 if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0; fi
-OUT=${OUT:-out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
+. scripts/device_env.sh  # $OUT, unbuffered Python
 start=$(date +%s)
 el() { echo $(( $(date +%s) - start )); }
 {

@@ -239,24 +239,21 @@ def _specs():
         sig[name] = "constexpr"       # 1 at run time (the JIT specializes it): contiguous K
     for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "K_TILES", "TILES_PER_SPLIT", "SPLIT_K", "INTERP"):
         sig[name] = "constexpr"
-    specs, seen = [], set()
+    configs = {}  # each distinct launch the shapes below pick, in order (a dict keeps insertion order)
     for n, k in KIMI_K3_SHAPES:
         for m in (1, 8, 32, 64, 256):
             bm, bn, bk, split, warps, stages = gemm_config(m, n, k, 128, 132)
             k_tiles = -(-k // bk)
             per = -(-k_tiles // split)
-            split = -(-k_tiles // per)
-            key = (bm, bn, bk, k_tiles, per, split, warps, stages)
-            if key in seen:
-                continue
-            seen.add(key)
-            specs.append({
-                "name": f"gemm_a16w8_block_m{bm}n{bn}k{bk}t{k_tiles}p{per}s{split}w{warps}st{stages}",
-                "kernel": _gemm_a16w8_block_kernel, "signature": dict(sig),
-                "constexprs": {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "K_TILES": k_tiles,
-                               "TILES_PER_SPLIT": per, "SPLIT_K": split, "INTERP": False,
-                               "stride_xk": 1, "stride_wk": 1, "stride_sk": 1},
-                "num_warps": warps, "num_stages": stages, "targets": ("gfx950", "sm90")})
+            configs[(bm, bn, bk, k_tiles, per, -(-k_tiles // per), warps, stages)] = None
+    specs = [{
+        "name": f"gemm_a16w8_block_m{bm}n{bn}k{bk}t{k_tiles}p{per}s{split}w{warps}st{stages}",
+        "kernel": _gemm_a16w8_block_kernel, "signature": dict(sig),
+        "constexprs": {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "K_TILES": k_tiles,
+                       "TILES_PER_SPLIT": per, "SPLIT_K": split, "INTERP": False,
+                       "stride_xk": 1, "stride_wk": 1, "stride_sk": 1},
+        "num_warps": warps, "num_stages": stages, "targets": ("gfx950", "sm90")}
+        for bm, bn, bk, k_tiles, per, split, warps, stages in configs]
     for split in sorted({s["constexprs"]["SPLIT_K"] for s in specs} - {1}):
         specs.append({
             "name": f"gemm_a16w8_reduce_s{split}", "kernel": _reduce_splits_kernel,
