@@ -59,7 +59,7 @@ def build_plan():
         nvcc = os.path.join(CUDA_HOME, "bin", "nvcc") if CUDA_HOME else None
         if nvcc and os.path.isfile(nvcc):
             return BuildPlan("cuda", f"building kimi_ops._C for sm_90a with nvcc at {nvcc} (torch {torch.__version__}, "
-                                     f"CUDA {torch.version.cuda}): the Hopper kernels, 3-4 minutes on 2 cores; "
+                                     f"CUDA {torch.version.cuda}): the Hopper kernels, about a minute on 2 cores; "
                                      "KIMI_OPS_NO_EXTENSION=1 skips it")
         return BuildPlan(None, f"skipping kimi_ops._C: torch {torch.__version__} is a CUDA build but no nvcc was "
                                "found (not on PATH, no /usr/local/cuda, CUDA_HOME unset)")
