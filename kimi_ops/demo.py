@@ -135,25 +135,19 @@ def time_attention(layer, cache, md, hidden, device: torch.device, repeats: int 
     """Median seconds of the step's attention alone (``mla.attend`` on the query ``mla.pre``
     makes of ``hidden``; a copy of the cache), a CUDA graph replay on the GPU, eager on the CPU."""
     from .runtime import mla
+    from .runtime.graph import GraphedStep
     cache = cache.clone()
     with torch.no_grad():
         q, _ = mla.pre(layer, hidden, cache, md)
         if device.type != "cuda":
             return time_call(lambda: mla.attend(layer, q, cache, md), device, max(1, repeats // 4))
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                mla.attend(layer, q, cache, md)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            mla.attend(layer, q, cache, md)
+        graphed = GraphedStep(lambda layer, _hidden, cache, md: mla.attend(layer, q, cache, md),
+                              layer, cache, md, hidden)
         samples = []
         for _ in range(repeats):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            graph.replay()
+            graphed()
             end.record()
             samples.append((start, end))
         torch.cuda.synchronize(device)
@@ -204,9 +198,6 @@ def run_layer_demo(args) -> int:
     apply_defaults(args, "layer")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     batch, context, qlen, steps = args.batch, args.context, args.qlen, args.steps
-    if batch < 1 or context < 1 or qlen < 1 or steps < 1:
-        print("kimi_ops demo: --batch, --context, --qlen and --steps must be >= 1", file=sys.stderr)
-        return 2
     torch.manual_seed(args.seed)
     config = MLAConfig.kimi_k3(tp=8)
     layer = MLADecodeLayer(config, weights=args.weights, device=device, seed=args.seed)

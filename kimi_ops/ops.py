@@ -393,14 +393,21 @@ def mla_query(q_nope, q_pe, w_uk, w_uk_scale=None, *, pad_heads=None, out_dtype=
     return quantize_query(q, q_scale=q_scale, dtype=out_dtype)
 
 
+def query_amax(q):
+    """``max |q|`` as a float32 [1] tensor on q's device (0 for an empty q): what
+    :func:`query_scale` divides, or reduces over DCP ranks first."""
+    if q.numel() == 0:
+        return torch.zeros(1, dtype=torch.float32, device=q.device)
+    return q.abs().amax().to(torch.float32).reshape(1)
+
+
 def query_scale(q, *, dtype=torch.float8_e4m3fn, amax=None):
     """The per-tensor fp8 scale of a query: float32 [1] ``amax(|q|) / fp8 max`` (448 for e4m3fn,
     240 for e4m3fnuz), 1 where q is all zero (or empty). Torch ops on q's device (no host sync,
     CUDA-graph safe). ``amax`` (float32 [1]) overrides q's own, e.g. the max over DCP ranks."""
     checks.check_query_out_dtype("query_scale", dtype)
     if amax is None:
-        amax = (q.abs().amax().to(torch.float32).reshape(1) if q.numel() > 0 else
-                torch.zeros(1, dtype=torch.float32, device=q.device))
+        amax = query_amax(q)
     # a tensor divisor: CUDA turns division by a Python scalar into a multiply by its reciprocal
     fmax = torch.full((), float(torch.finfo(dtype).max), dtype=torch.float32, device=amax.device)
     return torch.where(amax > 0, amax / fmax, torch.ones_like(amax))

@@ -53,9 +53,7 @@ def quantize_step_query(layer, q: torch.Tensor):
     dtype = layer.query_dtype
     q_scale = layer.q_scale
     if q_scale is None:
-        amax = (q.abs().amax().to(torch.float32).reshape(1) if q.numel() > 0 else
-                torch.zeros(1, dtype=torch.float32, device=q.device))
-        q_scale = ops.query_scale(q, dtype=dtype, amax=dcp.global_amax(amax, layer.dcp_group))
+        q_scale = ops.query_scale(q, dtype=dtype, amax=dcp.global_amax(ops.query_amax(q), layer.dcp_group))
     return FP8Query(*ops.quantize_query(q, q_scale=q_scale, dtype=dtype))
 
 
