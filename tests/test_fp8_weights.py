@@ -315,7 +315,9 @@ def test_gemm_schema_opcheck_and_compile():
         assert all(torch.equal(a, b) for a, b in zip(before, after)), "no argument changes"
 
         def fn(x, w, s):
-            return torch.sigmoid(kimi_ops.gemm_a16w8_block(x * 2, w, s).float())
+            # exact epilogue ops only (a power-of-two scale, relu): Inductor's fused sigmoid differs
+            # from eager's by an ulp on the GPU, which would hide nothing about the op itself
+            return torch.relu(kimi_ops.gemm_a16w8_block(x * 2, w, s)).float() * 0.5
 
         torch._dynamo.reset()
         compiled = torch.compile(fn, fullgraph=True)

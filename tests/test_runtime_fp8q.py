@@ -190,7 +190,7 @@ def test_gpu_kimi_k3_fp8_query_layer(monkeypatch, weights):
     """The Kimi-K3 layer with the fp8 query on the GPU backends (auto: cuda -> its Triton branch for
     an fp8 q) against float64, and a CUDA graph of the step replayed on new hidden states (each
     step's q_scale computed on the device from its own amax): equal to eager."""
-    from kimi_ops.runtime.graph import GraphedStep, decode_step, restore, snapshot
+    from kimi_ops.runtime.graph import GraphedStep, restore, snapshot
 
     monkeypatch.setenv("KIMI_OPS_BACKEND", "auto")
     lens = [9, 700, 1, 0, 64]
@@ -200,15 +200,20 @@ def test_gpu_kimi_k3_fp8_query_layer(monkeypatch, weights):
     err = check_step(layer, cache, md, hidden, bt, lens, rtol=FP8Q_LAYER_RTOL)
     print(f"GPU kimi_k3 {weights}, fp8 query: relative L2 error vs float64 {err:.2e}")
     restore(start)
+
+    def step(layer, h, cache, md):  # this step again on other hidden states (decode_step would advance md)
+        return layer(h, cache, md)
+
     gen = torch.Generator(device="cuda").manual_seed(4)
     hiddens = [torch.randn(hidden.shape, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(3)]
     with torch.no_grad():
         eager = []
         for h in hiddens:
             saved = snapshot(cache, md)
-            eager.append(decode_step(layer, h, cache, md).clone())
+            eager.append(step(layer, h, cache, md).clone())
             restore(saved)
-        graphed = GraphedStep(decode_step, layer, cache, md, hiddens[0])
+            assert torch.isfinite(eager[-1]).all(), "no NaN / inf (unused cache rows hold NaN)"
+        graphed = GraphedStep(step, layer, cache, md, hiddens[0])
         for h, want in zip(hiddens, eager):
             saved = snapshot(cache, md)
             got = graphed(h).clone()

@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from ..formats import KV_LORA_RANK, KV_ROW
-from . import interpreting
+from . import interpreting, native_fnuz
 from .cache import fp8_bits
 
 LOG2E = 1.4426950408889634
@@ -503,7 +503,7 @@ def _kv_mode(kv_rows: torch.Tensor):
     if kv_rows.dtype == torch.float8_e4m3fn:
         return kv_rows, False, False
     if kv_rows.dtype == torch.float8_e4m3fnuz:
-        if interpreting() or torch.version.hip is not None:
+        if native_fnuz():
             return kv_rows, False, True
         return kv_rows.view(torch.uint8), True, True
     raise TypeError(f"kv_rows must be float8_e4m3fn or float8_e4m3fnuz, got {kv_rows.dtype}")
@@ -536,7 +536,7 @@ def _q_mode(q: torch.Tensor, q_scale):
         return q, False, False
     assert q.dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz), q.dtype
     assert q_scale is not None and q_scale.numel() == 1 and q_scale.dtype == torch.float32
-    if q.dtype == torch.float8_e4m3fnuz and not interpreting() and torch.version.hip is None:
+    if q.dtype == torch.float8_e4m3fnuz and not native_fnuz():
         return q.view(torch.uint8), True, True
     return q, True, False
 

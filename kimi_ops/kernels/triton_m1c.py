@@ -56,7 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import interpreting
+from . import interpreting, native_fnuz
 from .attention import (_fp8_to16, _interpreter_steps, _kv_mode, _launch_shape, _partials, _program_rows,
                         _row_inv, _row_lse, _score_scale, _split_f32, _to_bf16)
 from .attention import mla_merge  # noqa: F401  (the M1b of this backend: one merge for both generations)
@@ -245,7 +245,7 @@ def _q_mode(q: torch.Tensor, q_scale, kv_dtype):
     if q.dtype == torch.float8_e4m3fnuz:
         if kv_dtype != torch.float8_e4m3fnuz:
             raise TypeError("mla_decode_splitkv: an e4m3fnuz q needs an e4m3fnuz cache")
-        if not (interpreting() or torch.version.hip is not None):
+        if not native_fnuz():
             return q.view(torch.uint8), True, True
     return q, True, False
 
