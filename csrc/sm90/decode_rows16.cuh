@@ -217,6 +217,7 @@ __global__ void __launch_bounds__(kSplitKVThreads, 2) splitkv_kernel(const Split
   const int g = lane / 4, c = lane % 4;
   const int rows_per_req = p.qlen * p.heads;
   const int row0 = blockIdx.x * kRows;  // first row of this CTA within its request
+  wait_prior_grid();
   const CtaWork work = cta_work(p, kRows);
   if (!work.exists) return;
   const int lo = work.lo, ntiles = work.ntiles, valid_rows = work.valid_rows;
@@ -309,6 +310,7 @@ __global__ void __launch_bounds__(kSplitKVThreads, 2) splitkv_kernel(const Split
     tile_pv(acc, tile, p_lane, wq, g, c, &sm.empty_lo[s_idx]);
     mbar_arrive(&sm.empty_hi[s_idx]);
   }
+  allow_next_grid();
 
   // --- epilogue: row sums across the quad and the warps, O staged in smem as bf16, 16-byte stores.
   // Every bulk copy has landed: the producer issued ntiles tiles and the consumers waited for each.

@@ -285,6 +285,7 @@ __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const Spli
   const int g = lane / 4, c = lane % 4;
   const int rows_per_req = p.qlen * p.heads;
   const int row0 = blockIdx.x * kRows;
+  wait_prior_grid();
   const CtaWork work = cta_work(p, kRows);
   if (!work.exists) return;
   if (work.ntiles == 0) {
@@ -367,6 +368,7 @@ __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const Spli
   }
   wait_pv_tail();
   cp_async_wait<0>();
+  allow_next_grid();
 
   // --- epilogue: row sums over the lanes and the token warps; lse; O^T / l staged in smem as
   // O [row][kOStride] bf16, then 16-byte stores of the valid rows

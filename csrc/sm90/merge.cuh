@@ -112,6 +112,8 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const MergeParams 
   __shared__ float red_acc[kLatent];         // [slots][cols]
   __shared__ float red_sum[kLatent / 64];    // [slots], at most 8
   const int row = blockIdx.x, cols = p.cols, col0 = blockIdx.y * cols;
+  wait_prior_grid();
+  allow_next_grid();
   const MergeRow r = merge_row(p, row);
   if (r.written) return;
   const int64_t part_row = r.part_row, part_stride = r.part_stride;
@@ -172,6 +174,8 @@ template <int ROUND>
 __global__ void __launch_bounds__(32 * kMergeWarpRows) merge_rows_kernel(const MergeParams p) {
   const int lane = threadIdx.x % 32;
   const int row = blockIdx.x * kMergeWarpRows + threadIdx.x / 32;
+  wait_prior_grid();
+  allow_next_grid();
   if (row >= p.rows) return;
   const MergeRow r = merge_row(p, row);
   if (r.written) return;

@@ -68,6 +68,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 #include "copy.cuh"
 #include "params.cuh"
@@ -83,6 +85,29 @@ namespace kimi_ops::sm90 {
 namespace {
 
 // ---- host --------------------------------------------------------------------------------------
+
+// Programmatic dependent launch (ptx.cuh: wait_prior_grid / allow_next_grid): on unless the
+// environment sets KIMI_OPS_PDL=0 (read at each launch; a CUDA graph keeps what its capture saw).
+bool pdl_enabled() {
+  const char* e = std::getenv("KIMI_OPS_PDL");
+  return e == nullptr || std::strcmp(e, "0") != 0;
+}
+
+template <typename Params>
+void launch(void (*kernel)(const Params), dim3 grid, unsigned threads, size_t smem, cudaStream_t stream,
+            const Params& params) {
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = dim3(threads);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = attr;
+  config.numAttrs = pdl_enabled() ? 1 : 0;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, params));
+}
 
 void check_cuda_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype) {
   TORCH_CHECK(t.is_cuda(), "kimi_ops._C: ", name, " must be a CUDA tensor");
@@ -101,8 +126,7 @@ void launch_kernel(Kernel* kernel, int threads, const SplitKVParams& params, dim
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     if (device < 64) configured[device] = true;
   }
-  kernel<<<grid, threads, smem, stream>>>(params);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch(kernel, grid, threads, smem, stream, params);
 }
 
 // the fp8-query instance where params.q_scale is set
@@ -208,8 +232,7 @@ void launch_merge(MergeParams params) {
   if (params.splits_hint <= kMergeFewSplits) {
     const unsigned ctas = static_cast<unsigned>((params.rows + kMergeWarpRows - 1) / kMergeWarpRows);
     auto kernel = params.splits_hint <= 4 ? merge_rows_kernel<4> : merge_rows_kernel<8>;
-    kernel<<<ctas, 32 * kMergeWarpRows, 0, stream>>>(params);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch(kernel, dim3(ctas), 32 * kMergeWarpRows, 0, stream, params);
     return;
   }
   int device = 0, sms = 0;
@@ -221,8 +244,7 @@ void launch_merge(MergeParams params) {
     col_blocks *= 2;
   params.cols = kLatent / col_blocks;
   const dim3 grid(static_cast<unsigned>(params.rows), static_cast<unsigned>(col_blocks));
-  merge_kernel<<<grid, kMergeThreads, 0, stream>>>(params);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch(merge_kernel, grid, kMergeThreads, 0, stream, params);
 }
 
 }  // namespace

@@ -1,5 +1,5 @@
 // PTX wrappers for sm_90a shared by the M1c kernels: named barriers (bar.sync / bar.red on
-// barrier 1), ldmatrix, wgmma (fence / commit / wait, shared-memory descriptors, the f16 RS
+// barrier 1), grid dependency control (programmatic dependent launch), ldmatrix, wgmma (fence / commit / wait, shared-memory descriptors, the f16 RS
 // instruction for N = 32, 48, 64), 32-bit shared loads, e4m3 -> f16 conversion, mma.sync
 // m16n8k16 f16, ex2.approx, f16x2 packing and prmt. (No mma.sync e4m3: sm_90 emulates it, ptxas
 // emitting f16 HMMA and conversions of both operands; the fp8 query is staged as f16.)
@@ -34,6 +34,13 @@ __device__ __forceinline__ bool named_sync_or(bool pred) {
       : "memory");
   return r != 0;
 }
+
+// Programmatic dependent launch (the host launches with it unless KIMI_OPS_PDL=0): a kernel may
+// start while the previous kernel on the stream is still running, so every kernel here waits for
+// that grid (its completion and its memory) before it touches global memory, and lets the next one
+// start launching once its own main loop is done. Both are no-ops in a plain launch.
+__device__ __forceinline__ void wait_prior_grid() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+__device__ __forceinline__ void allow_next_grid() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"

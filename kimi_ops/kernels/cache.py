@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from ..formats import KV_LORA_RANK, KV_ROW, ROPE_DIM
+from .pdl import pdl_args, wait_prior_grid
 
 FP8_FN = torch.float8_e4m3fn
 FP8_FNUZ = torch.float8_e4m3fnuz
@@ -67,7 +68,9 @@ def _cache_write_kernel(
     FNUZ: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_PE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_prior_grid(PDL)
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     ok = (slot >= 0) & (slot < N)
@@ -101,7 +104,7 @@ def mla_cache_write(kv_c, k_pe, kv_rows, slot_mapping, kv_scale: float) -> None:
         N, float(kv_scale),
         kv_c.stride(0), k_pe.stride(0),
         FNUZ=kv_rows.dtype == FP8_FNUZ,
-        BLOCK_C=KV_LORA_RANK, BLOCK_PE=ROPE_DIM,
+        BLOCK_C=KV_LORA_RANK, BLOCK_PE=ROPE_DIM, **pdl_args(kv_rows.device),
         num_warps=4,
     )
 
@@ -117,8 +120,10 @@ def _specs():
                     signature={"kvc_ptr": f"*{xdt}", "kpe_ptr": f"*{xdt}", "kv_ptr": "*u8",
                                "slot_ptr": f"*{sdt}", "N": "i32", "kv_scale": "fp32",
                                "stride_c": "i32", "stride_pe": "i32",
-                               "FNUZ": "constexpr", "BLOCK_C": "constexpr", "BLOCK_PE": "constexpr"},
-                    constexprs={"FNUZ": fnuz, "BLOCK_C": KV_LORA_RANK, "BLOCK_PE": ROPE_DIM},
+                               "FNUZ": "constexpr", "BLOCK_C": "constexpr", "BLOCK_PE": "constexpr",
+                               "PDL": "constexpr"},
+                    # sm_90 launches PDL=True (kimi_ops.kernels.pdl: two instructions more)
+                    constexprs={"FNUZ": fnuz, "BLOCK_C": KV_LORA_RANK, "BLOCK_PE": ROPE_DIM, "PDL": False},
                     num_warps=4, num_stages=1,
                 ))
     return specs

@@ -56,6 +56,7 @@ import triton
 import triton.language as tl
 
 from . import interpreting
+from .pdl import pdl_args, wait_prior_grid
 
 
 @triton.jit
@@ -184,8 +185,9 @@ def _bmm_a16wfp4_kernel(
     stride_sb, stride_sn, stride_sk,
     stride_yb, stride_ym, stride_yn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    K_TILES: tl.constexpr, DOT_SCALED: tl.constexpr, INTERP: tl.constexpr,
+    K_TILES: tl.constexpr, DOT_SCALED: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    wait_prior_grid(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -264,11 +266,12 @@ def _bmm_a16wfp4_gemv_kernel(
     stride_sb, stride_sn, stride_sk,
     stride_yb, stride_ym, stride_yn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    K_TILES: tl.constexpr, X_PAIRS: tl.constexpr, INTERP: tl.constexpr,
+    K_TILES: tl.constexpr, X_PAIRS: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Small-M bmm without tl.dot: one program per (N block, batch) for all M <= BLOCK_M rows.
     Products are summed elementwise into part [BM, BN, BK/2] over the K chunks (FMAs in each
     thread's registers) and reduced over K once at the end."""
+    wait_prior_grid(PDL)
     pid_n = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     offs_m = tl.arange(0, BLOCK_M)
@@ -435,7 +438,7 @@ def bmm_a16wfp4(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,
             x, w_packed, w_scale, y, m, n, k,
             *x.stride(), *w_packed.stride(), *w_scale.stride(), *y.stride(),
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, K_TILES=triton.cdiv(k, bk), X_PAIRS=gemv_x_pairs(x),
-            INTERP=interpreting(), num_warps=warps, num_stages=1,
+            INTERP=interpreting(), **pdl_args(x.device), num_warps=warps, num_stages=1,
         )
         return y
     if config is not None and len(config) != 5:
@@ -450,7 +453,7 @@ def bmm_a16wfp4(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,
         x, w_packed, w_scale, y, m, n, k,
         *x.stride(), *w_packed.stride(), *w_scale.stride(), *y.stride(),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, K_TILES=triton.cdiv(k, bk), DOT_SCALED=ds,
-        INTERP=interpreting(), num_warps=warps, num_stages=stages,
+        INTERP=interpreting(), **pdl_args(x.device), num_warps=warps, num_stages=stages,
     )
     return y
 
@@ -464,9 +467,10 @@ def _specs():
     for name in ("x", "w", "s", "y"):
         for dim in ("b", "m" if name in ("x", "y") else "n", "k" if name != "y" else "n"):
             sig[f"stride_{name}{dim}"] = "i32"
-    for kk in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "K_TILES", "DOT_SCALED", "INTERP"):
+    for kk in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "K_TILES", "DOT_SCALED", "INTERP", "PDL"):
         sig[kk] = "constexpr"
     specs = []
+    # PDL False: sm_90 launches PDL=True (kimi_ops.kernels.pdl: two griddepcontrol instructions more)
     # Kimi-K3 TP8: W_UK (N 512, K 128) and W_UV (N 128, K 512), M from 1 to 512.
     seen = set()
     # (DOT_SCALED, kind): the decode path (also M <= 8 with gemv=False, and ROCm's gfx942 at
@@ -484,7 +488,7 @@ def _specs():
                     "name": f"bmm_a16wfp4_{kind}_m{bm}n{bn}k{bk}t{-(-k // bk)}w{warps}s{stages}",
                     "kernel": _bmm_a16wfp4_kernel, "signature": dict(sig),
                     "constexprs": {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "K_TILES": -(-k // bk),
-                                   "DOT_SCALED": ds, "INTERP": False},
+                                   "DOT_SCALED": ds, "INTERP": False, "PDL": False},
                     "num_warps": warps, "num_stages": stages,
                     # dot_scaled is the gfx950 path; the decode path every target's.
                     "targets": ("gfx950",) if ds else ("gfx950", "gfx942", "sm90")})
@@ -511,7 +515,7 @@ def _specs():
                     "name": f"bmm_a16wfp4_gemv_m{bm}n{bn}k{bk}t{-(-k // bk)}w{warps}" + ("" if pairs else "_xs"),
                     "kernel": _bmm_a16wfp4_gemv_kernel, "signature": dict(gsig),
                     "constexprs": {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "K_TILES": -(-k // bk),
-                                   "X_PAIRS": pairs, "INTERP": False},
+                                   "X_PAIRS": pairs, "INTERP": False, "PDL": False},
                     "num_warps": warps, "num_stages": 1, "targets": ("gfx950", "gfx942", "sm90")})
     return specs
 

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from . import interpreting
+from .pdl import pdl_args, wait_prior_grid
 from .mxfp4 import (
     _dot_mxfp4_scaled,
     _dot_operand,
@@ -43,8 +44,9 @@ def _mla_query_kernel(
     stride_sh, stride_sl, stride_sd,          # MXFP4 scales [H, L, D/32] (unused for bf16)
     stride_ot, stride_oh, stride_oc,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
-    MXFP4: tl.constexpr, DOT_SCALED: tl.constexpr, INTERP: tl.constexpr,
+    MXFP4: tl.constexpr, DOT_SCALED: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    wait_prior_grid(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     h = tl.program_id(2)
@@ -133,7 +135,7 @@ def mla_query(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor,
         *q_nope.stride(), *q_pe.stride(), *w_uk.stride(), *s_strides, *out.stride(),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=max(32, triton.next_power_of_2(d)),
         BLOCK_P=max(16, triton.next_power_of_2(p)), MXFP4=mxfp4,
-        DOT_SCALED=ds, INTERP=interpreting(),
+        DOT_SCALED=ds, INTERP=interpreting(), **pdl_args(q_nope.device),
         num_warps=warps, num_stages=1,
     )
     return out
@@ -152,7 +154,7 @@ def _specs():
         for name in ("qnt", "qnh", "qnd", "qpt", "qph", "qpd", "wh", "w1", "w2", "sh", "sl", "sd",
                      "ot", "oh", "oc"):
             sig[f"stride_{name}"] = "i32"
-        for kk in ("BLOCK_M", "BLOCK_N", "BLOCK_D", "BLOCK_P", "MXFP4", "DOT_SCALED", "INTERP"):
+        for kk in ("BLOCK_M", "BLOCK_N", "BLOCK_D", "BLOCK_P", "MXFP4", "DOT_SCALED", "INTERP", "PDL"):
             sig[kk] = "constexpr"
         # (DOT_SCALED, kind): MXFP4's in-register decode, gfx950's dot_scaled
         paths = ((False, "mxfp4_decode"), (True, "mxfp4_dotscaled")) if mxfp4 else ((False, "bf16"),)
@@ -166,7 +168,8 @@ def _specs():
                     "name": f"mla_query_{kind}_m{bm}n{bn}w{warps}",
                     "kernel": _mla_query_kernel, "signature": dict(sig),
                     "constexprs": {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_D": 128, "BLOCK_P": 64,
-                                   "MXFP4": mxfp4, "DOT_SCALED": ds, "INTERP": False},
+                                   "MXFP4": mxfp4, "DOT_SCALED": ds, "INTERP": False,
+                                   "PDL": False},  # sm_90 launches PDL=True: kimi_ops.kernels.pdl
                     "num_warps": warps, "num_stages": 1,
                     "targets": ("gfx950",) if ds else ("gfx950", "gfx942", "sm90")})
     return specs

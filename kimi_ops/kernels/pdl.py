@@ -1,0 +1,57 @@
+"""Programmatic dependent launch (PDL, sm_90+) for the Triton kernels of the decode chain.
+
+With PDL a kernel is launched while the kernel before it on the stream is still running; its
+programs then wait (``griddepcontrol.wait``) until that grid has finished and its writes are
+visible, so the launch latency and the ramp-up of the next grid overlap the tail of the previous
+one. The Hopper kernels (csrc/sm90/) do the same; so can Inductor's
+(``torch._inductor.config.triton.enable_pdl``). A kernel launched with PDL must wait before it
+touches global memory: :func:`wait_prior_grid` is the first statement of each kernel that takes
+``PDL``. ``KIMI_OPS_PDL=0`` turns it off for both backends (read at each launch; a CUDA graph keeps
+what its capture saw).
+"""
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from . import interpreting
+
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # a Triton without grid dependency control: PDL stays off
+    gdc_wait = gdc_launch_dependents = None
+
+
+@functools.cache
+def _triton_takes_launch_pdl() -> bool:
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return gdc_wait is not None and "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
+
+
+@functools.cache
+def _device_has_pdl(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl_args(device: torch.device) -> dict:
+    """The launch keywords of a kernel taking ``PDL``: ``{"PDL": True, "launch_pdl": True}`` on
+    an sm_90+ CUDA device whose Triton supports it (unless ``KIMI_OPS_PDL=0``), else
+    ``{"PDL": False}`` (ROCm, the interpreter, older GPUs)."""
+    on = (device.type == "cuda" and torch.version.hip is None and not interpreting()
+          and os.environ.get("KIMI_OPS_PDL", "1") != "0" and _triton_takes_launch_pdl()
+          and _device_has_pdl(device.index if device.index is not None else torch.cuda.current_device()))
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+
+
+@triton.jit
+def wait_prior_grid(PDL: tl.constexpr):
+    """With ``PDL``: wait for the previous grid on the stream (and its memory), then let the next
+    grid start launching (its programs wait in turn). Without: nothing."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
