@@ -43,6 +43,7 @@ def test_gpu_pdl_decode_loop_bitwise_equals_plain_launches(monkeypatch, qlen, we
     layer, cache, md, hiddens, _, _ = _gpu_loop_case(qlen, weights, steps)
     start = snapshot(cache, md)
     outs, ends = {}, {}
+    monkeypatch.setenv("KIMI_OPS_SM90_PDL", "1")  # the Hopper kernels' opt-in too
     for flag in ("0", "1"):
         restore(start)
         monkeypatch.setenv("KIMI_OPS_PDL", flag)

@@ -86,11 +86,15 @@ namespace {
 
 // ---- host --------------------------------------------------------------------------------------
 
-// Programmatic dependent launch (ptx.cuh: wait_prior_grid / allow_next_grid): on unless the
-// environment sets KIMI_OPS_PDL=0 (read at each launch; a CUDA graph keeps what its capture saw).
+// Programmatic dependent launch of these kernels (ptx.cuh: wait_prior_grid / allow_next_grid) only
+// with KIMI_OPS_SM90_PDL=1 (and not KIMI_OPS_PDL=0): on the H200 it made mla_decode 2-7% slower at
+// qlen 2-8 and batch 128 and no faster elsewhere (docs/PERF.md, session 21), so by default they
+// launch plainly, where the two instructions are no-ops. Read at each launch; a CUDA graph keeps
+// what its capture saw. (The Triton kernels around them take PDL by default: kimi_ops/kernels/pdl.py.)
 bool pdl_enabled() {
-  const char* e = std::getenv("KIMI_OPS_PDL");
-  return e == nullptr || std::strcmp(e, "0") != 0;
+  const char* all = std::getenv("KIMI_OPS_PDL");
+  const char* sm90 = std::getenv("KIMI_OPS_SM90_PDL");
+  return !(all != nullptr && std::strcmp(all, "0") == 0) && sm90 != nullptr && std::strcmp(sm90, "1") == 0;
 }
 
 template <typename Params>

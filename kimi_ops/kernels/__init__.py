@@ -17,21 +17,6 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def native_fnuz() -> bool:
-    """Whether a Triton kernel can take an e4m3fnuz tensor as such: on ROCm, and in an
-    interpreter that knows the type (Triton 3.8's does, 3.6's raises "fail to convert fp8e4b8
-    to ir type"). Elsewhere the launchers pass its bytes as uint8 and the kernels decode them."""
-    import torch
-
-    if torch.version.hip is not None:
-        return True
-    if not interpreting():
-        return False
-    from triton.runtime import interpreter
-
-    return hasattr(interpreter.InterpreterBuilder, "get_fp8e4b8_ty")
-
-
 CROSS_COMPILE_MODULES = (
     "kimi_ops.kernels.attention",
     "kimi_ops.kernels.triton_m1c",

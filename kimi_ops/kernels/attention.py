@@ -29,6 +29,7 @@ The second generation (:mod:`kimi_ops.kernels.triton_m1c`, token-major) takes it
 score scale, fp8 conversion and lse epilogue (``_program_rows``, ``_score_scale``,
 ``_fp8_to16``, ``_row_inv``, ``_row_lse``: Triton inlines them) and its host checks from here.
 """
+import functools
 import os
 
 import torch
@@ -36,7 +37,7 @@ import triton
 import triton.language as tl
 
 from ..formats import KV_LORA_RANK, KV_ROW
-from . import interpreting, native_fnuz
+from . import interpreting
 from .cache import fp8_bits
 
 LOG2E = 1.4426950408889634
@@ -496,6 +497,32 @@ def _interpreter_steps(kv_indptr: torch.Tensor, block_n: int) -> int:
         return 0
     longest = int((kv_indptr[1:] - kv_indptr[:-1]).max())
     return max(1, -(-longest // block_n))
+
+
+@triton.jit
+def _fnuz_probe_kernel(x_ptr, y_ptr):
+    tl.store(y_ptr, tl.load(x_ptr).to(tl.float32))
+
+
+@functools.cache
+def _interpreter_takes_fnuz() -> bool:
+    x = torch.zeros(1, dtype=torch.float8_e4m3fnuz)
+    y = torch.empty(1, dtype=torch.float32)
+    try:
+        _fnuz_probe_kernel[(1,)](x, y)
+    except Exception:  # Triton 3.6: "fail to convert fp8e4b8 to ir type"
+        return False
+    return True
+
+
+def native_fnuz() -> bool:
+    """Whether a kernel here takes an e4m3fnuz tensor as such: on ROCm, and in an interpreter that
+    knows the type (Triton 3.8's does; 3.6's raises "fail to convert fp8e4b8 to ir type", found
+    by running a one-element probe). Elsewhere the launchers pass its bytes as uint8 and the
+    kernels decode them."""
+    if torch.version.hip is not None:
+        return True
+    return interpreting() and _interpreter_takes_fnuz()
 
 
 def _kv_mode(kv_rows: torch.Tensor):

@@ -3,11 +3,11 @@
 With PDL a kernel is launched while the kernel before it on the stream is still running; its
 programs then wait (``griddepcontrol.wait``) until that grid has finished and its writes are
 visible, so the launch latency and the ramp-up of the next grid overlap the tail of the previous
-one. The Hopper kernels (csrc/sm90/) do the same; so can Inductor's
-(``torch._inductor.config.triton.enable_pdl``). A kernel launched with PDL must wait before it
-touches global memory: :func:`wait_prior_grid` is the first statement of each kernel that takes
-``PDL``. ``KIMI_OPS_PDL=0`` turns it off for both backends (read at each launch; a CUDA graph keeps
-what its capture saw).
+one. The Hopper kernels (csrc/sm90/) can do the same (``KIMI_OPS_SM90_PDL=1``; off by default:
+measured slower there), and so can Inductor's (``torch._inductor.config.triton.enable_pdl``). A
+kernel launched with PDL must wait before it touches global memory: :func:`wait_prior_grid` is the
+first statement of each kernel that takes ``PDL``. ``KIMI_OPS_PDL=0`` turns it off everywhere (read
+at each launch; a CUDA graph keeps what its capture saw).
 """
 import functools
 import os

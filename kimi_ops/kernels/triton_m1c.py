@@ -56,8 +56,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import interpreting, native_fnuz
-from .attention import (_fp8_to16, _interpreter_steps, _kv_mode, _launch_shape, _partials, _program_rows,
+from . import interpreting
+from .attention import (native_fnuz, _fp8_to16, _interpreter_steps, _kv_mode, _launch_shape, _partials, _program_rows,
                         _row_inv, _row_lse, _score_scale, _split_f32, _to_bf16)
 from .attention import mla_merge  # noqa: F401  (the M1b of this backend: one merge for both generations)
 
