@@ -192,7 +192,7 @@ def _progress(iterable, total: int, enabled: bool):
 
 def run_layer_demo(args) -> int:
     from .runtime import DecodeMetadata, MLAConfig, MLADecodeLayer, allocate_blocks
-    from .runtime.graph import GraphedStep, decode_step
+    from .runtime.graph import GraphedStep, compile_step, decode_step
     from .runtime.reference import layer_float64, relative_error
 
     apply_defaults(args, "layer")
@@ -217,7 +217,7 @@ def run_layer_demo(args) -> int:
     how = "eager"
     with torch.no_grad():
         if graphed:
-            fn = decode_step if args.no_compile else torch.compile(decode_step, fullgraph=True)
+            fn = decode_step if args.no_compile else compile_step(decode_step)
             how = ("eager" if args.no_compile else "torch.compile'd") + " + CUDA graph"
             print(f"capturing the decode step ({how}) ...", flush=True)
             runner = GraphedStep(fn, layer, cache, md, hiddens[0])

@@ -202,15 +202,18 @@ def check_triton_fp8q(lens, qlen, H, S, *, kv_dtype=FN, q_dtype=FN, oob=0, gen=N
         q16 = (q8.float() * p2).to(torch.bfloat16)
         if pow2_exact:
             b = kernels.mla_decode_splitkv(q16, kv, indptr, idx, qlen, t.SCALE, kv_scale, S)
-            assert torch.equal(a[0], b[0]), "q_scale = 2^-5: o != the bf16 query q8 * 2^-5's"
             assert torch.equal(torch.isneginf(a[1]), torch.isneginf(b[1]))
             fin_ab = ~torch.isneginf(b[1])
-            drift = ((a[1][fin_ab] - b[1][fin_ab]).abs()
-                     / b[1][fin_ab].abs().clamp_min(1.0)).max().item() if fin_ab.any() else 0.0
-            # compiled for the GPU, the two queries are two specializations of the kernel, and the
-            # compiler may contract the lse's FMAs differently in each (the H200: 4.75 f32 ulps of
-            # |lse|): there 2^-17 relative, far below what a misapplied scale would move
-            assert drift <= (0.0 if device == "cpu" else 2.0 ** -17), f"q_scale = 2^-5: lse {drift:.2e} off the bf16 query's"
+            if device == "cpu":
+                assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), "q_scale = 2^-5 != the bf16 query q8 * 2^-5"
+            else:
+                # compiled for the GPU, the two queries are two specializations of the kernel, and the
+                # compiler may contract FMAs differently in each (the H200, H = 12: o a bf16 ulp off
+                # in places, the lse 4.75 f32 ulps): tolerances far below what a misapplied scale moves
+                drift = ((a[1][fin_ab] - b[1][fin_ab]).abs()
+                         / b[1][fin_ab].abs().clamp_min(1.0)).max().item() if fin_ab.any() else 0.0
+                o_rel = ((a[0].double() - b[0].double()).norm() / b[0].double().norm().clamp_min(1e-30)).item()
+                assert drift <= 2.0 ** -17 and o_rel <= 1e-3, f"q_scale = 2^-5: lse {drift:.2e}, o {o_rel:.2e} off"
         else:
             o2, lse2 = merge(*a)
             ro2, rl2 = t.oracle(q16, kv, indptr, idx, qlen, t.SCALE, kv_scale)

@@ -57,3 +57,27 @@ def test_gpu_pdl_decode_loop_bitwise_equals_plain_launches(monkeypatch, qlen, we
     assert all(torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a,
                            b.view(torch.uint8) if b.element_size() == 1 else b)
                for a, b in zip(ends["1"], ends["0"])), "PDL changed the cache or the metadata"
+
+
+def test_compile_step_asks_inductor_for_pdl(monkeypatch):
+    """kimi_ops.runtime.graph.compile_step: fullgraph, Inductor's PDL where this torch has it,
+    none with KIMI_OPS_PDL=0; a caller's own options kept."""
+    from kimi_ops.runtime.graph import compile_step
+
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append(kw) or fn)
+    has = hasattr(torch._inductor.config.triton, "enable_pdl")
+    compile_step(abs, options={"max_autotune": False})
+    assert seen[-1]["fullgraph"] is True
+    assert seen[-1]["options"] == ({"max_autotune": False, "triton.enable_pdl": True} if has else {"max_autotune": False})
+    monkeypatch.setenv("KIMI_OPS_PDL", "0")
+    compile_step(abs)
+    assert seen[-1] == {"fullgraph": True, "options": None}
+
+
+def test_compile_step_runs_on_cpu():
+    from kimi_ops.runtime.graph import compile_step
+
+    torch._dynamo.reset()
+    x = torch.randn(33)
+    assert torch.equal(compile_step(lambda t: torch.relu(t) * 2)(x), torch.relu(x) * 2)
