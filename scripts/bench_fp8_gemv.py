@@ -58,19 +58,27 @@ def time_graph(fns):
 
 
 def variants(m, n, k, block_k):
-    """(label, gemv, config) in priority order: defaults first."""
+    """(label, gemv, config) in priority order: the defaults first, then GEMV configs around them."""
     out = [("dot default", False, None), ("gemv default", True, None)]
-    bn, bk, split, warps = fp8_gemm.gemv_config(m, n, k, block_k)
-    seen = {fp8_gemm.gemv_config(m, n, k, block_k)}
+    default = fp8_gemm.gemv_config(m, n, k, block_k)
+    seen = {default}
     k_tiles = -(-k // 128)
-    tiles = lambda b: -(-n // b)
-    cands = []
-    for b in (32, 64, 128, 256):
-        for sp in (max(1, (264) // tiles(b)), max(1, 132 // tiles(b)), max(1, 528 // tiles(b))):
-            cands.append((b, 128, min(sp, max(1, k_tiles // 2)), 8))
-    cands += [(bn, 64, split, 4), (bn, 256, split, 8), (bn // 2 if bn > 32 else bn, 64, split * 2, 4), (bn, 128, 1, 8)]
+
+    def split_for(bn, bk, programs):
+        tiles = -(-n // bn)
+        return max(1, min(max(1, (-(-k // bk)) // 2), programs // tiles))
+
+    cands = [default[:4] + (1,)]
+    for bn in (32, 64, 128, 256):
+        for programs in (264, 132, 528):
+            cands.append((bn, 128, split_for(bn, 128, programs), 8, 0))
+        cands.append((bn, 128, split_for(bn, 128, 264), 8, 1))
+        cands.append((bn, 64, split_for(bn, 64, 264), 4, 0))
+    for bn in (16, 32):
+        cands.append((bn, 32, split_for(bn, 32, 264), 2, 0))
+    cands += [(default[0], 256, split_for(default[0], 256, 264), 8, 0), (default[0], 128, 1, 8, 0)]
     for c in cands:
-        if c not in seen:
+        if c not in seen and not (m > 8 and c[0] > 64):
             seen.add(c)
             out.append((f"gemv {c}", True, c))
     return out
@@ -97,15 +105,14 @@ def main(argv=None):
                       [w_bf.clone() for _ in range(c16)], bn_scale)
     # every (shape, M)'s defaults and cuBLAS first, then the variants, so a deadline cuts variants
     plan = []
-    for phase in (0, 1):
-        for name, n, k, _ in SHAPES:
-            for m in ms:
-                vs = variants(m, n, k, 128)
-                if phase == 0:
-                    plan.append((name, n, k, m, "cublas bf16", None, None))
-                    plan += [(name, n, k, m) + v for v in vs[:2]]
-                else:
-                    plan += [(name, n, k, m) + v for v in vs[2:]]
+    for name, n, k, _ in SHAPES:           # every (shape, M)'s cuBLAS and defaults first
+        for m in ms:
+            plan.append((name, n, k, m, "cublas bf16", None, None))
+            plan += [(name, n, k, m) + v for v in variants(m, n, k, 128)[:2]]
+    for group in ([m for m in ms if m in (1, 8)], [m for m in ms if m not in (1, 8)]):
+        for name, n, k, _ in SHAPES:       # then the variants, M = 1 and 8 before the others
+            for m in group:
+                plan += [(name, n, k, m) + v for v in variants(m, n, k, 128)[2:]]
     results = {}
     for name, n, k, m, label, gemv, cfg in plan:
         if time.time() - t0 > args.deadline:

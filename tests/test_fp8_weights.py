@@ -356,13 +356,14 @@ def test_gemm_triton_kernel_under_the_interpreter():
 # GEMV (M <= 16): each case is (m, n, k, bn, bk, config, x / w layout); config None = gemv_config
 _GEMV_CASES = r"""[
     (1, 200, 300, 128, 128, None, "strided x"),        # N and K tails, the default config
+    (1, 70, 416, 128, 128, (64, 64, 3, 4, 1), "strided x"),   # x ahead, 2-tile splits (the last short)
     (2, 72, 512, 64, 128, (32, 128, 2, 8), "plain"),   # split K 2, block_n 64
     (3, 40, 96, 16, 32, (32, 64, 3, 4), "strided w"),  # block_n 16 < BLOCK_N, K tail inside a slot row
     (4, 33, 200, 64, 64, (16, 32, 1, 4), "strided x"), # SPLIT_K 1 (bf16 straight out), N tail
     (5, 130, 384, 128, 128, (64, 128, 3, 8), "plain"), # M 5 (BLOCK_M 8 with 3 masked rows), N tail at 128
     (6, 48, 136, 64, 8, (16, 16, 4, 4), "strided x"),  # block_k 8: VEC 8, uneven split
-    (7, 64, 256, 64, 128, (32, 64, 8, 4), "strided w"),
-    (8, 96, 320, 128, 64, (32, 128, 2, 8), "plain"),   # M 8 = GEMV_MAX_M
+    (7, 64, 256, 64, 128, (32, 64, 8, 4, 1), "strided w"),   # x loaded one tile ahead
+    (8, 96, 320, 128, 64, (32, 128, 2, 8, 1), "plain"),   # M 8 = GEMV_MAX_M, x ahead, K tail in the last tile
     (16, 24, 160, 64, 128, (32, 64, 2, 4), "plain"),   # M 16 = GEMV_LIMIT_M
 ]"""
 
@@ -447,8 +448,13 @@ def test_gemv_dispatch_rule(monkeypatch):
         fp8_gemm.use_gemv(1, 64, 64)
     monkeypatch.setenv(fp8_gemm.GEMV_CONFIG_ENV, "64,128,4,8")
     assert fp8_gemm._env_gemv_config() == (64, 128, 4, 8)
+    monkeypatch.setenv(fp8_gemm.GEMV_CONFIG_ENV, "64,128,4,8,1")
+    assert fp8_gemm._env_gemv_config() == (64, 128, 4, 8, 1)
+    monkeypatch.setenv(fp8_gemm.GEMV_CONFIG_ENV, "64,128,4,8,2")
+    with pytest.raises(ValueError, match="X_AHEAD 0 or 1"):
+        fp8_gemm._env_gemv_config()
     monkeypatch.setenv(fp8_gemm.GEMV_CONFIG_ENV, "64,128")
-    with pytest.raises(ValueError, match="BLOCK_N,BLOCK_K,SPLIT_K,num_warps"):
+    with pytest.raises(ValueError, match=r"BLOCK_N,BLOCK_K,SPLIT_K,num_warps\[,X_AHEAD\]"):
         fp8_gemm._env_gemv_config()
     w, s = random_fp8(64, 128, 64, 128, seed=0)
     x = torch.randn(2, 128).to(torch.bfloat16)
