@@ -355,16 +355,16 @@ def test_gemm_triton_kernel_under_the_interpreter():
 
 # GEMV (M <= 16): each case is (m, n, k, bn, bk, config, x / w layout); config None = gemv_config
 _GEMV_CASES = r"""[
-    (1, 200, 300, 128, 128, None, "strided x"),        # N and K tails, the default config
-    (1, 70, 416, 128, 128, (64, 64, 3, 4, 1), "strided x"),   # x ahead, 2-tile splits (the last short)
-    (2, 72, 512, 64, 128, (32, 128, 2, 8), "plain"),   # split K 2, block_n 64
-    (3, 40, 96, 16, 32, (32, 64, 3, 4), "strided w"),  # block_n 16 < BLOCK_N, K tail inside a slot row
-    (4, 33, 200, 64, 64, (16, 32, 1, 4), "strided x"), # SPLIT_K 1 (bf16 straight out), N tail
-    (5, 130, 384, 128, 128, (64, 128, 3, 8), "plain"), # M 5 (BLOCK_M 8 with 3 masked rows), N tail at 128
-    (6, 48, 136, 64, 8, (16, 16, 4, 4), "strided x"),  # block_k 8: VEC 8, uneven split
-    (7, 64, 256, 64, 128, (32, 64, 8, 4, 1), "strided w"),   # x loaded one tile ahead
-    (8, 96, 320, 128, 64, (32, 128, 2, 8, 1), "plain"),   # M 8 = GEMV_MAX_M, x ahead, K tail in the last tile
-    (16, 24, 160, 64, 128, (32, 64, 2, 4), "plain"),   # M 16 = GEMV_LIMIT_M
+    (1, 200, 300, 128, 128, None, "strided x"),              # N and K tails, the default config
+    (1, 70, 416, 128, 128, (64, 64, 3, 4, 3, 1), "strided x"),   # x ahead, depth 3 > a split's 2-3 tiles
+    (2, 72, 512, 64, 128, (32, 128, 2, 8, 2, 0), "plain"),   # split K 2, block_n 64, depth 2
+    (3, 40, 96, 16, 32, (32, 64, 3, 4, 1, 0), "strided w"),  # block_n 16 < BLOCK_N, K tail inside a slot row
+    (4, 33, 200, 64, 64, (16, 32, 1, 4, 4, 1), "strided x"), # SPLIT_K 1 (bf16 straight out), depth 4, N tail
+    (5, 130, 384, 128, 128, (64, 128, 3, 8, 1, 0), "plain"), # M 5 (BLOCK_M 8 with 3 masked rows), N tail at 128
+    (6, 48, 136, 64, 8, (16, 16, 4, 4, 3, 0), "strided x"),  # block_k 8: VEC 8, uneven split
+    (7, 64, 256, 64, 128, (32, 64, 8, 4, 2, 1), "strided w"),
+    (8, 96, 320, 128, 64, (32, 128, 2, 8, 4, 1), "plain"),   # M 8 = GEMV_MAX_M, K tail in the last tile
+    (16, 24, 160, 64, 128, (32, 64, 2, 4, 2, 0), "plain"),   # M 16 = GEMV_LIMIT_M
 ]"""
 
 _GEMV_RUN = r"""
@@ -446,20 +446,19 @@ def test_gemv_dispatch_rule(monkeypatch):
     monkeypatch.setenv(fp8_gemm.GEMV_ENV, "yes")
     with pytest.raises(ValueError, match="KIMI_OPS_FP8_GEMV must be 0, 1 or an M limit"):
         fp8_gemm.use_gemv(1, 64, 64)
-    monkeypatch.setenv(fp8_gemm.GEMV_CONFIG_ENV, "64,128,4,8")
-    assert fp8_gemm._env_gemv_config() == (64, 128, 4, 8)
-    monkeypatch.setenv(fp8_gemm.GEMV_CONFIG_ENV, "64,128,4,8,1")
-    assert fp8_gemm._env_gemv_config() == (64, 128, 4, 8, 1)
-    monkeypatch.setenv(fp8_gemm.GEMV_CONFIG_ENV, "64,128,4,8,2")
-    with pytest.raises(ValueError, match="X_AHEAD 0 or 1"):
-        fp8_gemm._env_gemv_config()
-    monkeypatch.setenv(fp8_gemm.GEMV_CONFIG_ENV, "64,128")
-    with pytest.raises(ValueError, match=r"BLOCK_N,BLOCK_K,SPLIT_K,num_warps\[,X_AHEAD\]"):
-        fp8_gemm._env_gemv_config()
+    monkeypatch.setenv(fp8_gemm.GEMV_CONFIG_ENV, "64,128,4,8,2,1")
+    assert fp8_gemm._env_gemv_config() == (64, 128, 4, 8, 2, 1)
+    for bad in ("64,128,4,8,2,2", "64,128,4,8,5,0", "64,128"):
+        monkeypatch.setenv(fp8_gemm.GEMV_CONFIG_ENV, bad)
+        with pytest.raises(ValueError, match="BLOCK_N,BLOCK_K,SPLIT_K,num_warps,DEPTH,X_AHEAD"):
+            fp8_gemm._env_gemv_config()
+    monkeypatch.delenv(fp8_gemm.GEMV_CONFIG_ENV)
     w, s = random_fp8(64, 128, 64, 128, seed=0)
     x = torch.randn(2, 128).to(torch.bfloat16)
     with pytest.raises(ValueError, match="GEMV kernel's config"):
-        fp8_gemm.gemm_a16w8_block(x, w, s, block_n=64, config=(16, 32, 64, 2, 4, 3), gemv=True)
+        fp8_gemm.gemm_a16w8_block(x, w, s, block_n=64, config=(64, 128, 4, 8), gemv=True)
+    with pytest.raises(ValueError, match="GEMV DEPTH must be 1..4"):
+        fp8_gemm.gemm_a16w8_block(x, w, s, block_n=64, config=(16, 32, 64, 2, 8, 3), gemv=True)
     with pytest.raises(ValueError, match="tl.dot kernel's config"):
         fp8_gemm.gemm_a16w8_block(x, w, s, block_n=64, config=(64, 128, 4, 8), gemv=False)
     # every default GEMV config at Kimi-K3's shapes is one the cross-compile registry lists

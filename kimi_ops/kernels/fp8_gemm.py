@@ -34,16 +34,15 @@ CTA's thread count: Triton loads it straight in the product's layout, no shared 
 over the slot's 16 columns inside the thread (float32), multiplied by the slot's scale once, and
 accumulated in float32 per (slot, m, n); the K slots are reduced across threads once at the end.
 Split K as above (float32 partials + :func:`_reduce_splits_kernel`) where ``N / BLOCK_N`` programs
-are too few. Config: :func:`gemv_config`, or ``KIMI_OPS_FP8_GEMV_CONFIG="BLOCK_N,BLOCK_K,SPLIT_K,num_warps[,X_AHEAD]"``
-(X_AHEAD 1: each tile's x rows are loaded one tile ahead too).
+are too few. Config: :func:`gemv_config`, or ``KIMI_OPS_FP8_GEMV_CONFIG="BLOCK_N,BLOCK_K,SPLIT_K,num_warps,DEPTH,X_AHEAD"``
+(DEPTH: weight tiles in flight ahead of the math, 1..4; X_AHEAD 1: x's rows one tile ahead too).
 Numerics: float32 products and sums as the tl.dot kernel's, in another order (the K slot's 16
 products first, then the scale, then the slots), one rounding to bf16.
 
 Which kernel runs: :func:`use_gemv`, the one place of the rule: the GEMV at ``1 <= M <=
 GEMV_MAX_M`` (8), the tl.dot kernel above. ``KIMI_OPS_FP8_GEMV`` (read at each call) overrides it
 for sweeps: ``0`` never the GEMV, ``1`` the GEMV at every M <= 16, an integer L the GEMV at M <=
-min(L, 16). A ``config`` passed to :func:`gemm_a16w8_block` names its kernel by its length (6: tl.dot,
-4 or 5: GEMV); ``gemv=True/False`` forces one.
+min(L, 16). :func:`gemm_a16w8_block`'s ``gemv=True/False`` forces one (its ``config`` is that kernel's).
 
 Measured (H200, 2026-12-03, docs/PERF.md): correct at Kimi-K3's shapes (rel L2 1.6-1.7e-3 vs
 float64, the bf16 output's rounding), but not yet at the bandwidth: at M = 1 the fused
@@ -112,6 +111,14 @@ def _gemm_a16w8_block_kernel(
 
 
 @triton.jit
+def _gemv_w_tile(w_rows, k_start, kk, j, mask_n, K, stride_wk, BLOCK_K: tl.constexpr, TILES: tl.constexpr):
+    """The split's K tile j of the weight rows, fp8 ``[BK / VEC, 1, BN, VEC]`` (zeros past K or past
+    the split's TILES tiles)."""
+    kx = k_start + j * BLOCK_K + kk
+    return tl.load(w_rows + kx * stride_wk, mask=mask_n & (kx < K) & (j < TILES), other=0.0)
+
+
+@triton.jit
 def _gemv_x_tile(x_ptr, kx, m4, M, K, stride_xm, stride_xk, BLOCK_M: tl.constexpr, BKO: tl.constexpr,
                  VEC: tl.constexpr):
     """x rows 0..BLOCK_M-1 at columns kx ``[BKO, 1, 1, VEC]`` -> float32 ``[BKO, BLOCK_M, 1, VEC]``
@@ -129,12 +136,14 @@ def _gemv_a16w8_block_kernel(
     M, N, K, block_n, block_k,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
-    TILES_PER_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr, X_AHEAD: tl.constexpr, INTERP: tl.constexpr,
+    TILES_PER_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr, DEPTH: tl.constexpr, X_AHEAD: tl.constexpr,
+    INTERP: tl.constexpr,
 ):
     """Small-M GEMM without tl.dot: one program per (BLOCK_N weight rows, K split), all M <= BLOCK_M
     x rows. Tensors are 4-D ``(ko, m, n, ki)``: K slot of VEC columns, x row, weight row, column
     inside the slot. The fp8 tile ``[BK / VEC, 1, BN, VEC]`` is one load of VEC bytes a thread
-    (the next tile's load is issued before this tile's math), converted to float32; each x row
+    (DEPTH tiles are in flight: tile i + DEPTH's load is issued before tile i's math; X_AHEAD: x's
+    rows one tile ahead too), converted to float32; each x row
     ``[BK / VEC, 1, 1, VEC]`` is put in place with where (a tile with fewer elements than the CTA
     has threads: Triton loads it straight in the product's layout); the product is summed over
     the VEC columns inside each thread, times the slot's scale (one scale per (row, slot): a slot
@@ -152,26 +161,44 @@ def _gemv_a16w8_block_kernel(
     s_rows = s_ptr + (n4 // block_n) * stride_sn
     k_start = pid_s * (TILES_PER_SPLIT * BLOCK_K)
     acc = tl.zeros((BKO, BLOCK_M, BLOCK_N, 1), dtype=tl.float32)
-    kx = k_start + kk
-    w_cur = tl.load(w_rows + kx * stride_wk, mask=mask_n & (kx < K), other=0.0)
+    w0 = _gemv_w_tile(w_rows, k_start, kk, 0, mask_n, K, stride_wk, BLOCK_K, TILES_PER_SPLIT)
+    if DEPTH >= 2:
+        w1 = _gemv_w_tile(w_rows, k_start, kk, 1, mask_n, K, stride_wk, BLOCK_K, TILES_PER_SPLIT)
+    if DEPTH >= 3:
+        w2 = _gemv_w_tile(w_rows, k_start, kk, 2, mask_n, K, stride_wk, BLOCK_K, TILES_PER_SPLIT)
+    if DEPTH >= 4:
+        w3 = _gemv_w_tile(w_rows, k_start, kk, 3, mask_n, K, stride_wk, BLOCK_K, TILES_PER_SPLIT)
     if X_AHEAD:
-        x_cur = _gemv_x_tile(x_ptr, kx, m4, M, K, stride_xm, stride_xk, BLOCK_M, BKO, VEC)
+        x_cur = _gemv_x_tile(x_ptr, k_start + kk, m4, M, K, stride_xm, stride_xk, BLOCK_M, BKO, VEC)
     for i in range(TILES_PER_SPLIT):
         k0 = k_start + i * BLOCK_K
         kx = k0 + kk
-        kn = kx + BLOCK_K
-        more = i + 1 < TILES_PER_SPLIT
-        w_nxt = tl.load(w_rows + kn * stride_wk, mask=mask_n & (kn < K) & more, other=0.0)
+        w_new = _gemv_w_tile(w_rows, k_start, kk, i + DEPTH, mask_n, K, stride_wk, BLOCK_K, TILES_PER_SPLIT)
         if X_AHEAD:
-            x_nxt = _gemv_x_tile(x_ptr, kn, m4, M, tl.where(more, K, 0), stride_xm, stride_xk, BLOCK_M, BKO, VEC)
+            more = i + 1 < TILES_PER_SPLIT
+            x_nxt = _gemv_x_tile(x_ptr, kx + BLOCK_K, m4, M, tl.where(more, K, 0), stride_xm, stride_xk,
+                                 BLOCK_M, BKO, VEC)
             xt = x_cur
         else:
             xt = _gemv_x_tile(x_ptr, kx, m4, M, K, stride_xm, stride_xk, BLOCK_M, BKO, VEC)
         ks = k0 + ko                                              # [BKO, 1, 1, 1]: slot starts
         s = tl.load(s_rows + (ks // block_k) * stride_sk, mask=mask_n & (ks < K), other=0.0)
-        blk = tl.sum(xt * w_cur.to(tl.float32), axis=3, keep_dims=True)   # [BKO, BM, BN, 1]
+        blk = tl.sum(xt * w0.to(tl.float32), axis=3, keep_dims=True)   # [BKO, BM, BN, 1]
         acc += blk * s
-        w_cur = w_nxt
+        if DEPTH == 1:
+            w0 = w_new
+        elif DEPTH == 2:
+            w0 = w1
+            w1 = w_new
+        elif DEPTH == 3:
+            w0 = w1
+            w1 = w2
+            w2 = w_new
+        else:
+            w0 = w1
+            w1 = w2
+            w2 = w3
+            w3 = w_new
         if X_AHEAD:
             x_cur = x_nxt
     out = tl.sum(tl.sum(acc, axis=3), axis=0)                     # [BM, BN]
@@ -300,8 +327,8 @@ def gemv_vec(block_k: int) -> int:
     return min(16, block_k & -block_k)
 
 
-def gemv_config(m: int, n: int, k: int, block_k: int = 128, sms: int = 132) -> tuple[int, int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, X_AHEAD) of the GEMV kernel from shapes and the SM count.
+def gemv_config(m: int, n: int, k: int, block_k: int = 128, sms: int = 132) -> tuple[int, int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, DEPTH, X_AHEAD) of the GEMV kernel from shapes and the SM count.
 
     * BLOCK_K 128 at 8 warps: 256 threads, 8 along K (16 bytes each) by 4 along N a warp, warps
       along N; an x row tile (128 elements) has fewer elements than the CTA has threads, which
@@ -310,17 +337,18 @@ def gemv_config(m: int, n: int, k: int, block_k: int = 128, sms: int = 132) -> t
     * BLOCK_N 128 for M <= 2, 64 for M <= 8, 32 above (the float32 slot sums, BLOCK_M x BLOCK_N x
       BLOCK_K / VEC / 256 a thread, and the x rows held: 199 registers at M 8 BLOCK_N 128).
     * SPLIT_K: about 2 programs an SM, each split at least 2 K tiles.
-    * X_AHEAD 0: the x rows of a K tile are loaded in its iteration (1: one tile ahead, with the
-      weight's next tile; more registers).
+    * DEPTH: weight tiles in flight ahead of the math (1..4). X_AHEAD 0: the x rows of a K tile are
+      loaded in its iteration (1: one tile ahead; more registers).
     """
     m = max(1, m)
     bk, warps = 128, 8
-    bn = 128 if m <= 2 else 64 if m <= 8 else 32
+    bn = 64 if m <= 8 else 32
+    depth, ahead = (4, 1) if m <= 2 else (3, 0) if m <= 4 else (2, 0)
     bn = min(bn, max(32, triton.next_power_of_2(n)))
     k_tiles = max(1, triton.cdiv(k, bk))
     tiles = triton.cdiv(n, bn)
     split = max(1, min(k_tiles // 2, (2 * sms) // tiles))
-    return bn, bk, split, warps, 0
+    return bn, bk, split, warps, depth, ahead
 
 
 def _env_gemv_config() -> tuple[int, ...] | None:
@@ -331,9 +359,9 @@ def _env_gemv_config() -> tuple[int, ...] | None:
         vals = tuple(int(v) for v in env.split(","))
     except ValueError:
         vals = ()
-    if len(vals) not in (4, 5) or min(vals[:4]) < 1 or (len(vals) == 5 and vals[4] not in (0, 1)):
-        raise ValueError(f"{GEMV_CONFIG_ENV} must be 'BLOCK_N,BLOCK_K,SPLIT_K,num_warps[,X_AHEAD]' (positive "
-                         f"integers, X_AHEAD 0 or 1), got {env!r}")
+    if len(vals) != 6 or min(vals[:4]) < 1 or not 1 <= vals[4] <= 4 or vals[5] not in (0, 1):
+        raise ValueError(f"{GEMV_CONFIG_ENV} must be 'BLOCK_N,BLOCK_K,SPLIT_K,num_warps,DEPTH,X_AHEAD' (positive "
+                         f"integers, DEPTH 1..4, X_AHEAD 0 or 1), got {env!r}")
     return vals
 
 
@@ -354,9 +382,10 @@ def _reduce(partial: torch.Tensor, y: torch.Tensor, split: int) -> None:
 def _gemv(x, w, w_scale_inv, y, block_n, block_k, cfg):
     m, k = x.shape
     n = w.shape[0]
-    bn, bk, split, warps = cfg[:4]
-    ahead = bool(cfg[4]) if len(cfg) == 5 else False
+    bn, bk, split, warps, depth, ahead = cfg
     vec = gemv_vec(block_k)
+    if not 1 <= depth <= 4 or ahead not in (0, 1, False, True):
+        raise ValueError(f"gemm_a16w8_block: GEMV DEPTH must be 1..4 and X_AHEAD 0 or 1, got {depth}, {ahead}")
     if m > GEMV_LIMIT_M:
         raise ValueError(f"gemm_a16w8_block: the GEMV kernel takes M <= {GEMV_LIMIT_M}, got {m}")
     if bk < vec or bk & (bk - 1) or bn & (bn - 1):
@@ -368,7 +397,7 @@ def _gemv(x, w, w_scale_inv, y, block_n, block_k, cfg):
         x, w, w_scale_inv, y, partial, m, n, k, block_n, block_k,
         *x.stride(), *w.stride(), *w_scale_inv.stride(),
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=bn, BLOCK_K=bk, VEC=vec, TILES_PER_SPLIT=per, SPLIT_K=split,
-        X_AHEAD=ahead, INTERP=interpreting(), num_warps=warps, num_stages=1,
+        DEPTH=depth, X_AHEAD=bool(ahead), INTERP=interpreting(), num_warps=warps, num_stages=1,
     )
     if split > 1:
         _reduce(partial, y, split)
@@ -380,13 +409,12 @@ def gemm_a16w8_block(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor
                      out: torch.Tensor | None = None) -> torch.Tensor:
     """``y = x @ dequant(w)^T`` -> bf16 ``[M, N]`` (inputs validated by the op layer).
 
-    ``gemv``: True / False run the GEMV / the tl.dot kernel; None: the kernel ``config`` is for
-    when given (by its length), else :func:`use_gemv`. ``config``:
+    ``gemv``: True / False run the GEMV / the tl.dot kernel; None: :func:`use_gemv`. ``config``:
     the config of the kernel that runs: for the tl.dot kernel (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K,
     num_warps, num_stages), default ``KIMI_OPS_FP8_GEMM_CONFIG`` when set, else :func:`gemm_config`
     (BLOCK_K must divide ``block_k`` and be a power of two >= 16, else ValueError); for the GEMV
-    (BLOCK_N, BLOCK_K, SPLIT_K, num_warps[, X_AHEAD]), default ``KIMI_OPS_FP8_GEMV_CONFIG``, else
-    :func:`gemv_config`. A config of the other kernel's length raises ValueError. ``out``: a
+    (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, DEPTH, X_AHEAD), default ``KIMI_OPS_FP8_GEMV_CONFIG``, else
+    :func:`gemv_config` (DEPTH 1..4, X_AHEAD 0 / 1, else ValueError). ``out``: a
     contiguous bf16 [M, N] tensor to write (tests); every element is written.
     """
     m, k = x.shape
@@ -401,13 +429,13 @@ def gemm_a16w8_block(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor
         return y
     if k == 0:
         return y.zero_()
-    if gemv is None:   # a given config names its kernel by its length
-        gemv = len(config) in (4, 5) if config else use_gemv(m, n, k, x.device)
+    if gemv is None:
+        gemv = use_gemv(m, n, k, x.device)
     if gemv:
         cfg = config or _env_gemv_config() or gemv_config(m, n, k, block_k, _sm_count(x.device))
-        if len(cfg) not in (4, 5):
-            raise ValueError(f"gemm_a16w8_block: the GEMV kernel's config is (BLOCK_N, BLOCK_K, SPLIT_K, num_warps"
-                             f"[, X_AHEAD]), got {cfg}")
+        if len(cfg) != 6:
+            raise ValueError(f"gemm_a16w8_block: the GEMV kernel's config is (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, "
+                             f"DEPTH, X_AHEAD), got {cfg}")
         return _gemv(x, w, w_scale_inv, y, block_n, block_k, cfg)
     cfg = config or _env_config() or gemm_config(m, n, k, block_k, _sm_count(x.device))
     if len(cfg) != 6:
@@ -450,16 +478,16 @@ KIMI_K3_SHAPES = ((3648, 7168), (2304, 1536), (7168, 1536))
 
 
 def _gemv_launch(m: int, n: int, k: int, block_k: int = 128, sms: int = 132):
-    """(BLOCK_M, BLOCK_N, BLOCK_K, VEC, TILES_PER_SPLIT, SPLIT_K, num_warps, X_AHEAD) the GEMV launches
-    by default."""
-    bn, bk, split, warps, ahead = gemv_config(m, n, k, block_k, sms)
+    """(BLOCK_M, BLOCK_N, BLOCK_K, VEC, TILES_PER_SPLIT, SPLIT_K, num_warps, DEPTH, X_AHEAD) the GEMV
+    launches by default."""
+    bn, bk, split, warps, depth, ahead = gemv_config(m, n, k, block_k, sms)
     split, per = _split_plan(-(-k // bk), split)
-    return triton.next_power_of_2(m), bn, bk, gemv_vec(block_k), per, split, warps, ahead
+    return triton.next_power_of_2(m), bn, bk, gemv_vec(block_k), per, split, warps, depth, ahead
 
 
 def _gemv_spec_name(m: int, n: int, k: int) -> str:
-    bm, bn, bk, vec, per, split, warps, ahead = _gemv_launch(m, n, k)
-    return f"gemv_a16w8_block_m{bm}n{bn}k{bk}v{vec}p{per}s{split}w{warps}a{ahead}"
+    bm, bn, bk, vec, per, split, warps, depth, ahead = _gemv_launch(m, n, k)
+    return f"gemv_a16w8_block_m{bm}n{bn}k{bk}v{vec}p{per}s{split}w{warps}d{depth}a{ahead}"
 
 
 def _specs():
@@ -488,17 +516,17 @@ def _specs():
         for bm, bn, bk, k_tiles, per, split, warps, stages in configs]
     gsig = dict(sig)
     del gsig["K_TILES"], gsig["TILES_PER_SPLIT"], gsig["BLOCK_M"], gsig["BLOCK_N"], gsig["BLOCK_K"]
-    for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "VEC", "TILES_PER_SPLIT", "X_AHEAD"):
+    for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "VEC", "TILES_PER_SPLIT", "DEPTH", "X_AHEAD"):
         gsig[name] = "constexpr"
     gemv = {}
     for n, k in KIMI_K3_SHAPES:
         for m in (1, 2, 3, 4, 5, 6, 7, 8, 16):
             gemv[_gemv_spec_name(m, n, k)] = _gemv_launch(m, n, k)
-    for name, (bm, bn, bk, vec, per, split, warps, ahead) in gemv.items():
+    for name, (bm, bn, bk, vec, per, split, warps, depth, ahead) in gemv.items():
         specs.append({
             "name": name, "kernel": _gemv_a16w8_block_kernel, "signature": dict(gsig),
             "constexprs": {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "VEC": vec, "TILES_PER_SPLIT": per,
-                           "SPLIT_K": split, "X_AHEAD": bool(ahead), "INTERP": False, "stride_xk": 1, "stride_wk": 1, "stride_sk": 1},
+                           "SPLIT_K": split, "DEPTH": depth, "X_AHEAD": bool(ahead), "INTERP": False, "stride_xk": 1, "stride_wk": 1, "stride_sk": 1},
             "num_warps": warps, "num_stages": 1, "targets": ("gfx950", "sm90")})
     for split in sorted({s["constexprs"]["SPLIT_K"] for s in specs} - {1}):
         specs.append({
