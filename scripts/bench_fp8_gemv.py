@@ -160,7 +160,8 @@ def main(argv=None):
                 continue
             best = min(g, key=lambda r: r["us"])
             f = lambda r: f"{r['us']:.2f}" if r else "-"
-            lines.append(f"| {name} N {n} K {k} | {m} | {f(gd)} | {best['us']:.2f} ({best['label']}) | {best['tbs']:.2f} | "
+            lines.append(f"| {name} N {n} K {k} | {m} | {f(gd)} | {best['us']:.2f} ({best['label']}) | "
+                         f"{best['tbs']:.2f} | "
                          f"{100 * best['floor_us'] / best['us']:.0f}% | {f(dot)} | "
                          f"{(best['us'] / dot['us']) if dot else float('nan'):.2f} | {f(cub)} | "
                          f"{(best['us'] / cub['us']) if cub else float('nan'):.2f} |")

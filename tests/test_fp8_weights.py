@@ -363,7 +363,7 @@ _GEMV_CASES = r"""[
     (5, 130, 384, 128, 128, (64, 128, 3, 8, 1, 0), "plain"), # M 5 (BLOCK_M 8 with 3 masked rows), N tail at 128
     (6, 48, 136, 64, 8, (16, 16, 4, 4, 3, 0), "strided x"),  # block_k 8: VEC 8, uneven split
     (7, 64, 256, 64, 128, (32, 64, 8, 4, 2, 1), "strided w"),
-    (8, 96, 320, 128, 64, (32, 128, 2, 8, 4, 1), "plain"),   # M 8 = GEMV_MAX_M, K tail in the last tile
+    (8, 96, 320, 128, 64, (32, 128, 2, 8, 4, 1), "plain"),   # M 8, K tail in the last tile
     (16, 24, 160, 64, 128, (32, 64, 2, 4, 2, 0), "plain"),   # M 16 = GEMV_LIMIT_M
 ]"""
 
@@ -401,7 +401,8 @@ for m, n, k, bn, bk, cfg, layout in {cases}:
     err = ((y.cpu().double() - ref).abs() / (2.0 ** -8 * ref.abs() + 1e-5 * ref.abs().max())).max().item()
     assert y.shape == (m, n) and math.isfinite(err) and err <= 1.0, (m, n, k, bn, bk, cfg, layout, err)
     worst = max(worst, err)
-# the op's dispatch: M = GEMV_MAX_M runs the GEMV, GEMV_MAX_M + 1 the tl.dot kernel, both right
+# the op's dispatch: M = GEMV_MAX_M runs the GEMV, GEMV_MAX_M + 1 the tl.dot kernel, both right (and
+# KIMI_OPS_FP8_GEMV=0 keeps M = 1 on the tl.dot kernel)
 os.environ.pop(fp8_gemm.GEMV_ENV, None)
 for m in (fp8_gemm.GEMV_MAX_M, fp8_gemm.GEMV_MAX_M + 1):
     w, s = random_fp8(80, 256, 64, 128, seed=m)
@@ -412,6 +413,10 @@ for m in (fp8_gemm.GEMV_MAX_M, fp8_gemm.GEMV_MAX_M + 1):
     ref = gemm64(x, w, s, 64, 128)
     err = ((y.cpu().double() - ref).abs() / (2.0 ** -8 * ref.abs() + 1e-5 * ref.abs().max())).max().item()
     assert err <= 1.0, (m, err)
+os.environ[fp8_gemm.GEMV_ENV] = "0"
+gemv_calls.clear()
+kimi_ops.gemm_a16w8_block(x[:1].to(dev), w.to(dev), s.to(dev), block_n=64, block_k=128)
+assert gemv_calls == [], gemv_calls
 print("OK worst", worst)
 """
 
@@ -434,7 +439,7 @@ def test_gemv_kernel_under_the_interpreter():
 def test_gemv_dispatch_rule(monkeypatch):
     from kimi_ops.kernels import fp8_gemm
     monkeypatch.delenv(fp8_gemm.GEMV_ENV, raising=False)
-    assert [fp8_gemm.use_gemv(m, 3648, 7168) for m in (0, 1, 8, 9, 16)] == [False, True, True, False, False]
+    assert [fp8_gemm.use_gemv(m, 3648, 7168) for m in (0, 1, 4, 5, 8, 16)] == [False, True, True, False, False, False]
     monkeypatch.setenv(fp8_gemm.GEMV_ENV, "0")
     assert not fp8_gemm.use_gemv(1, 3648, 7168)
     monkeypatch.setenv(fp8_gemm.GEMV_ENV, "1")
@@ -533,7 +538,8 @@ def test_gpu_gemv_kimi_k3_shapes(monkeypatch, m):
         err = ((y.cpu().double() - ref).abs() / (2.0 ** -8 * ref.abs() + 1e-5 * ref.abs().max())).max().item()
         dot = fp8_gemm.gemm_a16w8_block(xd, wd, sd, block_n=bn, block_k=128, gemv=False)
         rel_dot = float((dot.cpu().double() - ref).norm() / ref.norm())
-        print(f"GEMV M {m} N {n} K {k} block_n {bn}: rel L2 {rel:.2e} (tl.dot {rel_dot:.2e}), max err / bound {err:.2f}")
+        print(f"GEMV M {m} N {n} K {k} block_n {bn}: rel L2 {rel:.2e} (tl.dot {rel_dot:.2e}), "
+              f"max err / bound {err:.2f}")
         assert torch.isfinite(y).all() and err <= 1.0 and rel <= 4e-3
 
 

@@ -23,7 +23,7 @@ the activations' re-reads from L2 (``N / BLOCK_N`` times ``M x K x 2`` bytes) be
 the SM count, or ``KIMI_OPS_FP8_GEMM_CONFIG="BLOCK_M,BLOCK_N,BLOCK_K,SPLIT_K,num_warps,num_stages"``
 (every call; for sweeps).
 
-GEMV kernel for small M (:func:`_gemv_a16w8_block_kernel`, no tl.dot): at decode's M = 1..8 the
+GEMV kernel for small M (:func:`_gemv_a16w8_block_kernel`, no tl.dot): at decode's M = 1..4 the
 MMA is mostly padding and the weight stream is the whole cost. One program per (BLOCK_N weight
 rows, K split) covers every M row (BLOCK_M = M's power of two, M <= GEMV_LIMIT_M = 16). Its tiles
 are 4-D ``(K slot, m, n, column in the slot)``: each thread loads VEC = 16 fp8 bytes of a weight
@@ -34,13 +34,14 @@ CTA's thread count: Triton loads it straight in the product's layout, no shared 
 over the slot's 16 columns inside the thread (float32), multiplied by the slot's scale once, and
 accumulated in float32 per (slot, m, n); the K slots are reduced across threads once at the end.
 Split K as above (float32 partials + :func:`_reduce_splits_kernel`) where ``N / BLOCK_N`` programs
-are too few. Config: :func:`gemv_config`, or ``KIMI_OPS_FP8_GEMV_CONFIG="BLOCK_N,BLOCK_K,SPLIT_K,num_warps,DEPTH,X_AHEAD"``
+are too few. Config: :func:`gemv_config`, or
+``KIMI_OPS_FP8_GEMV_CONFIG="BLOCK_N,BLOCK_K,SPLIT_K,num_warps,DEPTH,X_AHEAD"``
 (DEPTH: weight tiles in flight ahead of the math, 1..4; X_AHEAD 1: x's rows one tile ahead too).
 Numerics: float32 products and sums as the tl.dot kernel's, in another order (the K slot's 16
 products first, then the scale, then the slots), one rounding to bf16.
 
 Which kernel runs: :func:`use_gemv`, the one place of the rule: the GEMV at ``1 <= M <=
-GEMV_MAX_M`` (8), the tl.dot kernel above. ``KIMI_OPS_FP8_GEMV`` (read at each call) overrides it
+GEMV_MAX_M`` (4), the tl.dot kernel above. ``KIMI_OPS_FP8_GEMV`` (read at each call) overrides it
 for sweeps: ``0`` never the GEMV, ``1`` the GEMV at every M <= 16, an integer L the GEMV at M <=
 min(L, 16). :func:`gemm_a16w8_block`'s ``gemv=True/False`` forces one (its ``config`` is that kernel's).
 
@@ -298,8 +299,12 @@ def _env_config() -> tuple[int, ...] | None:
 
 GEMV_ENV = "KIMI_OPS_FP8_GEMV"
 GEMV_CONFIG_ENV = "KIMI_OPS_FP8_GEMV_CONFIG"
-GEMV_MAX_M = 8
-"""Default M limit of the GEMV kernel (:func:`use_gemv`); the kernel itself takes M <= 16."""
+GEMV_MAX_M = 4
+"""Default M limit of the GEMV kernel (:func:`use_gemv`; the kernel itself takes M <= 16). H200,
+Kimi-K3 TP8's three projections (gemv_config's numbers): the GEMV beats the tl.dot kernel at M = 1,
+2 (0.68-0.76x its time) and 4 (0.87-0.92x on q_b / o_proj, 1.03x on qkv_a + gate) and loses at
+M = 8 (its best config 1.17x (q_b) to 1.65x (o_proj) the tl.dot kernel's time) and 16 (2.5-4x).
+M = 3, 5..7 were not timed."""
 GEMV_LIMIT_M = 16
 
 
@@ -307,7 +312,8 @@ def use_gemv(m: int, n: int, k: int, device: torch.device | None = None) -> bool
     """Which kernel runs an [M, K] x [N, K]^T product: True for the dot-free GEMV, False for the
     tl.dot kernel. The one place of the rule. ``KIMI_OPS_FP8_GEMV`` (read at each call): ``0``
     never, ``1`` at every M <= GEMV_LIMIT_M, an integer ``L >= 2``: at M <= min(L, GEMV_LIMIT_M);
-    unset or empty: M <= GEMV_MAX_M."""
+    unset or empty: M <= GEMV_MAX_M (4). ``device`` is not used yet (the rule was measured on the
+    H200 only)."""
     env = os.environ.get(GEMV_ENV, "").strip()
     limit = GEMV_MAX_M
     if env:
@@ -333,22 +339,30 @@ def gemv_config(m: int, n: int, k: int, block_k: int = 128, sms: int = 132) -> t
     * BLOCK_K 128 at 8 warps: 256 threads, 8 along K (16 bytes each) by 4 along N a warp, warps
       along N; an x row tile (128 elements) has fewer elements than the CTA has threads, which
       Triton's layout passes load straight in the product's layout (no shared memory in the loop;
-      BLOCK_K 256 at 8 warps converts it through shared memory each iteration).
-    * BLOCK_N 128 for M <= 2, 64 for M <= 8, 32 above (the float32 slot sums, BLOCK_M x BLOCK_N x
-      BLOCK_K / VEC / 256 a thread, and the x rows held: 199 registers at M 8 BLOCK_N 128).
-    * SPLIT_K: about 2 programs an SM, each split at least 2 K tiles.
-    * DEPTH: weight tiles in flight ahead of the math (1..4). X_AHEAD 0: the x rows of a K tile are
-      loaded in its iteration (1: one tile ahead; more registers).
+      BLOCK_K 256 at 8 warps converts through shared memory each iteration: 3632 us at M 8).
+    * BLOCK_N 128 for M <= 2, 64 above (the float32 slot sums, BLOCK_M x BLOCK_N x BLOCK_K / VEC /
+      256 a thread, and the x rows held: 126 registers at M 1 BLOCK_N 128, 102 at M 4 BLOCK_N 64).
+    * SPLIT_K: about 2 programs an SM (``2 sms / (N / BLOCK_N)``), each split at least 2 K tiles.
+    * DEPTH 1, X_AHEAD 0: the only depth that has run on a GPU (deeper prefetch: not yet timed).
+
+    Measured on the H200 (2026-12-03, this session's first sweep, DEPTH 1; scripts/bench_fp8_gemv.py:
+    CUDA graphs of 24 calls over >= 4 weight copies, median of 15 replays; us a call, the split-K
+    reduce launch included). M = 1: qkv_a + gate (N 3648, K 7168) 14.69 (tl.dot 19.40, cuBLAS bf16
+    17.28), q_b (2304, 1536) 5.91 (7.70, 5.55), o_proj (7168, 1536) 8.54 (12.58, 8.40). M = 2: 16.25,
+    6.09, 9.29 (tl.dot 22.41, 7.98, 13.35). M = 4 at BLOCK_N 64: 23.35, 6.93, 12.28 (tl.dot 22.64,
+    7.95, 13.38; BLOCK_N 256 SPLIT_K 8 gave qkv_a + gate 20.69). Of ~20 other configs a shape at
+    M = 1 (BLOCK_N 32..256, the split at 1, 132, 264, 528 programs, 4 warps with BLOCK_K 64, 2 warps
+    with 32, X_AHEAD) none beat these by more than 0.15 us except q_b's (64, 128, 6, 8, X_AHEAD 1),
+    5.76. Split 1 is 2-3x slower (too few programs, one tile in flight each).
     """
     m = max(1, m)
     bk, warps = 128, 8
-    bn = 64 if m <= 8 else 32
-    depth, ahead = (4, 1) if m <= 2 else (3, 0) if m <= 4 else (2, 0)
+    bn = 128 if m <= 2 else 64 if m <= 8 else 32
     bn = min(bn, max(32, triton.next_power_of_2(n)))
     k_tiles = max(1, triton.cdiv(k, bk))
     tiles = triton.cdiv(n, bn)
     split = max(1, min(k_tiles // 2, (2 * sms) // tiles))
-    return bn, bk, split, warps, depth, ahead
+    return bn, bk, split, warps, 1, 0
 
 
 def _env_gemv_config() -> tuple[int, ...] | None:
@@ -526,7 +540,8 @@ def _specs():
         specs.append({
             "name": name, "kernel": _gemv_a16w8_block_kernel, "signature": dict(gsig),
             "constexprs": {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "VEC": vec, "TILES_PER_SPLIT": per,
-                           "SPLIT_K": split, "DEPTH": depth, "X_AHEAD": bool(ahead), "INTERP": False, "stride_xk": 1, "stride_wk": 1, "stride_sk": 1},
+                           "SPLIT_K": split, "DEPTH": depth, "X_AHEAD": bool(ahead), "INTERP": False,
+                           "stride_xk": 1, "stride_wk": 1, "stride_sk": 1},
             "num_warps": warps, "num_stages": 1, "targets": ("gfx950", "sm90")})
     for split in sorted({s["constexprs"]["SPLIT_K"] for s in specs} - {1}):
         specs.append({
