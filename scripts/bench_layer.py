@@ -339,7 +339,7 @@ def scaled_mm_probe(log) -> str:
 
 def bench_gemms(batches, qlen, log):
     import kimi_ops
-    from kimi_ops.kernels.fp8_gemm import gemm_config
+    from kimi_ops.kernels.fp8_gemm import gemm_config, gemv_config, use_gemv
     from kimi_ops.reference.fp8 import quantize_fp8_blocks
     from kimi_ops.device import multiprocessor_count
     rows = []
@@ -347,7 +347,8 @@ def bench_gemms(batches, qlen, log):
     probe = "not run (dry run)" if DRY["on"] else scaled_mm_probe(log)
     dev = _device()
     shapes = (("small", 192, 256),) if DRY["on"] else FP8_GEMM_SHAPES
-    log("| GEMM | M | config (BM,BN,BK,split,warps,stages) | fp8 us | floor us | % of floor | bf16 F.linear us | "
+    log("| GEMM | M | config (tl.dot: BM,BN,BK,split,warps,stages; gemv: BN,BK,split,warps,depth,x_ahead) | fp8 us | "
+        "floor us | % of floor | bf16 F.linear us | "
         "bf16 / fp8 |")
     log("|---|---|---|---|---|---|---|---|")
     for name, n, k in shapes:
@@ -360,18 +361,21 @@ def bench_gemms(batches, qlen, log):
             t8 = time_calls(lambda i: (lambda w=ws[i][0], s=ws[i][1]: kimi_ops.gemm_a16w8_block(x, w, s)), len(ws))
             tb = time_calls(lambda i: (lambda w=wb[i]: F.linear(x, w)), len(wb))
             floor = (n * k + ws[0][1].numel() * 4 + 2 * m * (k + n)) / HBM_BYTES_PER_S
-            cfg = gemm_config(m, n, k, 128, sms)
+            gemv = use_gemv(m, n, k)
+            cfg = (gemv_config if gemv else gemm_config)(m, n, k, 128, sms)
             rows.append(dict(gemm=name, m=m, n=n, k=k, config=cfg, fp8_us=t8 * 1e6, floor_us=floor * 1e6,
                              bf16_us=tb * 1e6))
-            log(f"| {name} [{n}, {k}] | {m} | {','.join(map(str, cfg))} | {t8 * 1e6:.2f} | {floor * 1e6:.2f} | "
-                f"{100 * floor / t8:.0f}% | {tb * 1e6:.2f} | {tb / t8:.2f}x |")
+            kind = "gemv" if gemv else "tl.dot"
+            log(f"| {name} [{n}, {k}] | {m} | {kind} {','.join(map(str, cfg))} | {t8 * 1e6:.2f} | "
+                f"{floor * 1e6:.2f} | {100 * floor / t8:.0f}% | {tb * 1e6:.2f} | {tb / t8:.2f}x |")
     rows.append(dict(scaled_mm_probe=probe))
     return rows
 
 
 def sweep_gemms(configs, batches, qlen, started, deadline, log):
-    """Each fp8 GEMM shape at each M under every config of ``configs`` (6-tuples, as
-    ``KIMI_OPS_FP8_GEMM_CONFIG``), CUDA-graph replays over 4 weights, while ``deadline`` (seconds
+    """Each fp8 GEMM shape at each M under every config of ``configs`` (the tl.dot kernel's 6-tuples, as
+    ``KIMI_OPS_FP8_GEMM_CONFIG``; the GEMV is not swept here: scripts/bench_fp8_gemv.py), CUDA-graph
+    replays over 4 weights, while ``deadline`` (seconds
     since the start) allows. Log lines only."""
     from kimi_ops.kernels.fp8_gemm import gemm_a16w8_block as kernel
     from kimi_ops.reference.fp8 import quantize_fp8_blocks
@@ -387,8 +391,8 @@ def sweep_gemms(configs, batches, qlen, started, deadline, log):
                     log(f"  sweep stopped at the deadline ({deadline:.0f} s)")
                     return
                 try:
-                    t = time_calls(lambda i, cfg=cfg: (lambda w=ws[i][0], s=ws[i][1]: kernel(x, w, s, config=cfg)),
-                                   len(ws))
+                    t = time_calls(lambda i, cfg=cfg: (lambda w=ws[i][0], s=ws[i][1]:
+                                                       kernel(x, w, s, config=cfg, gemv=False)), len(ws))
                     cells.append(f"{','.join(map(str, cfg))}: {t * 1e6:.2f}")
                 except Exception as exc:  # noqa: BLE001
                     cells.append(f"{','.join(map(str, cfg))}: {type(exc).__name__}")

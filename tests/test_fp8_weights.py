@@ -338,7 +338,7 @@ for m, n, k, bn, bk, cfg in [
 ]:
     w, s = random_fp8(n, k, bn, bk, seed=m)
     x = torch.randn(m, 2 * k)[:, ::2].to(torch.bfloat16)   # strided x
-    y = gemm_a16w8_block(x, w, s, block_n=bn, block_k=bk, config=cfg)
+    y = gemm_a16w8_block(x, w, s, block_n=bn, block_k=bk, config=cfg, gemv=False)   # the tl.dot kernel
     ref = gemm64(x, w, s, bn, bk)
     err = ((y.double() - ref).abs() / (2.0 ** -8 * ref.abs() + 1e-5 * ref.abs().max())).max().item()
     assert y.shape == (m, n) and err <= 1.0, (m, n, k, cfg, err)
@@ -351,6 +351,126 @@ def test_gemm_triton_kernel_under_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", KIMI_OPS_BACKEND="triton")
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-3000:] + r.stderr[-6000:]
+
+
+# GEMV (M <= 16): each case is (m, n, k, bn, bk, config, x / w layout); config None = gemv_config
+_GEMV_CASES = r"""[
+    (1, 200, 300, 128, 128, None, "strided x"),              # N and K tails, the default config
+    (1, 70, 416, 128, 128, (64, 64, 3, 4, 3, 1), "strided x"),   # x ahead, depth 3 > a split's 2-3 tiles
+    (2, 72, 512, 64, 128, (32, 128, 2, 8, 2, 0), "plain"),   # split K 2, block_n 64, depth 2
+    (3, 40, 96, 16, 32, (32, 64, 3, 4, 1, 0), "strided w"),  # block_n 16 < BLOCK_N, K tail inside a slot row
+    (4, 33, 200, 64, 64, (16, 32, 1, 4, 4, 1), "strided x"), # SPLIT_K 1 (bf16 straight out), depth 4, N tail
+    (5, 130, 384, 128, 128, (64, 128, 3, 8, 1, 0), "plain"), # M 5 (BLOCK_M 8 with 3 masked rows), N tail at 128
+    (6, 48, 136, 64, 8, (16, 16, 4, 4, 3, 0), "strided x"),  # block_k 8: VEC 8, uneven split
+    (7, 64, 256, 64, 128, (32, 64, 8, 4, 2, 1), "strided w"),
+    (8, 96, 320, 128, 64, (32, 128, 2, 8, 4, 1), "plain"),   # M 8, K tail in the last tile
+    (16, 24, 160, 64, 128, (32, 64, 2, 4, 2, 0), "plain"),   # M 16 = GEMV_LIMIT_M
+]"""
+
+_GEMV_RUN = r"""
+import math, os, sys
+sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
+import torch
+import kimi_ops
+from kimi_ops.kernels import fp8_gemm
+from test_fp8_weights import gemm64, random_fp8
+dev = {dev!r}
+gemv_calls = []
+real = fp8_gemm._gemv
+def spy(*a, **kw):
+    gemv_calls.append(a[0].shape[0])
+    return real(*a, **kw)
+fp8_gemm._gemv = spy
+worst = 0.0
+for m, n, k, bn, bk, cfg, layout in {cases}:
+    w, s = random_fp8(n, k, bn, bk, seed=m)
+    x = torch.randn(m, k).to(torch.bfloat16)
+    ref = gemm64(x, w, s, bn, bk)
+    xd, wd, sd = x.to(dev), w.to(dev), s.to(dev)
+    if layout == "strided x":
+        xd = torch.zeros(m, 2 * k, dtype=torch.bfloat16, device=dev)[:, ::2]
+        xd.copy_(x.to(dev))
+    if layout == "strided w":       # a column view of a wider weight: row stride k + 24
+        wide = torch.zeros(n, k + 24, dtype=torch.uint8, device=dev)
+        wide[:, 8:8 + k] = w.view(torch.uint8).to(dev)
+        wd = wide.view(torch.float8_e4m3fn)[:, 8:8 + k]
+        assert wd.stride() == (k + 24, 1)
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=dev)   # poisoned
+    y = fp8_gemm.gemm_a16w8_block(xd, wd, sd, block_n=bn, block_k=bk, config=cfg, gemv=True, out=out)
+    assert y.data_ptr() == out.data_ptr()
+    err = ((y.cpu().double() - ref).abs() / (2.0 ** -8 * ref.abs() + 1e-5 * ref.abs().max())).max().item()
+    assert y.shape == (m, n) and math.isfinite(err) and err <= 1.0, (m, n, k, bn, bk, cfg, layout, err)
+    worst = max(worst, err)
+# the op's dispatch: M = GEMV_MAX_M runs the GEMV, GEMV_MAX_M + 1 the tl.dot kernel, both right (and
+# KIMI_OPS_FP8_GEMV=0 keeps M = 1 on the tl.dot kernel)
+os.environ.pop(fp8_gemm.GEMV_ENV, None)
+for m in (fp8_gemm.GEMV_MAX_M, fp8_gemm.GEMV_MAX_M + 1):
+    w, s = random_fp8(80, 256, 64, 128, seed=m)
+    x = torch.randn(m, 256).to(torch.bfloat16)
+    gemv_calls.clear()
+    y = kimi_ops.gemm_a16w8_block(x.to(dev), w.to(dev), s.to(dev), block_n=64, block_k=128)
+    assert gemv_calls == ([m] if m <= fp8_gemm.GEMV_MAX_M else []), (m, gemv_calls)
+    ref = gemm64(x, w, s, 64, 128)
+    err = ((y.cpu().double() - ref).abs() / (2.0 ** -8 * ref.abs() + 1e-5 * ref.abs().max())).max().item()
+    assert err <= 1.0, (m, err)
+os.environ[fp8_gemm.GEMV_ENV] = "0"
+gemv_calls.clear()
+kimi_ops.gemm_a16w8_block(x[:1].to(dev), w.to(dev), s.to(dev), block_n=64, block_k=128)
+assert gemv_calls == [], gemv_calls
+print("OK worst", worst)
+"""
+
+
+def _run_gemv_cases(dev, env_extra):
+    code = _GEMV_RUN.format(root=ROOT, tests=os.path.dirname(os.path.abspath(__file__)), dev=dev, cases=_GEMV_CASES)
+    env = dict(os.environ, KIMI_OPS_BACKEND="triton", **env_extra)
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-3000:] + r.stderr[-6000:]
+    print(r.stdout.strip())
+
+
+def test_gemv_kernel_under_the_interpreter():
+    """The dot-free GEMV at M = 1..8 and 16 against float64: N and K tails, strided x and w views,
+    block_n 16 / 64 / 128, block_k 8 / 32 / 64 / 128, split K (even, uneven, none), a NaN-filled output
+    buffer, and the dispatch boundary (GEMV_MAX_M on the GEMV, one more on the tl.dot kernel)."""
+    _run_gemv_cases("cpu", {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""})
+
+
+def test_gemv_dispatch_rule(monkeypatch):
+    from kimi_ops.kernels import fp8_gemm
+    monkeypatch.delenv(fp8_gemm.GEMV_ENV, raising=False)
+    assert [fp8_gemm.use_gemv(m, 3648, 7168) for m in (0, 1, 4, 5, 8, 16)] == [False, True, True, False, False, False]
+    monkeypatch.setenv(fp8_gemm.GEMV_ENV, "0")
+    assert not fp8_gemm.use_gemv(1, 3648, 7168)
+    monkeypatch.setenv(fp8_gemm.GEMV_ENV, "1")
+    assert fp8_gemm.use_gemv(16, 3648, 7168) and not fp8_gemm.use_gemv(17, 3648, 7168)
+    monkeypatch.setenv(fp8_gemm.GEMV_ENV, "4")
+    assert fp8_gemm.use_gemv(4, 64, 64) and not fp8_gemm.use_gemv(5, 64, 64)
+    monkeypatch.setenv(fp8_gemm.GEMV_ENV, "64")
+    assert fp8_gemm.use_gemv(16, 64, 64) and not fp8_gemm.use_gemv(17, 64, 64), "capped at GEMV_LIMIT_M"
+    monkeypatch.setenv(fp8_gemm.GEMV_ENV, "yes")
+    with pytest.raises(ValueError, match="KIMI_OPS_FP8_GEMV must be 0, 1 or an M limit"):
+        fp8_gemm.use_gemv(1, 64, 64)
+    monkeypatch.setenv(fp8_gemm.GEMV_CONFIG_ENV, "64,128,4,8,2,1")
+    assert fp8_gemm._env_gemv_config() == (64, 128, 4, 8, 2, 1)
+    for bad in ("64,128,4,8,2,2", "64,128,4,8,5,0", "64,128"):
+        monkeypatch.setenv(fp8_gemm.GEMV_CONFIG_ENV, bad)
+        with pytest.raises(ValueError, match="BLOCK_N,BLOCK_K,SPLIT_K,num_warps,DEPTH,X_AHEAD"):
+            fp8_gemm._env_gemv_config()
+    monkeypatch.delenv(fp8_gemm.GEMV_CONFIG_ENV)
+    w, s = random_fp8(64, 128, 64, 128, seed=0)
+    x = torch.randn(2, 128).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="GEMV kernel's config"):
+        fp8_gemm.gemm_a16w8_block(x, w, s, block_n=64, config=(64, 128, 4, 8), gemv=True)
+    with pytest.raises(ValueError, match="GEMV DEPTH must be 1..4"):
+        fp8_gemm.gemm_a16w8_block(x, w, s, block_n=64, config=(16, 32, 64, 2, 8, 3), gemv=True)
+    with pytest.raises(ValueError, match="tl.dot kernel's config"):
+        fp8_gemm.gemm_a16w8_block(x, w, s, block_n=64, config=(64, 128, 4, 8), gemv=False)
+    # every default GEMV config at Kimi-K3's shapes is one the cross-compile registry lists
+    names = {sp["name"] for sp in fp8_gemm.CROSS_COMPILE_SPECS}
+    for n, k in fp8_gemm.KIMI_K3_SHAPES:
+        for m in range(1, fp8_gemm.GEMV_MAX_M + 1):
+            assert fp8_gemm._gemv_spec_name(m, n, k) in names, (m, n, k)
 
 
 def test_gemm_config_env(monkeypatch):
@@ -386,6 +506,41 @@ def test_gpu_gemm_kimi_k3_shapes(monkeypatch, m):
         rel = float((y.cpu().double() - ref).norm() / ref.norm())
         print(f"gemm_a16w8_block M {m} N {n} K {k}: rel L2 {rel:.2e}")
         assert rel <= 4e-3
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_gpu_gemv_cases():
+    """The interpreter's GEMV cases (and the dispatch boundary) on the GPU."""
+    _run_gemv_cases("cuda", {})
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 16])
+def test_gpu_gemv_kimi_k3_shapes(monkeypatch, m):
+    """The GEMV at Kimi-K3 TP8's shapes (the fused qkv_a + gate on its 64-row scale grid), its
+    default config, against float64, with the caching allocator handed NaN-filled blocks first
+    (the output and the split-K partials must be written everywhere)."""
+    from kimi_ops.kernels import fp8_gemm
+    monkeypatch.setenv("KIMI_OPS_BACKEND", "auto")
+    monkeypatch.setenv(fp8_gemm.GEMV_ENV, "16")
+    for (n, k), bn in zip(fp8_gemm.KIMI_K3_SHAPES, (64, 128, 128)):
+        w, s = random_fp8(n, k, bn, 128, seed=n + m)
+        x = torch.randn(m, k).to(torch.bfloat16)
+        wd, sd, xd = w.cuda(), s.cuda(), x.cuda()
+        split = fp8_gemm.gemv_config(m, n, k, 128, fp8_gemm._sm_count(xd.device))[2]
+        for shape, dt in (((m, n), torch.bfloat16), ((split, m, n), torch.float32)):
+            torch.full(shape, float("nan"), dtype=dt, device="cuda")   # freed at once: the next allocation's bytes
+        y = kimi_ops.gemm_a16w8_block(xd, wd, sd, block_n=bn, block_k=128)
+        ref = gemm64(x, w, s, bn, 128)
+        rel = float((y.cpu().double() - ref).norm() / ref.norm())
+        err = ((y.cpu().double() - ref).abs() / (2.0 ** -8 * ref.abs() + 1e-5 * ref.abs().max())).max().item()
+        dot = fp8_gemm.gemm_a16w8_block(xd, wd, sd, block_n=bn, block_k=128, gemv=False)
+        rel_dot = float((dot.cpu().double() - ref).norm() / ref.norm())
+        print(f"GEMV M {m} N {n} K {k} block_n {bn}: rel L2 {rel:.2e} (tl.dot {rel_dot:.2e}), "
+              f"max err / bound {err:.2f}")
+        assert torch.isfinite(y).all() and err <= 1.0 and rel <= 4e-3
 
 
 @requires_cuda

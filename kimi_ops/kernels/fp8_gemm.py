@@ -23,6 +23,28 @@ the activations' re-reads from L2 (``N / BLOCK_N`` times ``M x K x 2`` bytes) be
 the SM count, or ``KIMI_OPS_FP8_GEMM_CONFIG="BLOCK_M,BLOCK_N,BLOCK_K,SPLIT_K,num_warps,num_stages"``
 (every call; for sweeps).
 
+GEMV kernel for small M (:func:`_gemv_a16w8_block_kernel`, no tl.dot): at decode's M = 1..4 the
+MMA is mostly padding and the weight stream is the whole cost. One program per (BLOCK_N weight
+rows, K split) covers every M row (BLOCK_M = M's power of two, M <= GEMV_LIMIT_M = 16). Its tiles
+are 4-D ``(K slot, m, n, column in the slot)``: each thread loads VEC = 16 fp8 bytes of a weight
+row at once (VEC = the largest power of two <= 16 dividing ``block_k``, so a slot lies in one
+scale block), the next K tile's load issued before this tile's math; the weight is converted to
+float32, multiplied by the broadcast x rows (each row loaded per tile, a tile smaller than the
+CTA's thread count: Triton loads it straight in the product's layout, no shared memory), summed
+over the slot's 16 columns inside the thread (float32), multiplied by the slot's scale once, and
+accumulated in float32 per (slot, m, n); the K slots are reduced across threads once at the end.
+Split K as above (float32 partials + :func:`_reduce_splits_kernel`) where ``N / BLOCK_N`` programs
+are too few. Config: :func:`gemv_config`, or
+``KIMI_OPS_FP8_GEMV_CONFIG="BLOCK_N,BLOCK_K,SPLIT_K,num_warps,DEPTH,X_AHEAD"``
+(DEPTH: weight tiles in flight ahead of the math, 1..4; X_AHEAD 1: x's rows one tile ahead too).
+Numerics: float32 products and sums as the tl.dot kernel's, in another order (the K slot's 16
+products first, then the scale, then the slots), one rounding to bf16.
+
+Which kernel runs: :func:`use_gemv`, the one place of the rule: the GEMV at ``1 <= M <=
+GEMV_MAX_M`` (4), the tl.dot kernel above. ``KIMI_OPS_FP8_GEMV`` (read at each call) overrides it
+for sweeps: ``0`` never the GEMV, ``1`` the GEMV at every M <= 16, an integer L the GEMV at M <=
+min(L, 16). :func:`gemm_a16w8_block`'s ``gemv=True/False`` forces one (its ``config`` is that kernel's).
+
 Measured (H200, 2026-12-03, docs/PERF.md): correct at Kimi-K3's shapes (rel L2 1.6-1.7e-3 vs
 float64, the bf16 output's rounding), but not yet at the bandwidth: at M = 1 the fused
 qkv_a + gate GEMM (26 MB of fp8) took about as long as cuBLAS's bf16 GEMM of twice the bytes.
@@ -87,6 +109,107 @@ def _gemm_a16w8_block_kernel(
     else:
         p = p_ptr + pid_s.to(tl.int64) * M * N + offs_m[:, None] * N + offs_n[None, :]
         tl.store(p, acc, mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _gemv_w_tile(w_rows, k_start, kk, j, mask_n, K, stride_wk, BLOCK_K: tl.constexpr, TILES: tl.constexpr):
+    """The split's K tile j of the weight rows, fp8 ``[BK / VEC, 1, BN, VEC]`` (zeros past K or past
+    the split's TILES tiles)."""
+    kx = k_start + j * BLOCK_K + kk
+    return tl.load(w_rows + kx * stride_wk, mask=mask_n & (kx < K) & (j < TILES), other=0.0)
+
+
+@triton.jit
+def _gemv_x_tile(x_ptr, kx, m4, M, K, stride_xm, stride_xk, BLOCK_M: tl.constexpr, BKO: tl.constexpr,
+                 VEC: tl.constexpr):
+    """x rows 0..BLOCK_M-1 at columns kx ``[BKO, 1, 1, VEC]`` -> float32 ``[BKO, BLOCK_M, 1, VEC]``
+    (columns >= K and rows >= M read as 0), one row load at a time put in place with where."""
+    xt = tl.zeros((BKO, BLOCK_M, 1, VEC), dtype=tl.float32)
+    for mi in tl.static_range(BLOCK_M):
+        row = tl.load(x_ptr + mi * stride_xm + kx * stride_xk, mask=(kx < K) & (mi < M), other=0.0)
+        xt = tl.where(m4 == mi, row.to(tl.float32), xt)
+    return xt
+
+
+@triton.jit
+def _gemv_a16w8_block_kernel(
+    x_ptr, w_ptr, s_ptr, y_ptr, p_ptr,
+    M, N, K, block_n, block_k,
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sk,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
+    TILES_PER_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr, DEPTH: tl.constexpr, X_AHEAD: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    """Small-M GEMM without tl.dot: one program per (BLOCK_N weight rows, K split), all M <= BLOCK_M
+    x rows. Tensors are 4-D ``(ko, m, n, ki)``: K slot of VEC columns, x row, weight row, column
+    inside the slot. The fp8 tile ``[BK / VEC, 1, BN, VEC]`` is one load of VEC bytes a thread
+    (DEPTH tiles are in flight: tile i + DEPTH's load is issued before tile i's math; X_AHEAD: x's
+    rows one tile ahead too), converted to float32; each x row
+    ``[BK / VEC, 1, 1, VEC]`` is put in place with where (a tile with fewer elements than the CTA
+    has threads: Triton loads it straight in the product's layout); the product is summed over
+    the VEC columns inside each thread, times the slot's scale (one scale per (row, slot): a slot
+    lies inside one scale block), and added to ``acc [BK / VEC, BM, BN, 1]``; the K slots are
+    reduced across threads once, at the end."""
+    BKO: tl.constexpr = BLOCK_K // VEC
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    ko = (tl.arange(0, BKO) * VEC)[:, None, None, None]
+    m4 = tl.arange(0, BLOCK_M)[None, :, None, None]
+    n4 = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N))[None, None, :, None]
+    kk = ko + tl.arange(0, VEC)[None, None, None, :]              # [BKO, 1, 1, VEC]
+    mask_n = n4 < N
+    w_rows = w_ptr + n4.to(tl.int64) * stride_wn                  # [1, 1, BN, 1]
+    s_rows = s_ptr + (n4 // block_n) * stride_sn
+    k_start = pid_s * (TILES_PER_SPLIT * BLOCK_K)
+    acc = tl.zeros((BKO, BLOCK_M, BLOCK_N, 1), dtype=tl.float32)
+    w0 = _gemv_w_tile(w_rows, k_start, kk, 0, mask_n, K, stride_wk, BLOCK_K, TILES_PER_SPLIT)
+    if DEPTH >= 2:
+        w1 = _gemv_w_tile(w_rows, k_start, kk, 1, mask_n, K, stride_wk, BLOCK_K, TILES_PER_SPLIT)
+    if DEPTH >= 3:
+        w2 = _gemv_w_tile(w_rows, k_start, kk, 2, mask_n, K, stride_wk, BLOCK_K, TILES_PER_SPLIT)
+    if DEPTH >= 4:
+        w3 = _gemv_w_tile(w_rows, k_start, kk, 3, mask_n, K, stride_wk, BLOCK_K, TILES_PER_SPLIT)
+    if X_AHEAD:
+        x_cur = _gemv_x_tile(x_ptr, k_start + kk, m4, M, K, stride_xm, stride_xk, BLOCK_M, BKO, VEC)
+    for i in range(TILES_PER_SPLIT):
+        k0 = k_start + i * BLOCK_K
+        kx = k0 + kk
+        w_new = _gemv_w_tile(w_rows, k_start, kk, i + DEPTH, mask_n, K, stride_wk, BLOCK_K, TILES_PER_SPLIT)
+        if X_AHEAD:
+            more = i + 1 < TILES_PER_SPLIT
+            x_nxt = _gemv_x_tile(x_ptr, kx + BLOCK_K, m4, M, tl.where(more, K, 0), stride_xm, stride_xk,
+                                 BLOCK_M, BKO, VEC)
+            xt = x_cur
+        else:
+            xt = _gemv_x_tile(x_ptr, kx, m4, M, K, stride_xm, stride_xk, BLOCK_M, BKO, VEC)
+        ks = k0 + ko                                              # [BKO, 1, 1, 1]: slot starts
+        s = tl.load(s_rows + (ks // block_k) * stride_sk, mask=mask_n & (ks < K), other=0.0)
+        blk = tl.sum(xt * w0.to(tl.float32), axis=3, keep_dims=True)   # [BKO, BM, BN, 1]
+        acc += blk * s
+        if DEPTH == 1:
+            w0 = w_new
+        elif DEPTH == 2:
+            w0 = w1
+            w1 = w_new
+        elif DEPTH == 3:
+            w0 = w1
+            w1 = w2
+            w2 = w_new
+        else:
+            w0 = w1
+            w1 = w2
+            w2 = w3
+            w3 = w_new
+        if X_AHEAD:
+            x_cur = x_nxt
+    out = tl.sum(tl.sum(acc, axis=3), axis=0)                     # [BM, BN]
+    offs_m = tl.arange(0, BLOCK_M)[:, None]
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N))[None, :]
+    mask = (offs_m < M) & (offs_n < N)
+    if SPLIT_K == 1:
+        tl.store(y_ptr + offs_m * N + offs_n, _to_bf16(out, INTERP), mask=mask)
+    else:
+        tl.store(p_ptr + pid_s.to(tl.int64) * M * N + offs_m * N + offs_n, out, mask=mask)
 
 
 @triton.jit
@@ -174,30 +297,170 @@ def _env_config() -> tuple[int, ...] | None:
     return vals
 
 
+GEMV_ENV = "KIMI_OPS_FP8_GEMV"
+GEMV_CONFIG_ENV = "KIMI_OPS_FP8_GEMV_CONFIG"
+GEMV_MAX_M = 4
+"""Default M limit of the GEMV kernel (:func:`use_gemv`; the kernel itself takes M <= 16). H200,
+Kimi-K3 TP8's three projections (gemv_config's numbers): the GEMV beats the tl.dot kernel at M = 1,
+2 (0.68-0.76x its time) and 4 (0.87-0.92x on q_b / o_proj, 1.03x on qkv_a + gate) and loses at
+M = 8 (its best config 1.17x (q_b) to 1.65x (o_proj) the tl.dot kernel's time) and 16 (2.5-4x).
+M = 3, 5..7 were not timed."""
+GEMV_LIMIT_M = 16
+
+
+def use_gemv(m: int, n: int, k: int, device: torch.device | None = None) -> bool:
+    """Which kernel runs an [M, K] x [N, K]^T product: True for the dot-free GEMV, False for the
+    tl.dot kernel. The one place of the rule. ``KIMI_OPS_FP8_GEMV`` (read at each call): ``0``
+    never, ``1`` at every M <= GEMV_LIMIT_M, an integer ``L >= 2``: at M <= min(L, GEMV_LIMIT_M);
+    unset or empty: M <= GEMV_MAX_M (4). ``device`` is not used yet (the rule was measured on the
+    H200 only)."""
+    env = os.environ.get(GEMV_ENV, "").strip()
+    limit = GEMV_MAX_M
+    if env:
+        try:
+            v = int(env)
+        except ValueError:
+            raise ValueError(f"{GEMV_ENV} must be 0, 1 or an M limit (an integer), got {env!r}") from None
+        if v < 0:
+            raise ValueError(f"{GEMV_ENV} must be 0, 1 or an M limit (an integer >= 0), got {env!r}")
+        limit = GEMV_LIMIT_M if v == 1 else min(v, GEMV_LIMIT_M)
+    return 1 <= m <= limit
+
+
+def gemv_vec(block_k: int) -> int:
+    """K columns a thread loads at once (16 bytes of fp8 where the scale block allows): the largest
+    power of two <= 16 dividing ``block_k``, so that a slot never straddles two scale blocks."""
+    return min(16, block_k & -block_k)
+
+
+def gemv_config(m: int, n: int, k: int, block_k: int = 128, sms: int = 132) -> tuple[int, int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, DEPTH, X_AHEAD) of the GEMV kernel from shapes and the SM count.
+
+    * BLOCK_K 128 at 8 warps: 256 threads, 8 along K (16 bytes each) by 4 along N a warp, warps
+      along N; an x row tile (128 elements) has fewer elements than the CTA has threads, which
+      Triton's layout passes load straight in the product's layout (no shared memory in the loop;
+      BLOCK_K 256 at 8 warps converts through shared memory each iteration: 3632 us at M 8).
+    * BLOCK_N 128 for M <= 2, 64 above (the float32 slot sums, BLOCK_M x BLOCK_N x BLOCK_K / VEC /
+      256 a thread, and the x rows held: 126 registers at M 1 BLOCK_N 128, 102 at M 4 BLOCK_N 64).
+    * SPLIT_K: about 2 programs an SM (``2 sms / (N / BLOCK_N)``), each split at least 2 K tiles.
+    * DEPTH 1, X_AHEAD 0: the only depth that has run on a GPU (deeper prefetch: not yet timed).
+
+    Measured on the H200 (2026-12-03, this session's first sweep, DEPTH 1; scripts/bench_fp8_gemv.py:
+    CUDA graphs of 24 calls over >= 4 weight copies, median of 15 replays; us a call, the split-K
+    reduce launch included). M = 1: qkv_a + gate (N 3648, K 7168) 14.69 (tl.dot 19.40, cuBLAS bf16
+    17.28), q_b (2304, 1536) 5.91 (7.70, 5.55), o_proj (7168, 1536) 8.54 (12.58, 8.40). M = 2: 16.25,
+    6.09, 9.29 (tl.dot 22.41, 7.98, 13.35). M = 4 at BLOCK_N 64: 23.35, 6.93, 12.28 (tl.dot 22.64,
+    7.95, 13.38; BLOCK_N 256 SPLIT_K 8 gave qkv_a + gate 20.69). Of ~20 other configs a shape at
+    M = 1 (BLOCK_N 32..256, the split at 1, 132, 264, 528 programs, 4 warps with BLOCK_K 64, 2 warps
+    with 32, X_AHEAD) none beat these by more than 0.15 us except q_b's (64, 128, 6, 8, X_AHEAD 1),
+    5.76. Split 1 is 2-3x slower (too few programs, one tile in flight each).
+    """
+    m = max(1, m)
+    bk, warps = 128, 8
+    bn = 128 if m <= 2 else 64 if m <= 8 else 32
+    bn = min(bn, max(32, triton.next_power_of_2(n)))
+    k_tiles = max(1, triton.cdiv(k, bk))
+    tiles = triton.cdiv(n, bn)
+    split = max(1, min(k_tiles // 2, (2 * sms) // tiles))
+    return bn, bk, split, warps, 1, 0
+
+
+def _env_gemv_config() -> tuple[int, ...] | None:
+    env = os.environ.get(GEMV_CONFIG_ENV, "").strip()
+    if not env:
+        return None
+    try:
+        vals = tuple(int(v) for v in env.split(","))
+    except ValueError:
+        vals = ()
+    if len(vals) != 6 or min(vals[:4]) < 1 or not 1 <= vals[4] <= 4 or vals[5] not in (0, 1):
+        raise ValueError(f"{GEMV_CONFIG_ENV} must be 'BLOCK_N,BLOCK_K,SPLIT_K,num_warps,DEPTH,X_AHEAD' (positive "
+                         f"integers, DEPTH 1..4, X_AHEAD 0 or 1), got {env!r}")
+    return vals
+
+
+def _split_plan(k_tiles: int, split: int) -> tuple[int, int]:
+    """(SPLIT_K, tiles a split) with no empty split."""
+    split = max(1, min(split, k_tiles))
+    per = triton.cdiv(k_tiles, split)
+    return triton.cdiv(k_tiles, per), per
+
+
+def _reduce(partial: torch.Tensor, y: torch.Tensor, split: int) -> None:
+    total = y.numel()
+    block = 1024
+    _reduce_splits_kernel[(triton.cdiv(total, block),)](partial, y, total, SPLIT_K=split, BLOCK=block,
+                                                        INTERP=interpreting(), num_warps=4)
+
+
+def _gemv(x, w, w_scale_inv, y, block_n, block_k, cfg):
+    m, k = x.shape
+    n = w.shape[0]
+    bn, bk, split, warps, depth, ahead = cfg
+    vec = gemv_vec(block_k)
+    if not 1 <= depth <= 4 or ahead not in (0, 1, False, True):
+        raise ValueError(f"gemm_a16w8_block: GEMV DEPTH must be 1..4 and X_AHEAD 0 or 1, got {depth}, {ahead}")
+    if m > GEMV_LIMIT_M:
+        raise ValueError(f"gemm_a16w8_block: the GEMV kernel takes M <= {GEMV_LIMIT_M}, got {m}")
+    if bk < vec or bk & (bk - 1) or bn & (bn - 1):
+        raise ValueError(f"gemm_a16w8_block: GEMV BLOCK_N and BLOCK_K must be powers of two, BLOCK_K >= {vec}, "
+                         f"got {bn}, {bk}")
+    split, per = _split_plan(triton.cdiv(k, bk), split)
+    partial = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    _gemv_a16w8_block_kernel[(triton.cdiv(n, bn), split)](
+        x, w, w_scale_inv, y, partial, m, n, k, block_n, block_k,
+        *x.stride(), *w.stride(), *w_scale_inv.stride(),
+        BLOCK_M=triton.next_power_of_2(m), BLOCK_N=bn, BLOCK_K=bk, VEC=vec, TILES_PER_SPLIT=per, SPLIT_K=split,
+        DEPTH=depth, X_AHEAD=bool(ahead), INTERP=interpreting(), num_warps=warps, num_stages=1,
+    )
+    if split > 1:
+        _reduce(partial, y, split)
+    return y
+
+
 def gemm_a16w8_block(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor, *, block_n: int = 128,
-                     block_k: int = 128, config: tuple[int, ...] | None = None) -> torch.Tensor:
+                     block_k: int = 128, config: tuple[int, ...] | None = None, gemv: bool | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
     """``y = x @ dequant(w)^T`` -> bf16 ``[M, N]`` (inputs validated by the op layer).
 
-    ``config``: (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages); default
-    ``KIMI_OPS_FP8_GEMM_CONFIG`` when set, else :func:`gemm_config`. BLOCK_K must divide
-    ``block_k`` and be a power of two >= 16 (else ValueError).
+    ``gemv``: True / False run the GEMV / the tl.dot kernel; None: :func:`use_gemv`. ``config``:
+    the config of the kernel that runs: for the tl.dot kernel (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K,
+    num_warps, num_stages), default ``KIMI_OPS_FP8_GEMM_CONFIG`` when set, else :func:`gemm_config`
+    (BLOCK_K must divide ``block_k`` and be a power of two >= 16, else ValueError); for the GEMV
+    (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, DEPTH, X_AHEAD), default ``KIMI_OPS_FP8_GEMV_CONFIG``, else
+    :func:`gemv_config` (DEPTH 1..4, X_AHEAD 0 / 1, else ValueError). ``out``: a
+    contiguous bf16 [M, N] tensor to write (tests); every element is written.
     """
     m, k = x.shape
     n = w.shape[0]
-    y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
+    if out is None:
+        y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
+    else:
+        if out.shape != (m, n) or out.dtype != torch.bfloat16 or not out.is_contiguous():
+            raise ValueError(f"gemm_a16w8_block: out must be a contiguous bf16 [{m}, {n}] tensor")
+        y = out
     if m == 0 or n == 0:
         return y
     if k == 0:
         return y.zero_()
+    if gemv is None:
+        gemv = use_gemv(m, n, k, x.device)
+    if gemv:
+        cfg = config or _env_gemv_config() or gemv_config(m, n, k, block_k, _sm_count(x.device))
+        if len(cfg) != 6:
+            raise ValueError(f"gemm_a16w8_block: the GEMV kernel's config is (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, "
+                             f"DEPTH, X_AHEAD), got {cfg}")
+        return _gemv(x, w, w_scale_inv, y, block_n, block_k, cfg)
     cfg = config or _env_config() or gemm_config(m, n, k, block_k, _sm_count(x.device))
+    if len(cfg) != 6:
+        raise ValueError(f"gemm_a16w8_block: the tl.dot kernel's config is (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, "
+                         f"num_warps, num_stages), got {cfg}")
     bm, bn, bk, split, warps, stages = cfg
     if bk < 16 or bk & (bk - 1) or block_k % bk:
         raise ValueError(f"gemm_a16w8_block: BLOCK_K must be a power of two >= 16 dividing block_k = {block_k}, "
                          f"got {bk}")
     k_tiles = triton.cdiv(k, bk)
-    split = max(1, min(split, k_tiles))
-    per_split = triton.cdiv(k_tiles, split)
-    split = triton.cdiv(k_tiles, per_split)           # no empty split
+    split, per_split = _split_plan(k_tiles, split)
     partial = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split)
     _gemm_a16w8_block_kernel[grid](
@@ -207,9 +470,7 @@ def gemm_a16w8_block(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor
         INTERP=interpreting(), num_warps=warps, num_stages=stages,
     )
     if split > 1:
-        block = 1024
-        _reduce_splits_kernel[(triton.cdiv(m * n, block),)](partial, y, m * n, SPLIT_K=split, BLOCK=block,
-                                                            INTERP=interpreting(), num_warps=4)
+        _reduce(partial, y, split)
     return y
 
 
@@ -228,6 +489,19 @@ def split_count(m: int, n: int, k: int, block_k: int = 128, sms: int = 132) -> i
 
 KIMI_K3_SHAPES = ((3648, 7168), (2304, 1536), (7168, 1536))
 """Kimi-K3 TP8's fp8 projections (N, K): fused qkv_a + gate, q_b, o_proj."""
+
+
+def _gemv_launch(m: int, n: int, k: int, block_k: int = 128, sms: int = 132):
+    """(BLOCK_M, BLOCK_N, BLOCK_K, VEC, TILES_PER_SPLIT, SPLIT_K, num_warps, DEPTH, X_AHEAD) the GEMV
+    launches by default."""
+    bn, bk, split, warps, depth, ahead = gemv_config(m, n, k, block_k, sms)
+    split, per = _split_plan(-(-k // bk), split)
+    return triton.next_power_of_2(m), bn, bk, gemv_vec(block_k), per, split, warps, depth, ahead
+
+
+def _gemv_spec_name(m: int, n: int, k: int) -> str:
+    bm, bn, bk, vec, per, split, warps, depth, ahead = _gemv_launch(m, n, k)
+    return f"gemv_a16w8_block_m{bm}n{bn}k{bk}v{vec}p{per}s{split}w{warps}d{depth}a{ahead}"
 
 
 def _specs():
@@ -254,6 +528,21 @@ def _specs():
                        "stride_xk": 1, "stride_wk": 1, "stride_sk": 1},
         "num_warps": warps, "num_stages": stages, "targets": ("gfx950", "sm90")}
         for bm, bn, bk, k_tiles, per, split, warps, stages in configs]
+    gsig = dict(sig)
+    del gsig["K_TILES"], gsig["TILES_PER_SPLIT"], gsig["BLOCK_M"], gsig["BLOCK_N"], gsig["BLOCK_K"]
+    for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "VEC", "TILES_PER_SPLIT", "DEPTH", "X_AHEAD"):
+        gsig[name] = "constexpr"
+    gemv = {}
+    for n, k in KIMI_K3_SHAPES:
+        for m in (1, 2, 3, 4, 5, 6, 7, 8, 16):
+            gemv[_gemv_spec_name(m, n, k)] = _gemv_launch(m, n, k)
+    for name, (bm, bn, bk, vec, per, split, warps, depth, ahead) in gemv.items():
+        specs.append({
+            "name": name, "kernel": _gemv_a16w8_block_kernel, "signature": dict(gsig),
+            "constexprs": {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "VEC": vec, "TILES_PER_SPLIT": per,
+                           "SPLIT_K": split, "DEPTH": depth, "X_AHEAD": bool(ahead), "INTERP": False,
+                           "stride_xk": 1, "stride_wk": 1, "stride_sk": 1},
+            "num_warps": warps, "num_stages": 1, "targets": ("gfx950", "sm90")})
     for split in sorted({s["constexprs"]["SPLIT_K"] for s in specs} - {1}):
         specs.append({
             "name": f"gemm_a16w8_reduce_s{split}", "kernel": _reduce_splits_kernel,
