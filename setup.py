@@ -72,6 +72,10 @@ def build_plan():
     return BuildPlan(None, f"skipping kimi_ops._C: torch {torch.__version__} is a CPU build (no CUDA, no ROCm)")
 
 
+# nvcc's flags for csrc/ (tests/test_sm90_resources.py compiles the kernels with the same)
+NVCC_FLAGS = ["-O3", "-gencode=arch=compute_90a,code=sm_90a", "--expt-relaxed-constexpr"]
+
+
 def extension_modules():
     plan = build_plan()
     print(f"kimi_ops setup: {plan.message}", file=sys.stderr, flush=True)
@@ -81,8 +85,7 @@ def extension_modules():
     cpp = sorted(glob.glob("csrc/*.cpp"))
     cxx = ["-O3"]
     if plan.kind == "cuda":
-        nvcc = ["-O3", "-gencode=arch=compute_90a,code=sm_90a", "--expt-relaxed-constexpr"]
-        nvcc += shlex.split(os.environ.get("KIMI_OPS_NVCC_FLAGS", ""))  # extra flags for A/B builds
+        nvcc = NVCC_FLAGS + shlex.split(os.environ.get("KIMI_OPS_NVCC_FLAGS", ""))  # extra flags for A/B builds
         ext = CUDAExtension("kimi_ops._C", cpp + sorted(glob.glob("csrc/*.cu") + glob.glob("csrc/sm90/*.cu")),
                             extra_compile_args={"cxx": cxx, "nvcc": nvcc})
     else:

@@ -1,0 +1,81 @@
+"""The Hopper kernels' registers and spills, read from ptxas without a GPU (as
+tests/test_cross_compile.py reads the AMD code objects): csrc/sm90/mla_decode_sm90.cu is compiled
+to a cubin with setup.py's nvcc flags plus ``-Xptxas -v``, and every kernel instance must spill
+nothing (a spill in the K loop costs local-memory traffic on every tile) and fit its launch
+bound's registers. Known exception: the 16-row kernel's 3-stage ring (not a default, only
+``KIMI_OPS_SM90_STAGES=3``) spills 24 bytes. Needs nvcc and a CUDA build of torch; ~50 s on 2 cores.
+"""
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SOURCE = os.path.join(ROOT, "csrc", "sm90", "mla_decode_sm90.cu")
+
+# instance (demangled, namespaces dropped) -> the spill bytes (stores, loads) it is allowed
+KNOWN_SPILLS = {
+    "splitkv_kernel<3, false>(SplitKVParams)": (24, 120),
+    "splitkv_kernel<3, true>(SplitKVParams)": (24, 120),
+}
+# registers a thread may use: the launch bounds (2 CTAs of 256 threads a SM for the 16-row kernel,
+# whose consumers then take 232 with setmaxnreg; 1 CTA of 256 for the token-major one)
+MAX_REGS = {"splitkv_kernel": 128, "splitkv_tm_kernel": 255, "merge_rows_kernel": 255, "merge_kernel": 255}
+
+_ENTRY = re.compile(r"Compiling entry function '(\S+)' for 'sm_90a'\n.*?Function properties for \S+\n\s+(\d+) bytes "
+                    r"stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads\n.*?Used (\d+) registers",
+                    re.S)
+
+
+def _setup_module():
+    spec = importlib.util.spec_from_file_location("kimi_ops_setup_res", os.path.join(ROOT, "setup.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _ptxas_report(tmp_path):
+    setup = _setup_module()
+    toolkit = setup.cuda_toolkit_root()
+    if not torch.version.cuda or toolkit is None:
+        pytest.skip("needs a CUDA build of torch and the CUDA toolkit (nvcc)")
+    if shutil.which("c++filt") is None:
+        pytest.skip("needs c++filt (binutils) to name the kernels")
+    from torch.utils.cpp_extension import COMMON_NVCC_FLAGS, include_paths
+
+    includes = include_paths() + [os.path.join(toolkit, "include"), sysconfig.get_paths()["include"]]
+    cmd = [os.path.join(toolkit, "bin", "nvcc"), "-cubin", "-o", str(tmp_path / "sm90.cubin"), SOURCE,
+           *setup.NVCC_FLAGS, "-std=c++20", "-Xptxas", "-v", "-DTORCH_API_INCLUDE_EXTENSION_H", "-DTORCH_EXTENSION_NAME=_C",
+           *COMMON_NVCC_FLAGS, *[f"-I{p}" for p in includes]]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    entries = _ENTRY.findall(r.stdout + r.stderr)
+    names = subprocess.run(["c++filt"], input="\n".join(e[0] for e in entries), capture_output=True,
+                           text=True, check=True).stdout.splitlines()
+    report = {}
+    for name, (_, stack, stores, loads, regs) in zip(names, entries):
+        name = name.replace("(anonymous namespace)::", "").replace("kimi_ops::sm90::", "").removeprefix("void ")
+        report[name] = dict(stack=int(stack), spill_stores=int(stores), spill_loads=int(loads), regs=int(regs))
+    return report
+
+
+def test_sm90_kernels_do_not_spill(tmp_path):
+    report = _ptxas_report(tmp_path)
+    for name, r in sorted(report.items()):
+        print(f"{name}: {r['regs']} registers, spills {r['spill_stores']} / {r['spill_loads']} bytes", file=sys.stderr)
+    kinds = {name.split("<")[0].split("(")[0] for name in report}
+    assert kinds == set(MAX_REGS), f"kernels compiled: {sorted(kinds)}"
+    # every instance the launchers can pick: 3 ring depths x 2 queries (16 rows), 4 token-major
+    # shapes x 2 queries, 2 merge_rows rounds, merge_kernel
+    assert len(report) == 17, sorted(report)
+    spilled = {n: (r["spill_stores"], r["spill_loads"]) for n, r in report.items()
+               if (r["spill_stores"], r["spill_loads"]) != KNOWN_SPILLS.get(n, (0, 0))}
+    assert not spilled, f"spills (bytes stored, loaded) other than the known ones: {spilled}"
+    over = {n: r["regs"] for n, r in report.items() if r["regs"] > MAX_REGS[n.split("<")[0].split("(")[0]]}
+    assert not over, f"registers above the launch bound: {over}"
