@@ -8,7 +8,8 @@ Each module in ``kimi_ops.kernels.CROSS_COMPILE_MODULES`` that exists and expose
 ``CROSS_COMPILE_SPECS`` (see kimi_ops/kernels/__init__.py) is compiled with
 ``triton.compile(ASTSource(...), target=GPUTarget(...))``.  Each variant's assembly goes to
 ``OUT/<target>/<name>.amdgcn`` (AMD) or ``.ptx`` (NVIDIA); the matrix instructions found in it
-are printed, one line a variant, and a summary is written to ``OUT/<target>/summary.json``.
+and its registers / spills (AMD: the code object's metadata; sm90: ptxas -v, Triton's bundled
+ptxas) are printed, one line a variant, and a summary is written to ``OUT/<target>/summary.json``.
 """
 from __future__ import annotations
 
@@ -113,6 +114,37 @@ def amd_resources(asm: str) -> dict:
     return out
 
 
+def _ptxas():
+    """Triton's bundled ptxas (or the CUDA toolkit's), None where neither exists."""
+    import shutil
+
+    import triton
+
+    bundled = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    return bundled if os.path.isfile(bundled) else shutil.which("ptxas")
+
+
+def sm90_resources(ptx: str, tmp_dir: str) -> dict:
+    """ptxas -v's report of one kernel's PTX for sm_90a: {regs, spill_stores, spill_loads,
+    stack} (bytes; empty where no ptxas exists). The JIT specializes more arguments than these
+    generic compiles (an int equal to 1, one divisible by 16), so a launch's SASS can differ."""
+    import subprocess
+
+    ptxas = _ptxas()
+    if ptxas is None:
+        return {}
+    path = os.path.join(tmp_dir, "ptxas_input.ptx")
+    with open(path, "w") as f:
+        f.write(ptx)
+    r = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", path + ".cubin"], capture_output=True, text=True)
+    m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads.*?Used (\d+) registers",
+                  r.stdout + r.stderr, re.S)
+    if r.returncode != 0 or m is None:
+        raise RuntimeError(f"ptxas failed on a kernel's PTX: {(r.stdout + r.stderr)[-2000:]}")
+    stack, stores, loads, regs = (int(g) for g in m.groups())
+    return {"regs": regs, "spill_stores": stores, "spill_loads": loads, "stack": stack}
+
+
 def run(target_name, out_dir, only=None, quiet=False):
     backend = TARGETS[target_name][0]
     dest = os.path.join(out_dir, target_name)
@@ -139,13 +171,16 @@ def run(target_name, out_dir, only=None, quiet=False):
             meta["shared"] = shared
         if backend == "hip":
             meta.update(amd_resources(asm))
+        else:
+            meta.update(sm90_resources(asm, dest))
         results.append(meta)
         if not quiet:
             mma_s = ", ".join(f"{k} x{v}" for k, v in sorted(mma.items())) or "(no MMA)"
-            res = ""
             if backend == "hip":
                 res = (f"vgpr {meta.get('vgprs')} spill {meta.get('vgpr_spills')} "
                        f"waves {meta.get('occupancy')} lds {meta.get('shared')} ")
+            else:
+                res = f"regs {meta.get('regs')} spill {meta.get('spill_stores')} smem {meta.get('shared')} "
             print(f"[{target_name}] {spec['name']:<34} {res}{mma_s}  ({meta['seconds']}s)", flush=True)
     with open(os.path.join(dest, "summary.json"), "w") as f:
         json.dump(results, f, indent=1)
