@@ -1,8 +1,9 @@
 // PTX wrappers for sm_90a shared by the M1c kernels: named barriers (bar.sync / bar.red on
-// barrier 1), grid dependency control (programmatic dependent launch), ldmatrix, wgmma (fence / commit / wait, shared-memory descriptors, the f16 RS
-// instruction for N = 32, 48, 64), 32-bit shared loads, e4m3 -> f16 conversion, mma.sync
-// m16n8k16 f16, ex2.approx, f16x2 packing and prmt. (No mma.sync e4m3: sm_90 emulates it, ptxas
-// emitting f16 HMMA and conversions of both operands; the fp8 query is staged as f16.)
+// barrier 1), grid dependency control (programmatic dependent launch), ldmatrix, wgmma (fence /
+// commit / wait, shared-memory descriptors, the f16 RS instruction for N = 32, 48, 64), 32-bit
+// shared loads, e4m3 -> f16 conversion, mma.sync m16n8k16 f16, ex2.approx, f16x2 packing and prmt.
+// (No mma.sync e4m3: sm_90 emulates it, ptxas emitting f16 HMMA and conversions of both operands;
+// the fp8 query is staged as f16.)
 //
 // Byte layouts: registers only, except ldmatrix_x4 / lds32 (shared memory, 16 / 4 bytes a lane)
 // and the wgmma B operand, read through smem_desc: no swizzle, core matrices of 8 rows x 16
@@ -35,10 +36,12 @@ __device__ __forceinline__ bool named_sync_or(bool pred) {
   return r != 0;
 }
 
-// Programmatic dependent launch (the host launches with it unless KIMI_OPS_PDL=0): a kernel may
-// start while the previous kernel on the stream is still running, so every kernel here waits for
-// that grid (its completion and its memory) before it touches global memory, and lets the next one
-// start launching once its own main loop is done. Both are no-ops in a plain launch.
+// Programmatic dependent launch (the host launches with it only with KIMI_OPS_SM90_PDL=1:
+// mla_decode_sm90.cu): a kernel may start while the previous kernel on the stream is still running,
+// so every kernel here waits for that grid (its completion and its memory) before it touches global
+// memory, and lets the next one start launching once its own main loop is done (a next kernel
+// launched with PDL, such as the Triton W_UV after the merge, may then start). Without the launch
+// attribute the wait is a no-op.
 __device__ __forceinline__ void wait_prior_grid() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
 __device__ __forceinline__ void allow_next_grid() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
 
