@@ -3,6 +3,8 @@
 # included), run the demo; with 2+ GPUs also the DCP demo and benchmarks over NCCL. Logs land in
 # $OUT (or ./out). Carry .whl (expecttest) with the call:
 #   run(command="bash scripts/device_check.sh", carry=[".whl"])
+# TEST_BUDGET: seconds the tests may take (default 420; they are killed after it, the names of
+# the results so far are in $OUT/pytest.log). PYTEST_ARGS: more pytest arguments (e.g. "-k gpu").
 # DCP_ONLY=1 runs only the DCP tests and the multi-GPU part (for the several-GPU kinds):
 #   run(command="DCP_ONLY=1 bash scripts/device_check.sh", carry=[".whl"], kind="nvidia-h200-x4")
 # SANITIZE=1 also runs compute-sanitizer memcheck, racecheck and synccheck on the Hopper kernels'
@@ -22,8 +24,11 @@ if [ -n "${DCP_ONLY:-}" ]; then
     echo "pytest rc=$?" >> "$OUT/pytest.log"
     tail -n 8 "$OUT/pytest.log"
 else
-    python3 -m pytest -q -ra -n 8 tests ${PYTEST_ARGS:-} > "$OUT/pytest.log" 2>&1
+    # -v names each result as it ends, so a run cut by the time limit still says which failed
+    timeout "${TEST_BUDGET:-420}" python3 -m pytest -v -ra -n 16 -p no:cacheprovider tests ${PYTEST_ARGS:-} \
+        > "$OUT/pytest.log" 2>&1
     echo "pytest rc=$?" >> "$OUT/pytest.log"
+    grep -E "FAILED|ERROR" "$OUT/pytest.log" | grep -v "^E " | sort -u | head -n 40
     python3 -m kimi_ops demo ${DEMO_ARGS:-} > "$OUT/demo.log" 2>&1
     echo "demo rc=$?" >> "$OUT/demo.log"
     tail -n 30 "$OUT/pytest.log"
