@@ -283,18 +283,24 @@ def gemm_config(m: int, n: int, k: int, block_k: int = 128, sms: int = 132) -> t
     return bm, bn, bk, max(1, split), (8 if m > 64 else 4), stages
 
 
-def _env_config() -> tuple[int, ...] | None:
-    env = os.environ.get(CONFIG_ENV, "").strip()
+def _env_ints(name: str, valid, expected: str) -> tuple[int, ...] | None:
+    """The comma list of integers in environment variable ``name`` (None where unset or empty);
+    ValueError naming ``expected`` unless ``valid(values)``."""
+    env = os.environ.get(name, "").strip()
     if not env:
         return None
     try:
         vals = tuple(int(v) for v in env.split(","))
     except ValueError:
         vals = ()
-    if len(vals) != 6 or min(vals) < 1:
-        raise ValueError(f"{CONFIG_ENV} must be 'BLOCK_M,BLOCK_N,BLOCK_K,SPLIT_K,num_warps,num_stages' "
-                         f"(positive integers), got {env!r}")
+    if not vals or not valid(vals):
+        raise ValueError(f"{name} must be {expected}, got {env!r}")
     return vals
+
+
+def _env_config() -> tuple[int, ...] | None:
+    return _env_ints(CONFIG_ENV, lambda v: len(v) == 6 and min(v) >= 1,
+                     "'BLOCK_M,BLOCK_N,BLOCK_K,SPLIT_K,num_warps,num_stages' (positive integers)")
 
 
 GEMV_ENV = "KIMI_OPS_FP8_GEMV"
@@ -366,17 +372,10 @@ def gemv_config(m: int, n: int, k: int, block_k: int = 128, sms: int = 132) -> t
 
 
 def _env_gemv_config() -> tuple[int, ...] | None:
-    env = os.environ.get(GEMV_CONFIG_ENV, "").strip()
-    if not env:
-        return None
-    try:
-        vals = tuple(int(v) for v in env.split(","))
-    except ValueError:
-        vals = ()
-    if len(vals) != 6 or min(vals[:4]) < 1 or not 1 <= vals[4] <= 4 or vals[5] not in (0, 1):
-        raise ValueError(f"{GEMV_CONFIG_ENV} must be 'BLOCK_N,BLOCK_K,SPLIT_K,num_warps,DEPTH,X_AHEAD' (positive "
-                         f"integers, DEPTH 1..4, X_AHEAD 0 or 1), got {env!r}")
-    return vals
+    return _env_ints(GEMV_CONFIG_ENV,
+                     lambda v: len(v) == 6 and min(v[:4]) >= 1 and 1 <= v[4] <= 4 and v[5] in (0, 1),
+                     "'BLOCK_N,BLOCK_K,SPLIT_K,num_warps,DEPTH,X_AHEAD' (positive integers, DEPTH 1..4, "
+                     "X_AHEAD 0 or 1)")
 
 
 def _split_plan(k_tiles: int, split: int) -> tuple[int, int]:
