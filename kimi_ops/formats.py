@@ -23,7 +23,7 @@ FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 
 
 def fp8_max(dtype: torch.dtype) -> float:
-    """Largest finite value of an fp8 cache dtype (the saturation bound)."""
+    """Largest finite value of an fp8 dtype, the cache's or the query's (the saturation bound)."""
     return float(torch.finfo(dtype).max)
 
 

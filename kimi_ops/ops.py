@@ -11,7 +11,7 @@ with the same message eagerly and under ``torch.compile``.
 import torch
 
 from . import checks, dispatch
-from .formats import KV_LORA_RANK, KV_ROW, MXFP4_BLOCK
+from .formats import KV_LORA_RANK, KV_ROW, MXFP4_BLOCK, fp8_max
 
 NAMESPACE = "kimi_ops"
 
@@ -409,7 +409,7 @@ def query_scale(q, *, dtype=torch.float8_e4m3fn, amax=None):
     if amax is None:
         amax = query_amax(q)
     # a tensor divisor: CUDA turns division by a Python scalar into a multiply by its reciprocal
-    fmax = torch.full((), float(torch.finfo(dtype).max), dtype=torch.float32, device=amax.device)
+    fmax = torch.full((), fp8_max(dtype), dtype=torch.float32, device=amax.device)
     return torch.where(amax > 0, amax / fmax, torch.ones_like(amax))
 
 
@@ -430,7 +430,7 @@ def quantize_query(q, *, q_scale=None, dtype=torch.float8_e4m3fn):
                             what="a float32 tensor of one element")
         if q_scale.numel() != 1:
             checks.fail("quantize_query", "q_scale", "a float32 tensor of one element", tuple(q_scale.shape))
-    fmax = float(torch.finfo(dtype).max)
+    fmax = fp8_max(dtype)
     q8 = (q.to(torch.float32) / q_scale.reshape(())).clamp(-fmax, fmax).to(dtype)
     return q8, q_scale
 

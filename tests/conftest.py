@@ -21,6 +21,17 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
 
 
+def setup_module_of_repo():
+    """setup.py loaded as a module (its setup() call runs only as ``__main__``): the build plan,
+    the CUDA toolkit lookup and the nvcc flags the tests check against."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("kimi_ops_setup", os.path.join(ROOT, "setup.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @dataclass
 class DecodeCase:
     q: torch.Tensor           # [T, H, 576] bf16

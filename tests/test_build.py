@@ -3,25 +3,19 @@ torch exist the extension must have been built (issue 30: a failed or skipped bu
 to pure Python silently and CI stayed green). KIMI_OPS_NO_EXTENSION=1 (a CPU-only install, or a
 checkout run from PYTHONPATH) opts out of that check, as it opts out of the build."""
 
-import importlib.util
 import os
 import subprocess
 import sys
 
 import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import ROOT, setup_module_of_repo
 
 
 def build_plan():
-    """setup.py's BuildPlan here (setup.py loaded as a module: its setup() call runs only as
-    __main__); the environment it may touch (CUDA_HOME) is restored."""
-    spec = importlib.util.spec_from_file_location("kimi_ops_setup", os.path.join(ROOT, "setup.py"))
-    module = importlib.util.module_from_spec(spec)
+    """setup.py's BuildPlan here; the environment it may touch (CUDA_HOME) is restored."""
     saved = dict(os.environ)
     try:
-        spec.loader.exec_module(module)
-        return module.build_plan()
+        return setup_module_of_repo().build_plan()
     finally:
         os.environ.clear()
         os.environ.update(saved)

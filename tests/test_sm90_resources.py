@@ -5,7 +5,6 @@ nothing (a spill in the K loop costs local-memory traffic on every tile) and fit
 bound's registers. Known exception: the 16-row kernel's 3-stage ring (not a default, only
 ``KIMI_OPS_SM90_STAGES=3``) spills 24 bytes. Needs nvcc and a CUDA build of torch; ~50 s on 2 cores.
 """
-import importlib.util
 import os
 import re
 import shutil
@@ -15,8 +14,8 @@ import sysconfig
 
 import pytest
 import torch
+from conftest import ROOT, setup_module_of_repo
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOURCE = os.path.join(ROOT, "csrc", "sm90", "mla_decode_sm90.cu")
 
 # instance (demangled, namespaces dropped) -> the spill bytes (stores, loads) it is allowed
@@ -33,15 +32,8 @@ _ENTRY = re.compile(r"Compiling entry function '(\S+)' for 'sm_90a'\n.*?Function
                     re.S)
 
 
-def _setup_module():
-    spec = importlib.util.spec_from_file_location("kimi_ops_setup_res", os.path.join(ROOT, "setup.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _ptxas_report(tmp_path):
-    setup = _setup_module()
+    setup = setup_module_of_repo()
     toolkit = setup.cuda_toolkit_root()
     if not torch.version.cuda or toolkit is None:
         pytest.skip("needs a CUDA build of torch and the CUDA toolkit (nvcc)")

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..device import device_index
 from . import interpreting
 
 try:
@@ -44,7 +45,7 @@ def pdl_args(device: torch.device) -> dict:
     ``{"PDL": False}`` (ROCm, the interpreter, older GPUs)."""
     on = (device.type == "cuda" and torch.version.hip is None and not interpreting()
           and os.environ.get("KIMI_OPS_PDL", "1") != "0" and _triton_takes_launch_pdl()
-          and _device_has_pdl(device.index if device.index is not None else torch.cuda.current_device()))
+          and _device_has_pdl(device_index(device)))
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 
 

@@ -7,6 +7,8 @@ captures any such function (eager or ``torch.compile``'d) in a ``torch.cuda.CUDA
 a static hidden-state buffer; replays then run the same kernels on the updated buffers.
 """
 
+import os
+
 import torch
 
 
@@ -23,8 +25,6 @@ def compile_step(fn, **kwargs):
     kimi_ops' Triton kernels do (kimi_ops/kernels/pdl.py). On the H200 (torch 2.11) the compiled
     Kimi-K3 step in a CUDA graph took 61.4 us instead of 65.0 at batch 1 and 76.6 instead of 78.5
     at batch 8 (docs/PERF.md, session 21)."""
-    import os
-
     options = dict(kwargs.pop("options", None) or {})
     if os.environ.get("KIMI_OPS_PDL", "1") != "0" and hasattr(torch._inductor.config.triton, "enable_pdl"):
         options.setdefault("triton.enable_pdl", True)
