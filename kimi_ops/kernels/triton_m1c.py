@@ -138,7 +138,12 @@ def _splitkv_tm_kernel(
         if VSPLIT == 2:
             kx = tl.load(krow[:, None] + offs_x[None, :], mask=ld_ok[:, None], other=0.0)
             kx = _fp8_to16(kx, KV_U8_FNUZ, DT16)
-            d = d + (tl.dot(kx, qxT) + tl.dot(kp, qpT))
+            dx = tl.dot(kx, qxT)
+            dp = tl.dot(kp, qpT)
+            # the same sum in both programs, channels [0, 256) + ([256, 512) + rope): each one's
+            # o half is then normalized by the same l, and the lse they store is the same bits
+            # (summed own-half-first, the two differed in the last bit and raced: H200, m1c)
+            d = tl.where(pid_v == 0, d + (dx + dp), dx + (d + dp))
         else:
             d = d + tl.dot(kp, qpT)
         vis = tok_ok[:, None] & (tok[:, None] < lim[None, :])
@@ -157,7 +162,7 @@ def _splitkv_tm_kernel(
     lse = _row_lse(m_i, l_i, ch, cl)  # m * c + ln l, the product's rounding error added back
     out_row = (pid_s.to(tl.int64) * T) * H + flat_row
     tl.store(o_ptr + out_row[None, :] * DC + offs_c[:, None], _to_bf16(oT, INTERP), mask=row_ok[None, :])
-    tl.store(lse_ptr + out_row, lse, mask=row_ok)
+    tl.store(lse_ptr + out_row, lse, mask=row_ok & (pid_v == 0))  # VSPLIT 2: one program stores it
 
 
 # ----------------------------------------------------------------------------------------------
