@@ -211,32 +211,6 @@ def test_tile_edges(rows, monkeypatch):
 
 
 @sm90
-@pytest.mark.parametrize("H,qlen", [(12, 8), (96, 1), (48, 2)])
-def test_cluster_pairs(H, qlen, monkeypatch):
-    """96 rows a request (two 48-row CTAs) run as clusters of two that read each tile once
-    (multicast bulk copies): against the oracle at the tile edges, with 1-3 splits, on both grids,
-    and bit for bit the CTAs launched one by one (KIMI_OPS_SM90_CLUSTER=0; the only difference is
-    the first CTA's causal limit, masked tokens adding exact zeros). Length 132 in 2 splits at
-    qlen 8: the second split is empty for the first CTA's rows (positions 0-3), not for the
-    second's."""
-    import kimi_ops.kernels.sm90 as hopper
-    g = torch.Generator().manual_seed(H + qlen)
-    lens = [1, 63, 64, 65, 127, 128, 129, 132, 191, 192, 193, 320, 0, 4100]
-    for S in (1, 2, 3):
-        monkeypatch.delenv("KIMI_OPS_SM90_CLUSTER", raising=False)
-        check_decode(lens, qlen, H, S, kernels=hopper, device="cuda", gen=g)
-        check_work_list_decode(lens, qlen, H, S, g)
-        q, kv, indptr, idx = make_inputs(lens, qlen, H, device="cuda", gen=g, oob=3)
-        runs = []
-        for cluster in ("1", "0"):
-            monkeypatch.setenv("KIMI_OPS_SM90_CLUSTER", cluster)
-            runs.append(hopper.mla_decode_splitkv(q, kv, indptr, idx, qlen, SCALE, 0.5, S)
-                        + hopper.mla_decode(q, kv, indptr, idx, qlen, SCALE, 0.5, S))
-        for a, b in zip(*runs):
-            assert torch.equal(a, b), (S, "paired CTAs differ from single ones")
-
-
-@sm90
 @pytest.mark.parametrize("waves", ["1", "2", "4"])
 @pytest.mark.parametrize("H", [12, 16, 96, 128])
 def test_work_list_grid(H, waves, monkeypatch):

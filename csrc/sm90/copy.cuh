@@ -1,8 +1,7 @@
 // Shared-memory copy and mbarrier wrappers for sm_90a (PTX inline assembly): cp.async (16-byte
 // chunks, zero-filled past src_bytes), cp.async.bulk (global -> shared, completing on an
-// mbarrier's transaction count; multicast: into every CTA of a cluster), mbarrier init / arrive /
-// expect_tx / parity wait, the generic-to-async proxy fence, the CTA's rank in its cluster and the
-// cluster barrier. Used by the M1c kernels (csrc/sm90/) and scripts/bench_bulk_gather.cu.
+// mbarrier's transaction count), mbarrier init / arrive / expect_tx / parity wait, and the
+// generic-to-async proxy fence. Used by the M1c kernels (csrc/sm90/) and scripts/bench_bulk_gather.cu.
 //
 // Byte layouts: cp.async copies 16 bytes global -> shared (zero-filled past src_bytes);
 // bulk_copy_g2s copies `bytes` (a multiple of 16, 16-byte aligned both sides) and adds them to the
@@ -53,25 +52,6 @@ __device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, uint32
       "l"(src), "r"(bytes), "r"(smem_addr(bar))
       : "memory");
 }
-// the same copy into the shared memory of every CTA of the cluster in cta_mask (bit r: rank r), at
-// dst's offset there, each completing on the mbarrier at bar's offset in its own CTA
-__device__ __forceinline__ void bulk_copy_g2s_multicast(void* dst, const void* src, uint32_t bytes, uint64_t* bar,
-                                                        uint16_t cta_mask) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1], %2, [%3], "
-      "%4;\n" ::"r"(smem_addr(dst)),
-      "l"(src), "r"(bytes), "r"(smem_addr(bar)), "h"(cta_mask)
-      : "memory");
-}
-__device__ __forceinline__ uint32_t cluster_cta_rank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-  return r;
-}
-// every thread of every CTA of the cluster: arrive (release: its memory accesses so far are seen
-// by the threads that then wait), wait (acquire) for all of them to arrive
-__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory"); }
 // generic-proxy shared-memory accesses ordered with the async proxy's (wgmma operand reads, bulk copies)
 __device__ __forceinline__ void fence_proxy_async_smem() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");

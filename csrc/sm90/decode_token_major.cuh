@@ -14,15 +14,14 @@
 //
 // Byte layouts:
 //   reads   q [T*H, 576] bf16 (or fp8 with q_scale [1] f32: kFp8Q); kv [N, 576] fp8 rows
-//           (cp.async, 16-byte chunks: TileLoader; in a cluster, one multicast cp.async.bulk of 576
-//           bytes a row: MulticastTileLoader); kv_indptr / kv_indices int32; seq_lens [R] int32
+//           (cp.async, 16-byte chunks: TileLoader); kv_indptr / kv_indices int32; seq_lens [R] int32
 //   writes  o [valid_rows, 512] bf16 (16-byte stores) and lse [valid_rows] f32 (natural log) at
 //           the CTA's rows of o_part / lse_part or o_final / lse_final (work_list.cuh)
 //   shared  TokenMajorSmem<NT, STAGES, TILE>: kv[STAGES][TILE * 592] fp8 tiles, q [N * 576] f16
 //           (core-matrix layout, fragments.cuh; an fp8 query the same, its bytes converted), p
 //           [N * TILE] f16 (core matrices of 8 tokens x 8 rows, tm_store_p), red [TILE / 16][N] f32,
-//           row_scale [N] f32, row_fac [N] f32, full [STAGES] mbarriers (clusters); the epilogue
-//           stages O [N][kOStride = 520] bf16 in the K ring
+//           row_scale [N] f32, row_fac [N] f32; the epilogue stages O [N][kOStride = 520] bf16 in
+//           the K ring
 #pragma once
 
 #include <cuda_bf16.h>
@@ -70,55 +69,10 @@ struct TokenMajorSmem {
   float red[TILE / 16][kRows];  // per token warp: the tile's row maxima; at the end the row sums
   float row_scale[kRows];       // the tile's O rescale per row; at the end kv_scale / l
   float row_fac[kRows];
-  uint64_t full[STAGES];  // kCluster > 1: the stage's TILE rows landed (every CTA's multicast copies)
 };
 
 constexpr int kTmWarps = 8;
 constexpr int kOStride = kLatent + 8;  // bf16 per row of the token-major epilogue's O staging
-
-// The copies of a cluster of kCluster CTAs (consecutive row groups of one request and split) that
-// share each tile: the CTA of rank r gathers the tile's rows [r, r + 1) x TILE / kCluster, one
-// cp.async.bulk of 576 bytes a row multicast into every CTA of the cluster, completing on the
-// stage's `full` mbarrier in each; a row past the split or outside the cache comes from
-// g_zero_row. Lane l < kRowsPerWarp of warp w copies the row r TILE / kCluster + w kRowsPerWarp +
-// l; its index is read a tile ahead. The interface of TileLoader: load (a whole tile, by thread 0
-// also the tile's expect_tx on its own CTA's `full`) and load_piece (piece 0 issues it all).
-template <int kCluster, int STAGES, int TILE>
-struct MulticastTileLoader {
-  static constexpr int kRowsPerWarp = TILE / kCluster / kTmWarps;
-  static_assert(kRowsPerWarp * kCluster * kTmWarps == TILE && kRowsPerWarp <= 32, "whole rows a warp");
-  const uint8_t* kv;
-  const int* idx_base;
-  uint64_t* full;
-  int64_t num_kv_rows;
-  int lo, hi, row, next_index;
-  bool copies, expects;
-
-  __device__ __forceinline__ MulticastTileLoader(const SplitKVParams& p, const CtaWork& w, int warp, int lane,
-                                                 uint64_t* full_bars)
-      : kv(p.kv), idx_base(p.indices + w.start), full(full_bars), num_kv_rows(p.num_kv_rows), lo(w.lo), hi(w.hi),
-        row(static_cast<int>(cluster_cta_rank()) * (TILE / kCluster) + warp * kRowsPerWarp + lane),
-        copies(lane < kRowsPerWarp), expects(warp == 0 && lane == 0) {
-    next_index = index(0);
-  }
-  __device__ __forceinline__ int index(int t) const {  // -1: past the split, or not a copying lane
-    const int j = lo + t * TILE + row;
-    return copies && j < hi ? idx_base[j] : -1;
-  }
-  __device__ __forceinline__ void load(int t, uint8_t* stage) {
-    uint64_t* bar = &full[t % STAGES];
-    if (expects) mbar_arrive_expect_tx(bar, TILE * kRowBytes);
-    if (copies) {
-      const bool ok = next_index >= 0 && next_index < num_kv_rows;
-      const uint8_t* src = ok ? kv + static_cast<int64_t>(next_index) * kRowBytes : g_zero_row;
-      bulk_copy_g2s_multicast(stage + row * kSmemRow, src, kRowBytes, bar, (1u << kCluster) - 1u);
-    }
-    next_index = index(t + 1);
-  }
-  __device__ __forceinline__ void load_piece(int t, int k, uint8_t* stage) {
-    if (k == 0) load(t, stage);
-  }
-};
 
 // S^T over the warpgroup's 64 tokens (the warp's 16: k_lane) and HT n-tiles of query rows (q_desc):
 // s[j] holds (token g / g + 8 of the warp, row 8j + 2c + {0, 1}). Each k-chunk's fp8 bytes are
@@ -311,12 +265,7 @@ __device__ __forceinline__ void tm_pv(float (&acc)[4][NT][4], const uint8_t* til
 }
 
 // kFp8Q: the fp8 query, staged as f16 (exact: stage_query_rows_fp8_f16<true>); the rest is the same.
-// kCluster > 1: launched in clusters of kCluster CTAs along x (the row groups of a request, which
-// read the same tokens), each tile read once for the cluster (MulticastTileLoader) and the ring's
-// stages released by the cluster barrier: every thread arrives after a tile's PV has read it, and
-// waits for all before the copies into that stage go out (the next tile's first chunk). Otherwise
-// each CTA copies its tiles with cp.async (TileLoader).
-template <int NT, int STAGES, int TILE, bool kFp8Q = false, int kCluster = 1>
+template <int NT, int STAGES, int TILE, bool kFp8Q = false>
 __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const SplitKVParams p) {
   static_assert(NT % 2 == 0 && NT >= 4 && NT <= 8, "two warpgroups of NT / 2 n-tiles: 32..64 rows");
   static_assert(TILE == 64 || TILE == 128, "64- or 128-token tiles");
@@ -337,7 +286,7 @@ __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const Spli
   const int rows_per_req = p.qlen * p.heads;
   const int row0 = blockIdx.x * kRows;
   wait_prior_grid();
-  const CtaWork work = cta_work(p, kRows, kCluster);  // the same tokens in every CTA of a cluster
+  const CtaWork work = cta_work(p, kRows);
   if (!work.exists) return;
   if (work.ntiles == 0) {
     write_empty_split(p, work, tid, kThreads);
@@ -345,23 +294,7 @@ __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const Spli
   }
   const int ntiles = (work.ntiles * kTileN + TILE - 1) / TILE;  // the last may be half empty
 
-  constexpr bool kMulticast = kCluster > 1;
-  if constexpr (kMulticast) {
-    if (tid == 0) {
-#pragma unroll
-      for (int s = 0; s < STAGES; ++s) mbar_init(&sm.full[s], 1);
-      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
-    cluster_arrive();  // every CTA's mbarriers are initialized before a copy completes on them
-    cluster_wait();
-  }
-  auto make_loader = [&] {
-    if constexpr (kMulticast)
-      return MulticastTileLoader<kCluster, STAGES, TILE>(p, work, warp, lane, sm.full);
-    else
-      return TileLoader<kTmWarps, TILE>(p, work, warp, lane);
-  };
-  auto loader = make_loader();
+  TileLoader<kTmWarps, TILE> loader(p, work, warp, lane);
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
     if (s < ntiles) loader.load(s, sm.kv[s]);
@@ -406,14 +339,8 @@ __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const Spli
   const uint64_t p_desc = smem_desc(sm.p, 128, 16 * TILE);
 
   for (int t = 0; t < ntiles; ++t) {
-    if constexpr (kMulticast) {
-      if (t == 0) cluster_arrive();
-      mbar_wait(&sm.full[t % STAGES], (t / STAGES) & 1);
-      cluster_wait();  // tile t landed; every thread of the cluster is done with tile t - 1 (as below)
-    } else {
-      cp_async_wait<STAGES - 2>();
-      __syncthreads();  // tile t landed; every warp is done with tile t - 1 (its stage, P, row_scale)
-    }
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();  // tile t landed; every warp is done with tile t - 1 (its stage, P, row_scale)
     const uint8_t* tile = sm.kv[t % STAGES];
     const int tok_base = work.lo + t * TILE + tq * 16;  // request-relative token of the warp's M row 0
     float s[kHT][4];
@@ -438,9 +365,7 @@ __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const Spli
     fence_proxy_async_smem();
     __syncthreads();  // P and row_scale
     tm_pv<NT, TILE>(acc, tile, p_desc, sm.row_scale, rescale, warp, g, c, pv_tail, t == 0);
-    if constexpr (kMulticast) cluster_arrive();  // the tile's V is in registers: its stage may be refilled
   }
-  if constexpr (kMulticast) cluster_wait();  // every copy of the cluster has landed: none is in flight
   wait_pv_tail();
   cp_async_wait<0>();
   allow_next_grid();

@@ -97,35 +97,19 @@ bool pdl_enabled() {
   return !(all != nullptr && std::strcmp(all, "0") == 0) && sm90 != nullptr && std::strcmp(sm90, "1") == 0;
 }
 
-// The token-major kernel's clusters (splitkv_tm_kernel<..., kCluster = 2>: the two row groups of a
-// request share each tile) unless KIMI_OPS_SM90_CLUSTER=0.
-bool clusters_enabled() {
-  const char* env = std::getenv("KIMI_OPS_SM90_CLUSTER");
-  return !(env != nullptr && std::strcmp(env, "0") == 0);
-}
-// cluster > 1: clusters of that many CTAs along x (grid.x a multiple of it)
 template <typename Params>
 void launch(void (*kernel)(const Params), dim3 grid, unsigned threads, size_t smem, cudaStream_t stream,
-            const Params& params, unsigned cluster = 1) {
-  cudaLaunchAttribute attr[2];
-  int n = 0;
-  if (pdl_enabled()) {
-    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[n++].val.programmaticStreamSerializationAllowed = 1;
-  }
-  if (cluster > 1) {
-    attr[n].id = cudaLaunchAttributeClusterDimension;
-    attr[n].val.clusterDim.x = cluster;
-    attr[n].val.clusterDim.y = 1;
-    attr[n++].val.clusterDim.z = 1;
-  }
+            const Params& params) {
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
   cudaLaunchConfig_t config{};
   config.gridDim = grid;
   config.blockDim = dim3(threads);
   config.dynamicSmemBytes = smem;
   config.stream = stream;
   config.attrs = attr;
-  config.numAttrs = n;
+  config.numAttrs = pdl_enabled() ? 1 : 0;
   C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, params));
 }
 
@@ -135,11 +119,9 @@ void check_cuda_tensor(const at::Tensor& t, const char* name, at::ScalarType dty
   TORCH_CHECK(t.is_contiguous(), "kimi_ops._C: ", name, " must be contiguous");
 }
 
-// kFp8Q, kCluster: the kernel's fp8-query / cluster instance (its own `configured`: the attribute is
-// per function)
-template <typename Smem, bool kFp8Q, int kCluster = 1, typename Kernel>
-void launch_kernel(Kernel* kernel, int threads, const SplitKVParams& params, dim3 grid, cudaStream_t stream,
-                   unsigned cluster = 1) {
+// kFp8Q: the kernel's fp8-query instance (its own `configured`: the attribute is per function)
+template <typename Smem, bool kFp8Q, typename Kernel>
+void launch_kernel(Kernel* kernel, int threads, const SplitKVParams& params, dim3 grid, cudaStream_t stream) {
   constexpr size_t smem = sizeof(Smem);
   static bool configured[64] = {};  // per device: the dynamic smem limit is a per-context attribute
   int device = 0;
@@ -148,7 +130,7 @@ void launch_kernel(Kernel* kernel, int threads, const SplitKVParams& params, dim
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     if (device < 64) configured[device] = true;
   }
-  launch(kernel, grid, threads, smem, stream, params, cluster);
+  launch(kernel, grid, threads, smem, stream, params);
 }
 
 // the fp8-query instance where params.q_scale is set
@@ -161,21 +143,9 @@ void launch_splitkv(const SplitKVParams& params, dim3 grid, cudaStream_t stream)
     launch_kernel<Smem, false>(splitkv_kernel<STAGES>, kSplitKVThreads, params, grid, stream);
 }
 
-// kPairs: a request of two row groups (96 rows at 48 a CTA: qlen 8 at 12 heads, 96 heads) runs
-// them as a cluster of two CTAs that read each tile once
-template <int NT, int STAGES, int TILE = kTileN, bool kPairs = false>
+template <int NT, int STAGES, int TILE = kTileN>
 void launch_splitkv_tm(const SplitKVParams& params, dim3 grid, cudaStream_t stream) {
   using Smem = TokenMajorSmem<NT, STAGES, TILE>;
-  if constexpr (kPairs) {
-    if (grid.x == 2 && clusters_enabled()) {
-      if (params.q_scale != nullptr)
-        launch_kernel<Smem, true, 2>(splitkv_tm_kernel<NT, STAGES, TILE, true, 2>, 32 * kTmWarps, params, grid, stream, 2);
-      else
-        launch_kernel<Smem, false, 2>(splitkv_tm_kernel<NT, STAGES, TILE, false, 2>, 32 * kTmWarps, params, grid, stream,
-                                   2);
-      return;
-    }
-  }
   if (params.q_scale != nullptr)
     launch_kernel<Smem, true>(splitkv_tm_kernel<NT, STAGES, TILE, true>, 32 * kTmWarps, params, grid, stream);
   else
@@ -249,7 +219,7 @@ void launch_splitkv(const SplitKVParams& params, int64_t rows_per_cta, int64_t s
     case 163: launch_splitkv<3>(params, grid, stream); break;
     case 164: launch_splitkv<4>(params, grid, stream); break;
     case 322: launch_splitkv_tm<4, 2, 128>(params, grid, stream); break;
-    case 482: launch_splitkv_tm<6, 2, 128, true>(params, grid, stream); break;
+    case 482: launch_splitkv_tm<6, 2, 128>(params, grid, stream); break;
     case 642: launch_splitkv_tm<8, 2>(params, grid, stream); break;
     default: launch_splitkv_tm<8, 3>(params, grid, stream); break;
   }

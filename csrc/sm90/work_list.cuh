@@ -164,10 +164,8 @@ struct CtaWork {
   }
 };
 
-// Every thread of the CTA calls this (find_work_item is warp-wide). span_ctas > 1: the CTAs of a
-// cluster of span_ctas consecutive row groups share the tiles, so the split's tokens are those of
-// the cluster's rows (the same lo, hi, ntiles in each; a row sees its own row_limit).
-__device__ __forceinline__ CtaWork cta_work(const SplitKVParams& p, int rows_per_cta, int span_ctas = 1) {
+// Every thread of the CTA calls this (find_work_item is warp-wide).
+__device__ __forceinline__ CtaWork cta_work(const SplitKVParams& p, int rows_per_cta) {
   CtaWork w;
   const int balanced = balanced_tokens(p.indptr, p.num_requests, p.balance_ctas);
   int split = blockIdx.y, req = blockIdx.z, used = 0, slot = 0;
@@ -191,7 +189,7 @@ __device__ __forceinline__ CtaWork cta_work(const SplitKVParams& p, int rows_per
   w.start = p.indptr[req];
   w.n = max(p.indptr[req + 1] - w.start, 0);
   w.n_global = p.seq_lens != nullptr ? p.seq_lens[req] : w.n;
-  const int last_row = min((static_cast<int>(blockIdx.x) / span_ctas + 1) * span_ctas * rows_per_cta, rows_per_req) - 1;
+  const int last_row = min(row0 + rows_per_cta, rows_per_req) - 1;
   const int hi_rows = visible_tokens(w.n, w.n_global, p.qlen, last_row / p.heads, p.dcp_rank, p.dcp_world);
   const int chunk = split_chunk(w.n, p.num_splits, balanced);
   w.lo = split * chunk;
