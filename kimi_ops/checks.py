@@ -153,15 +153,20 @@ def check_q_scale(op: str, q, kv_cache, q_scale) -> None:
         if q_scale is None:
             fail(op, "q_scale", f"a float32 tensor of one element (q's dequantization scale) when q is {q.dtype}",
                  None)
-        check_tensor(op, "q_scale", q_scale, dtypes=(torch.float32,),
-                     what=f"a float32 tensor of one element on q's device ({q.device})")
-        if q_scale.numel() != 1:
-            fail(op, "q_scale", "a float32 tensor of one element (one per-tensor scale)", _describe(q_scale))
-        if q_scale.device != q.device:
-            fail(op, "q_scale", f"on q's device ({q.device})", _describe(q_scale))
+        check_scale_tensor(op, q_scale, q.device)
     elif q_scale is not None:
         fail(op, "q_scale", f"None when q is {q.dtype} (q_scale only goes with an fp8 q)",
              _describe(q_scale) if isinstance(q_scale, torch.Tensor) else q_scale)
+
+
+def check_scale_tensor(op: str, q_scale, device) -> None:
+    """``q_scale``: a float32 tensor of one element (any shape, e.g. ``[]`` or ``[1]``) on ``device``."""
+    check_tensor(op, "q_scale", q_scale, dtypes=(torch.float32,),
+                 what=f"a float32 tensor of one element on q's device ({device})")
+    if q_scale.numel() != 1:
+        fail(op, "q_scale", "a float32 tensor of one element (one per-tensor scale)", _describe(q_scale))
+    if q_scale.device != device:
+        fail(op, "q_scale", f"on q's device ({device})", _describe(q_scale))
 
 
 def check_query_out_dtype(op: str, dtype) -> None:

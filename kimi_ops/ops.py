@@ -426,10 +426,7 @@ def quantize_query(q, *, q_scale=None, dtype=torch.float8_e4m3fn):
     if q_scale is None:
         q_scale = query_scale(q, dtype=dtype)
     else:
-        checks.check_tensor("quantize_query", "q_scale", q_scale, dtypes=(torch.float32,),
-                            what="a float32 tensor of one element")
-        if q_scale.numel() != 1:
-            checks.fail("quantize_query", "q_scale", "a float32 tensor of one element", tuple(q_scale.shape))
+        checks.check_scale_tensor("quantize_query", q_scale, q.device)
     fmax = fp8_max(dtype)
     q8 = (q.to(torch.float32) / q_scale.reshape(())).clamp(-fmax, fmax).to(dtype)
     return q8, q_scale

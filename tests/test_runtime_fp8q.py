@@ -71,6 +71,8 @@ def test_quantize_query_errors():
         kimi_ops.quantize_query(q, q_scale=torch.ones(2))
     with pytest.raises(ValueError, match=r"q_scale must be a float32 tensor"):
         kimi_ops.quantize_query(q, q_scale=torch.ones(1, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"quantize_query: q_scale must be on q's device \(cpu\)"):
+        kimi_ops.quantize_query(q, q_scale=torch.ones(1, device="meta"))
     q_nope, q_pe, w_uk, _ = make_query_inputs(2, 3)
     with pytest.raises(ValueError, match=r"mla_query: q_scale must be None for a bf16 output"):
         kimi_ops.mla_query(q_nope, q_pe, w_uk, q_scale=torch.ones(1))
