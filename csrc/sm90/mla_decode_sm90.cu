@@ -182,8 +182,8 @@ SplitKVParams splitkv_params(const at::Tensor& q, const at::Tensor& kv, const at
   TORCH_CHECK(num_splits >= 1 && num_splits <= 65535, "kimi_ops._C: num_splits must be in [1, 65535]");
   TORCH_CHECK(rows_per_cta == 16 || rows_per_cta == 32 || rows_per_cta == 48 || rows_per_cta == 64,
               "kimi_ops._C: rows_per_cta must be 16, 32, 48 or 64");
-  TORCH_CHECK(stages >= 2 && stages <= (rows_per_cta == 64 ? 3 : 4),
-              "kimi_ops._C: stages must be 2..4 (16, 32 or 48 rows per CTA) or 2..3 (64)");
+  TORCH_CHECK(stages >= 2 && stages <= (rows_per_cta == 16 ? 4 : rows_per_cta == 64 ? 3 : 2),
+              "kimi_ops._C: stages must be 2..4 (16 rows per CTA), 2 (32 or 48) or 2..3 (64)");
   const int64_t T = q.size(0), H = q.size(1), R = T / qlen;
   TORCH_CHECK(indptr.numel() == R + 1, "kimi_ops._C: kv_indptr must have T / qlen + 1 entries");
   TORCH_CHECK(R <= 65535, "kimi_ops._C: at most 65535 requests");
@@ -210,8 +210,7 @@ SplitKVParams splitkv_params(const at::Tensor& q, const at::Tensor& kv, const at
   return params;
 }
 
-// 16 rows: splitkv_kernel; 32 or 48: splitkv_tm_kernel on two 128-token stages, or on 3 or 4
-// 64-token stages (more copies in flight, each warpgroup half the rows); 64: on 64-token tiles
+// 16 rows: splitkv_kernel; 32 or 48: splitkv_tm_kernel on 128-token tiles; 64: on 64-token tiles
 // (two 128-token stages and 64 rows' Q do not fit).
 void launch_splitkv(const SplitKVParams& params, int64_t rows_per_cta, int64_t stages, dim3 grid) {
   auto stream = c10::cuda::getCurrentCUDAStream();
@@ -220,11 +219,7 @@ void launch_splitkv(const SplitKVParams& params, int64_t rows_per_cta, int64_t s
     case 163: launch_splitkv<3>(params, grid, stream); break;
     case 164: launch_splitkv<4>(params, grid, stream); break;
     case 322: launch_splitkv_tm<4, 2, 128>(params, grid, stream); break;
-    case 323: launch_splitkv_tm<4, 3, 64>(params, grid, stream); break;
-    case 324: launch_splitkv_tm<4, 4, 64>(params, grid, stream); break;
     case 482: launch_splitkv_tm<6, 2, 128>(params, grid, stream); break;
-    case 483: launch_splitkv_tm<6, 3, 64>(params, grid, stream); break;
-    case 484: launch_splitkv_tm<6, 4, 64>(params, grid, stream); break;
     case 642: launch_splitkv_tm<8, 2>(params, grid, stream); break;
     default: launch_splitkv_tm<8, 3>(params, grid, stream); break;
   }

@@ -60,15 +60,12 @@ def rows_per_cta(rows_per_request: int) -> int:
 
 
 DEFAULT_STAGES = {16: 2, 32: 2, 48: 2, 64: 2}
-# 32 / 48 rows: two stages of 128 tokens (74 KB each), or 3 / 4 of 64 tokens (the kernel then splits
-# the rows, not the tokens, between its warpgroups)
-MAX_STAGES = {16: 4, 32: 4, 48: 4, 64: 3}
+MAX_STAGES = {16: 4, 32: 2, 48: 2, 64: 3}  # 32 / 48 rows: two stages of 128 tokens (74 KB each)
 CTAS_PER_SM = {(16, 2): 2}  # by shared memory (97 KB); every other (rows, stages) takes over 114 KB: 1
 
 
 def ring_stages(rows: int) -> int:
-    """Shared-memory stages in the CTA's K ring: 64 tokens (37 KB) each, but 128 (74 KB) for 32 / 48
-    rows at 2 stages."""
+    """Shared-memory stages in the CTA's K ring: 64 tokens (37 KB) each, 128 (74 KB) for 32 / 48 rows."""
     env = os.environ.get(STAGES_ENV)
     if env:
         stages = int(env)
