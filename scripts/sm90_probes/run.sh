@@ -3,6 +3,7 @@
 # wgmma_rates.py (wgmma's rate by N and operand path) and tile_phases.cu (splitkv_tm_kernel's
 # per-tile pieces). BUILD (default build/sm90_probes) takes the generated source and binaries.
 set -euo pipefail
+if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0; fi
 here=$(cd "$(dirname "$0")" && pwd)
 build=${BUILD:-$here/../../build/sm90_probes}
 mkdir -p "$build"
