@@ -96,8 +96,10 @@ __global__ void __launch_bounds__(256, 1) phase(int iters, float* out) {
 // The kernel's tile loop (splitkv_tm_kernel, 48 rows, 128-token tiles) with pieces left out:
 // kCopies: the next tile's cp.async copies (TileLoader, contiguous rows of kv) and their wait;
 // kSoftmax: mask / max / vote / exp / P store and the two barriers (else QK then PV only);
-// kBarriers false drops the softmax's two barriers (the vote is the thread's own).
-template <bool kCopies, bool kSoftmax, bool kBarriers>
+// kBarriers false drops the softmax's two barriers (the vote is the thread's own); kBurst issues
+// the next tile's copies all at the top of the tile (TileLoader::load) instead of spread over
+// tm_scores' first chunks; kCompute false leaves only the copies, their waits and the barrier.
+template <bool kCopies, bool kSoftmax, bool kBarriers, bool kBurst = false, bool kCompute = true>
 __global__ void __launch_bounds__(256, 1) loop(int iters, const uint8_t* kv, const int* idx, int64_t n_rows, float* out) {
   extern __shared__ __align__(128) uint8_t smem_raw[];
   auto& sm = *reinterpret_cast<Smem*>(smem_raw);
@@ -128,7 +130,13 @@ __global__ void __launch_bounds__(256, 1) loop(int iters, const uint8_t* kv, con
     uint8_t* next_stage = sm.kv[(t + 1) % 2];
     const bool load_next = kCopies && t + 1 < iters;
     float s[kHT][4];
-    tm_scores<kHT>(s, tile + k_lane, q_desc, [&](int piece) { if (load_next) loader.load_piece(t + 1, piece, next_stage); }, wait_pv_tail);
+    if (kBurst && load_next) loader.load(t + 1, next_stage);
+    if constexpr (!kCompute) {
+      if (!kBurst && load_next) loader.load(t + 1, next_stage);
+      cp_async_commit();
+      continue;
+    }
+    tm_scores<kHT>(s, tile + k_lane, q_desc, [&](int piece) { if (!kBurst && load_next) loader.load_piece(t + 1, piece, next_stage); }, wait_pv_tail);
     cp_async_commit();
     bool rescale = (t & 15) == 0;
     if constexpr (kSoftmax) {
@@ -152,11 +160,11 @@ __global__ void __launch_bounds__(256, 1) loop(int iters, const uint8_t* kv, con
   out[blockIdx.x * 256 + tid] = sink;
 }
 
-template <bool kCopies, bool kSoftmax, bool kBarriers = true>
+template <bool kCopies, bool kSoftmax, bool kBarriers = true, bool kBurst = false, bool kCompute = true>
 void run_loop(const char* name, const uint8_t* kv, const int* idx, int64_t n_rows) {
   int sms; cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
   float* out; cudaMalloc(&out, sms * 256 * 4);
-  auto k = loop<kCopies, kSoftmax, kBarriers>;
+  auto k = loop<kCopies, kSoftmax, kBarriers, kBurst, kCompute>;
   cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, sizeof(Smem));
   const int iters = 64;
   std::vector<float> ts;
@@ -210,6 +218,9 @@ int main() {
     run_loop<true, true>("loop: all (the kernel's tile loop)", kv, idx, n_rows);
     run_loop<false, true, false>("loop: QK + softmax - barriers + PV", kv, idx, n_rows);
     run_loop<true, true, false>("loop: all - softmax barriers", kv, idx, n_rows);
+    run_loop<true, false, true, false, false>("loop: copies only", kv, idx, n_rows);
+    run_loop<true, false, true, true>("loop: QK + PV + copies in a burst", kv, idx, n_rows);
+    run_loop<true, true, true, true>("loop: all, copies in a burst", kv, idx, n_rows);
   }
   return 0;
 }
