@@ -6,7 +6,8 @@
 //   tm_pv alone, the two back to back,
 //   and the kernel's tile loop with pieces left out: copies (TileLoader's cp.async of the next
 //   tile from contiguous cache rows, as the kernel issues them inside tm_scores) and
-//   softmax (mask, max, vote, exp, P store and the two CTA barriers).
+//   softmax (mask, max, vote, exp, P store and the two CTA barriers), the copies alone, and the
+//   copies issued in one burst at the tile's top.
 // The loop's outputs are not checked: timing only (tests/test_cuda_attention.py checks the kernel).
 #include <cstdio>
 #include <vector>
