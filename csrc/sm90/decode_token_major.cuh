@@ -214,12 +214,10 @@ __device__ __forceinline__ void tm_exp(float (&s)[HT][4], const float (&m_run)[H
 // (the PV tail) is left in flight: its A fragments are kept in `tail` until the caller waits for
 // it (tm_scores' before_first_mma, or after the loop); it reads P, which the next tile rewrites
 // only after every warp has passed that wait and a barrier.
-// first_half_read(): called (by every thread) once the thread has read the tile's tokens
-// [0, TILE / 2), at the end of k-step TILE / 32 - 1.
-template <int NT, int TILE, class FirstHalfRead>
+template <int NT, int TILE>
 __device__ __forceinline__ void tm_pv(float (&acc)[4][NT][4], const uint8_t* tile, uint64_t p_desc,
                                       const float* row_scale, bool rescale, int warp, int g, int c,
-                                      uint32_t (&tail)[2][2][4], bool first, FirstHalfRead&& first_half_read) {
+                                      uint32_t (&tail)[2][2][4], bool first) {
   // CTA-uniform: only a tile that raised some row's running max (tile 0's O is not written yet)
   if (rescale && !first) {
     float2 alpha[NT];
@@ -262,7 +260,6 @@ __device__ __forceinline__ void tm_pv(float (&acc)[4][NT][4], const uint8_t* til
       WgmmaF16RS<8 * NT, 1>::run(acc[2 * sp + 1], a_odd, p_desc + (kk * 256 >> 4), scale_d);
     }
     wgmma_commit();
-    if (kk == TILE / 32 - 1) first_half_read();
     wgmma_wait<1>();
   }
 }
@@ -298,20 +295,9 @@ __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const Spli
   const int ntiles = (work.ntiles * kTileN + TILE - 1) / TILE;  // the last may be half empty
 
   TileLoader<kTmWarps, TILE> loader(p, work, warp, lane);
-  // kHalves (2 stages of 128 tokens): the stage of tile t is refilled by halves, tokens [0, 64)
-  // (warps 0-3's rows of TileLoader) as soon as every thread's PV(t) has read them, [64, 128)
-  // (warps 4-7's) during the next tile's S^T as before; each tile commits two cp.async groups
-  // (after S^T: warps 4-7's copies; after PV's first half: warps 0-3's), so the top of a tile
-  // waits for all but the newest (the first half of the tile after next).
-  constexpr bool kHalves = kWide && STAGES == 2;
-  const bool first_half_warp = warp < kTmWarps / 2;
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
     if (s < ntiles) loader.load(s, sm.kv[s]);
-    cp_async_commit();
-  }
-  if constexpr (kHalves) {
-    if (first_half_warp && 1 < ntiles) loader.load(1, sm.kv[1]);
     cp_async_commit();
   }
   if constexpr (kFp8Q)
@@ -353,10 +339,7 @@ __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const Spli
   const uint64_t p_desc = smem_desc(sm.p, 128, 16 * TILE);
 
   for (int t = 0; t < ntiles; ++t) {
-    if constexpr (kHalves)
-      cp_async_wait<1>();
-    else
-      cp_async_wait<STAGES - 2>();
+    cp_async_wait<STAGES - 2>();
     __syncthreads();  // tile t landed; every warp is done with tile t - 1 (its stage, P, row_scale)
     const uint8_t* tile = sm.kv[t % STAGES];
     const int tok_base = work.lo + t * TILE + tq * 16;  // request-relative token of the warp's M row 0
@@ -366,7 +349,7 @@ __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const Spli
     tm_scores<kHT>(
         s, tile + k_lane, q_desc,
         [&](int piece) {
-          if (load_next && !(kHalves && first_half_warp)) loader.load_piece(t + STAGES - 1, piece, next_stage);
+          if (load_next) loader.load_piece(t + STAGES - 1, piece, next_stage);
         },
         wait_pv_tail);
     cp_async_commit();
@@ -381,13 +364,7 @@ __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const Spli
     tm_store_p<kHT, TILE>(sm.p, s, half_row0, tq * 16, g, c);
     fence_proxy_async_smem();
     __syncthreads();  // P and row_scale
-    tm_pv<NT, TILE>(acc, tile, p_desc, sm.row_scale, rescale, warp, g, c, pv_tail, t == 0, [&] {
-      if constexpr (kHalves) {
-        __syncthreads();  // every thread has read the tile's first 64 tokens
-        if (first_half_warp && t + 2 < ntiles) loader.load(t + 2, sm.kv[t % 2]);
-        cp_async_commit();
-      }
-    });
+    tm_pv<NT, TILE>(acc, tile, p_desc, sm.row_scale, rescale, warp, g, c, pv_tail, t == 0);
   }
   wait_pv_tail();
   cp_async_wait<0>();

@@ -83,7 +83,7 @@ __global__ void __launch_bounds__(256, 1) phase(int iters, float* out) {
     if constexpr (MODE == 4) { scores_var<NT, 4, true>(s, tile + k_lane, q_desc); sink += s[t % NT][t % 4]; }
     if constexpr (MODE == 5) { scores_var<NT, 1, true>(s, tile + k_lane, q_desc); sink += s[t % NT][t % 4]; }
     if constexpr (MODE == 1 || MODE == 2) {
-      tm_pv<NT, TILE>(acc, tile, p_desc, sm.row_scale, (t & 7) == 0, warp, g, c, tail, t == 0, [] {});
+      tm_pv<NT, TILE>(acc, tile, p_desc, sm.row_scale, (t & 7) == 0, warp, g, c, tail, t == 0);
       wgmma_wait<0>();
       keep_alive(tail);
 #pragma unroll
@@ -152,7 +152,7 @@ __global__ void __launch_bounds__(256, 1) loop(int iters, const uint8_t* kv, con
     } else {
       l_run[0][0] += s[0][0] + s[kHT - 1][3];
     }
-    tm_pv<NT, TILE>(acc, tile, p_desc, sm.row_scale, rescale, warp, g, c, pv_tail, t == 0, [] {});
+    tm_pv<NT, TILE>(acc, tile, p_desc, sm.row_scale, rescale, warp, g, c, pv_tail, t == 0);
   }
   wait_pv_tail();
   cp_async_wait<0>();
