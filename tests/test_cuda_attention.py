@@ -46,17 +46,21 @@ def test_private_op_schemas():
 
 
 def test_split_heuristic_fills_one_wave():
-    from kimi_ops.kernels.sm90 import one_wave_splits, suggest_num_splits
+    from kimi_ops.kernels.sm90 import one_wave_splits, suggest_num_splits, used_splits
     # splitkv_kernel's 2-stage 16-row CTAs: two a SM
-    assert one_wave_splits(1, 1, 12, 65536) == 128             # one long request: as many as allowed
+    assert one_wave_splits(1, 1, 12, 65536) == 256             # one long request: 256 chunks of 256 tokens
     assert one_wave_splits(32, 1, 12, 32 * 8192) == 8          # 256 CTAs in 264 slots
+    # fullness counts the splits used after the chunk is rounded up to 64-token tiles: 30 splits of
+    # 8192 tokens would be chunks of 274 -> 320 tokens, 26 used (208 CTAs, 79% of 264); 32 use 256
+    assert one_wave_splits(8, 1, 12, 8 * 8192) == 32
+    assert used_splits(8192, 30) == 26 and used_splits(8192, 32) == 32 and used_splits(100, 7) == 2  # chunk 64
     assert one_wave_splits(128, 8, 12, 128 * 8192) == 1        # already several waves
     assert one_wave_splits(1, 1, 12, 200) == 1                 # too short to split
     assert suggest_num_splits(1, 1, 12, 200) == 1
     # headroom for longer-than-average requests costs <= 2.5% of the KV bytes in zeros
     for args in [(8, 1, 12, 8 * 8192), (64, 1, 96, 64 * 4096), (3, 4, 12, 3 * 1000), (32, 1, 12, 32 * 32768)]:
         s, base = suggest_num_splits(*args), one_wave_splits(*args)
-        assert base <= s <= 128
+        assert base <= s <= 256
         R, qlen, H, tokens = args
         assert (s - base) * R * qlen * H * 1024 <= 0.025 * tokens * 576 + 1
         assert (s - base) * R * -(-qlen * H // 16) <= 2 * 2 * 132  # at most two waves of empty CTAs
@@ -89,6 +93,17 @@ def test_auto_backend_is_cuda():
     dev = torch.device("cuda")
     assert dispatch.backend_for("mla_decode_splitkv", dev) == "cuda"
     assert dispatch.backend_for("mla_merge", dev) == "cuda"
+
+
+def test_max_splits(monkeypatch):
+    """KIMI_OPS_SM90_MAX_SPLITS replaces the default cap (256) of a request's splits."""
+    from kimi_ops.kernels.sm90 import MAX_SPLITS, MAX_SPLITS_ENV, one_wave_splits, suggest_num_splits
+    assert MAX_SPLITS == 256 and suggest_num_splits(1, 1, 12, 1 << 20) == 256
+    monkeypatch.setenv(MAX_SPLITS_ENV, "128")
+    assert one_wave_splits(1, 1, 12, 65536) == 128 and suggest_num_splits(1, 1, 12, 1 << 20) == 128
+    monkeypatch.setenv(MAX_SPLITS_ENV, "0")
+    with pytest.raises(ValueError, match="1..4096"):
+        suggest_num_splits(1, 1, 12, 65536)
 
 
 def test_balance_waves(monkeypatch):

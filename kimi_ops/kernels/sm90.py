@@ -32,6 +32,8 @@ STAGES_ENV = "KIMI_OPS_SM90_STAGES"  # K-ring depth override (MAX_STAGES by CTA 
 ROWS_ENV = "KIMI_OPS_SM90_ROWS"  # CTA rows override (16, 32, 48, 64), for tuning
 BALANCE_WAVES_ENV = "KIMI_OPS_SM90_BALANCE_WAVES"  # waves of CTAs the balanced chunk length aims at (1..8)
 WORK_LIST_ENV = "KIMI_OPS_SM90_WORK_LIST"  # "0": mla_decode on the (split, request) grid instead
+MAX_SPLITS_ENV = "KIMI_OPS_SM90_MAX_SPLITS"  # the default split cap (MAX_SPLITS) override, for tuning
+MAX_SPLITS = 256
 MAX_GRID_Y = 65535
 
 
@@ -155,7 +157,8 @@ def mla_decode(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: float, kv_sc
     ones, and a CUDA graph serves every mix of lengths. A request of one split writes o / lse
     directly; the others go through private partials [W, qlen, H, 512] (W =
     :func:`work_list_items`) and the merge. ``num_splits`` caps a request's splits (None:
-    one per 128 tokens of the average request, at most 128; more only costs partials memory).
+    one per 128 tokens of the average request, at most :func:`max_splits`; more only costs
+    partials memory).
     With one split, more than 65535 work items, a non-e4m3fn cache or KIMI_OPS_SM90_WORK_LIST=0,
     the (split, request) grid runs instead, its empty splits' o unwritten."""
     num_requests = kv_indptr.shape[0] - 1
@@ -194,32 +197,53 @@ def mla_merge(o_part, lse_part):
 
 def one_wave_splits(num_requests: int, qlen: int, num_heads: int, num_tokens: int, num_sms: int = 132) -> int:
     """Splits a request of average length takes so that the CTAs (requests x row groups x
-    splits) fill the device's CTA slots in waves at least 90% full (else the fullest), at most
-    one per 128 tokens and 128 in all. The kernel sizes every split to at least
-    (all tokens / (requests x this)): a uniform batch gets exactly this many splits a request,
-    a longer request proportionally more."""
+    used splits) fill the device's CTA slots in waves at least 90% full (else the fullest), at
+    most one per 128 tokens and :func:`max_splits` in all. The kernel sizes every split to at
+    least (all tokens / (requests x this)), rounded up to whole 64-token tiles: a uniform batch
+    uses ceil(n / that chunk) splits a request (the fullness is counted on those, after the
+    rounding), a longer request proportionally more."""
     if num_requests <= 0:
         return 1
-    return _one_wave_splits(num_requests, qlen, num_heads, num_tokens, num_sms,
-                            ring_stages(rows_per_cta(qlen * num_heads)))
+    return _one_wave_splits(num_requests, qlen, num_heads, num_sms, ring_stages(rows_per_cta(qlen * num_heads)),
+                            _split_cap(num_requests, num_tokens), max(1, num_tokens // num_requests))
+
+
+TILE_TOKENS = 64  # the kernels round a split's chunk up to whole 64-token tiles (csrc: split_chunk)
+
+
+def used_splits(avg_tokens: int, splits: int) -> int:
+    """Splits a request of avg_tokens uses when the balanced chunk is ceil(avg / splits) rounded up
+    to whole tiles (csrc/sm90/work_list.cuh, split_chunk / used_splits)."""
+    chunk = -(-(-(-avg_tokens // splits)) // TILE_TOKENS) * TILE_TOKENS
+    return -(-avg_tokens // chunk)
 
 
 @functools.lru_cache(maxsize=1024)
-def _one_wave_splits(num_requests, qlen, num_heads, num_tokens, num_sms, stages):
+def _one_wave_splits(num_requests, qlen, num_heads, num_sms, stages, cap, avg_tokens):
     # cached: every eager mla_decode call asks (once for num_splits, once for the balance)
     slots, ctas = _slots_and_ctas_per_split(num_requests, qlen, num_heads, num_sms, stages)
-    cap = _split_cap(num_requests, num_tokens)
 
     def fullness(splits):
-        total = ctas * splits
+        total = ctas * used_splits(avg_tokens, splits)
         return total / (-(-total // slots) * slots)
 
     return next((s for s in range(1, cap + 1) if fullness(s) >= 0.9),
                 max(range(1, cap + 1), key=lambda s: (fullness(s), -s)))
 
 
+def max_splits() -> int:
+    """A request's split cap when none is given: MAX_SPLITS, or KIMI_OPS_SM90_MAX_SPLITS (1..4096)."""
+    env = os.environ.get(MAX_SPLITS_ENV)
+    if not env:
+        return MAX_SPLITS
+    cap = int(env)
+    if not 1 <= cap <= 4096:
+        raise ValueError(f"{MAX_SPLITS_ENV} must be 1..4096, got {cap}")
+    return cap
+
+
 def _split_cap(num_requests: int, num_tokens: int) -> int:
-    return int(max(1, min((num_tokens // num_requests) // 128, 128)))
+    return int(max(1, min((num_tokens // num_requests) // 128, max_splits())))
 
 
 def _slots_and_ctas_per_split(num_requests: int, qlen: int, num_heads: int, num_sms: int, stages: int):
