@@ -2,7 +2,8 @@
 # One call on the H200: issue 27's table. Installs the carried peers (scripts/setup_peers.sh),
 # builds kimi_ops._C in place, runs scripts/bench_attention.py --grid issue27 beside FlashMLA
 # (fp8 and bf16-KV), FlashInfer (fp8 and bf16-KV) and vLLM's Triton MLA, and prints the peer
-# table last. Logs, json and md under $OUT (or ./out). Carry the prepared peers with it:
+# table last. Logs, json and md under $OUT (or ./out). Carry the peers, prepared on the machine
+# without a GPU by `python scripts/peers.py prepare` (it fills .whl/ and .peers/), with it:
 #   run(command="bash scripts/device_bench.sh", carry=[".whl", ".peers"])
 # BENCH_ARGS: more bench_attention.py arguments (e.g. "--reps 7"; a later --mma / --peers wins);
 # CALL_BUDGET: seconds the whole script may take (default 570, inside run()'s 600 s limit); the
