@@ -462,13 +462,17 @@ DEFAULT_MMA = "bf16"  # fp8 (the seeds' scheme) is slower and less accurate on s
 def _config(rows_per_req: int, mma: str):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for a request's qlen * H rows.
 
-    Chosen from ptxas's register report for sm_90 (scripts/cross_compile.py + ptxas -v): the
-    [BLOCK_M, 512] f32 accumulator and the gathered K tile must fit 255 registers a thread
-    without spilling; BLOCK_M 64 or BLOCK_N 64 spill at any warp count, so large row counts
-    take several row blocks (the KV chunk is then re-read from L2, not HBM)."""
+    Chosen from ptxas's register report for sm_90 (scripts/cross_compile.py + ptxas -v) and the
+    H200 (scripts/sweep_triton_m1c.py): the [BLOCK_M, 512] f32 accumulator and the gathered K
+    tile must fit 255 registers a thread. 16 rows take 64-token tiles (ptxas: 255 registers, 16
+    bytes spilled, Triton 3.8), 1.27-1.38x faster on the H200 at qlen 1 than the spill-free
+    32-token tiles (docs/perf-history.md, session 24); 32 rows keep 32-token tiles (64: 6% faster
+    at qlen 2, not adopted); large row counts take 64-row blocks (below)."""
     if mma == "bf16":
+        if rows_per_req <= 16:
+            return 16, 64, 8, 2
         if rows_per_req <= 32:
-            return (16 if rows_per_req <= 16 else 32), 32, 8, 3
+            return 32, 32, 8, 3
         # more rows: one 64-row block (it spills ~0.9 KB a thread, but measured 1.6-2.3x faster
         # on the H200 than 32-row blocks that redo the K conversion per block: docs/perf-history.md)
         return 64, 64, 8, 2
