@@ -214,7 +214,8 @@ TILE_TOKENS = 64  # the kernels round a split's chunk up to whole 64-token tiles
 def used_splits(avg_tokens: int, splits: int) -> int:
     """Splits a request of avg_tokens uses when the balanced chunk is ceil(avg / splits) rounded up
     to whole tiles (csrc/sm90/work_list.cuh, split_chunk / used_splits)."""
-    chunk = -(-(-(-avg_tokens // splits)) // TILE_TOKENS) * TILE_TOKENS
+    per_split = -(-avg_tokens // splits)                    # ceil(avg / splits)
+    chunk = -(-per_split // TILE_TOKENS) * TILE_TOKENS     # up to whole tiles
     return -(-avg_tokens // chunk)
 
 
