@@ -465,7 +465,7 @@ def _config(rows_per_req: int, mma: str):
     Chosen from ptxas's register report for sm_90 (scripts/cross_compile.py + ptxas -v) and the
     H200 (scripts/sweep_triton_m1c.py): the [BLOCK_M, 512] f32 accumulator and the gathered K
     tile must fit 255 registers a thread. 16 rows take 64-token tiles (ptxas: 255 registers, 16
-    bytes spilled, Triton 3.8), 1.27-1.38x faster on the H200 at qlen 1 than the spill-free
+    bytes spilled, Triton 3.8), 1.26-1.43x faster on the H200 at qlen 1 than the spill-free
     32-token tiles (docs/perf-history.md, session 24); 32 rows keep 32-token tiles (64: 6% faster
     at qlen 2, not adopted); large row counts take 64-row blocks (below)."""
     if mma == "bf16":
