@@ -118,9 +118,9 @@ def main(argv=None):
         ref_o, ref_lse = reference(sets[0][0], pool, sets[0][1], lens, qlen)
         for kind, spec in variants:
             os.environ[TM.KERNEL_ENV] = kind
-            base_splits = TM.suggest_num_splits(R, qlen, H, tok, nsm, arch=TM.arch_of(dev))  # this kernel's
             A._config, A._prefetch = orig_config, orig_prefetch
             TM.CONFIGS["sm90"] = orig_sm90
+            base_splits = TM.suggest_num_splits(R, qlen, H, tok, nsm, arch=TM.arch_of(dev))  # this kernel's
             os.environ.pop(A.S_CHAINS_ENV, None)
             if kind == "first" and spec != "default":
                 bn, w, st, pf, sc = (int(x) for x in spec.split(","))
