@@ -82,13 +82,18 @@ def balance_waves() -> int:
     """How many waves of CTA slots the balanced chunk length aims at (KIMI_OPS_SM90_BALANCE_WAVES,
     default 1). More waves cut a variable-length batch's long requests into more, shorter chunks
     (closer to even per slot) but need more splits (``suggest_num_splits`` scales with it)."""
-    env = os.environ.get(BALANCE_WAVES_ENV)
+    return _env_int(BALANCE_WAVES_ENV, 1, 1, 8)
+
+
+def _env_int(name: str, default: int, lo: int, hi: int) -> int:
+    """A tuning switch's integer: ``default`` when unset or empty, else it must be in lo..hi."""
+    env = os.environ.get(name)
     if not env:
-        return 1
-    waves = int(env)
-    if not 1 <= waves <= 8:
-        raise ValueError(f"{BALANCE_WAVES_ENV} must be 1..8, got {waves}")
-    return waves
+        return default
+    value = int(env)
+    if not lo <= value <= hi:
+        raise ValueError(f"{name} must be {lo}..{hi}, got {value}")
+    return value
 
 
 def _triton_serves(q, kv_rows) -> bool:
@@ -234,13 +239,7 @@ def _one_wave_splits(num_requests, qlen, num_heads, num_sms, stages, cap, avg_to
 
 def max_splits() -> int:
     """A request's split cap when none is given: MAX_SPLITS, or KIMI_OPS_SM90_MAX_SPLITS (1..4096)."""
-    env = os.environ.get(MAX_SPLITS_ENV)
-    if not env:
-        return MAX_SPLITS
-    cap = int(env)
-    if not 1 <= cap <= 4096:
-        raise ValueError(f"{MAX_SPLITS_ENV} must be 1..4096, got {cap}")
-    return cap
+    return _env_int(MAX_SPLITS_ENV, MAX_SPLITS, 1, 4096)
 
 
 def _split_cap(num_requests: int, num_tokens: int) -> int:
