@@ -7,8 +7,9 @@
 For each shape (issue 27's labels, ``H<heads> B<batch> <ctx>k q<qlen>``: contiguous requests, as
 scripts/bench_attention.py lays them) and each variant, ``kimi_ops.mla_decode`` on the triton
 backend is timed from CUDA-graph replays over rotating input sets (scripts/graph_timing.py,
-median), and its output is checked against the float32 reference of the first set (rel. L2 of o,
-max |dlse|; a variant over 4e-3 / 1e-3 is flagged WRONG). Variants:
+median), and its output is checked against the float32 reference of the first set
+(scripts/peers.py's reference_f32: rel. L2 of o, max |dlse|; a variant over 4e-3 / 1e-3 is
+flagged WRONG); % of floor is scripts/bench_attention.py's floor (PERF.md's). Variants:
 
 * ``--first``: the first generation (kimi_ops/kernels/attention.py) with ``_config`` /
   ``_prefetch`` / ``S_CHAINS`` replaced: ``BLOCK_N,num_warps,num_stages,PREFETCH,S_CHAINS``
@@ -34,45 +35,16 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import peers  # noqa: E402  (scripts/peers.py: the float32 reference)
+from bench_attention import KV_SCALE, SCALE, floor_of  # noqa: E402  (PERF.md's floor and inputs)
 from graph_timing import time_graph  # noqa: E402
 
-SCALE = 1.0 / math.sqrt(192.0)
-KV_SCALE = 0.05
-HBM = 4.31e12
-BF16_RATE = 786e12
 DEFAULT_SHAPES = "H12 B8 8k q1,H12 B32 8k q1,H12 B32 8k q4,H96 B8 8k q1"
 
 
 def parse_shape(label):
     h, b, ctx, q = label.split()
     return dict(label=label, H=int(h[1:]), batch=int(b[1:]), ctx=int(ctx[:-1]) * 1024, qlen=int(q[1:]))
-
-
-def floor_us(sh):
-    """DESIGN.md's floor (KV bytes and the real MMA work only)."""
-    tok = sh["batch"] * sh["ctx"]
-    vis = sh["batch"] * sh["H"] * sum(sh["ctx"] - sh["qlen"] + i + 1 for i in range(sh["qlen"]))
-    return 1e6 * max(tok * 576 / HBM, 2 * vis * 1088 / BF16_RATE), tok * 576
-
-
-def reference(q, pool, idx, lens, qlen):
-    """float32 o [T, H, 512], lse [T, H] of the contiguous requests (the oracle of this sweep)."""
-    outs, lses = [], []
-    k_all = pool[idx.long()].float() * KV_SCALE
-    start = 0
-    for r, n in enumerate(lens):
-        k = k_all[start:start + n]
-        start += n
-        qr = q[r * qlen:(r + 1) * qlen].float()               # [qlen, H, 576]
-        s = torch.einsum("ihd,nd->ihn", qr, k) * SCALE
-        pos = torch.arange(n, device=q.device)
-        vis = pos[None, :] <= (n - qlen + torch.arange(qlen, device=q.device))[:, None]
-        s = s.masked_fill(~vis[:, None, :], float("-inf"))
-        lse = torch.logsumexp(s, dim=-1)
-        o = torch.einsum("ihn,nd->ihd", torch.softmax(s, dim=-1), k[:, :512])
-        outs.append(o)
-        lses.append(lse)
-    return torch.cat(outs), torch.cat(lses)
 
 
 def main(argv=None):
@@ -107,15 +79,17 @@ def main(argv=None):
         H, qlen, R, ctx = sh["H"], sh["qlen"], sh["batch"], sh["ctx"]
         lens = [ctx] * R
         tok = R * ctx
-        fl, kv_bytes = floor_us(sh)
+        kv_bytes = tok * 576
         nsets = int(min(16, max(2, math.ceil(args.set_bytes / kv_bytes))))
-        indptr = torch.tensor([i * ctx for i in range(R + 1)], dtype=torch.int32, device=dev)
+        indptr_list = [i * ctx for i in range(R + 1)]
+        indptr = torch.tensor(indptr_list, dtype=torch.int32, device=dev)
         sets = []
         for _ in range(nsets):
             off = int(torch.randint(0, (pool_rows - tok) // 64 + 1, ()).item()) * 64
             idx = torch.arange(off, off + tok, device=dev, dtype=torch.int32)
             sets.append((torch.randn(R * qlen, H, 576, device=dev).to(torch.bfloat16), idx))
-        ref_o, ref_lse = reference(sets[0][0], pool, sets[0][1], lens, qlen)
+        q0, idx0 = sets[0]
+        ref_o, ref_lse = peers.reference_f32(peers.Case(q0, pool, indptr_list, idx0, qlen, SCALE, KV_SCALE))
         for kind, spec in variants:
             os.environ[TM.KERNEL_ENV] = kind
             A._config, A._prefetch = orig_config, orig_prefetch
@@ -132,6 +106,7 @@ def main(argv=None):
                 TM.CONFIGS["sm90"] = (TM.Config(1 << 30, bm, bn, w, st, vsplit=vs),)
             for mult in mults:
                 S = max(1, int(round(base_splits * mult)))
+                fl = floor_of(H, qlen, lens, S)["floor"] * 1e6
                 rec = dict(shape=sh["label"], kernel=kind, config=spec, splits=S, floor_us=fl)
                 try:
                     def call(q, idx, S=S):
