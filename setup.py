@@ -72,8 +72,11 @@ def build_plan():
     return BuildPlan(None, f"skipping kimi_ops._C: torch {torch.__version__} is a CPU build (no CUDA, no ROCm)")
 
 
-# nvcc's flags for csrc/ (tests/test_sm90_resources.py compiles the kernels with the same)
-NVCC_FLAGS = ["-O3", "-gencode=arch=compute_90a,code=sm_90a", "--expt-relaxed-constexpr"]
+# nvcc's flags for csrc/ (tests/test_sm90_resources.py compiles the kernels with the same). C++20 for
+# both compilers whatever torch's build helper would pick (torch 2.11's picks C++17; torch 2.14's
+# headers require C++20): one language level for every supported torch.
+CXX_STD = "-std=c++20"
+NVCC_FLAGS = ["-O3", "-gencode=arch=compute_90a,code=sm_90a", "--expt-relaxed-constexpr", CXX_STD]
 
 
 def extension_modules():
@@ -83,7 +86,7 @@ def extension_modules():
         return [], {}
     from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
     cpp = sorted(glob.glob("csrc/*.cpp"))
-    cxx = ["-O3"]
+    cxx = ["-O3", CXX_STD]
     if plan.kind == "cuda":
         nvcc = NVCC_FLAGS + shlex.split(os.environ.get("KIMI_OPS_NVCC_FLAGS", ""))  # extra flags for A/B builds
         ext = CUDAExtension("kimi_ops._C", cpp + sorted(glob.glob("csrc/*.cu") + glob.glob("csrc/sm90/*.cu")),

@@ -62,6 +62,11 @@ IMPLEMENTATIONS: dict[str, dict[str, str]] = {
     "gemm_a16w8_block": {
         "reference": "kimi_ops.reference.fp8:gemm_a16w8_block",
         "triton": "kimi_ops.kernels.fp8_gemm:gemm_a16w8_block",
+        "cuda": "kimi_ops.kernels.sm90_gemv:gemm_a16w8_block",
+    },
+    "gemm_a16w16": {
+        "reference": "kimi_ops.reference.linear:gemm_a16w16",
+        "cuda": "kimi_ops.kernels.sm90_gemv:gemm_a16w16",
     },
 }
 

@@ -43,6 +43,7 @@ SCHEMAS: dict[str, str] = {
     "gemm_a16w8_block": (
         "gemm_a16w8_block(Tensor x, Tensor w, Tensor w_scale_inv, *, int block_n=128, int block_k=128) -> Tensor"
     ),
+    "gemm_a16w16": "gemm_a16w16(Tensor x, Tensor w) -> Tensor",
 }
 """One schema per op: the public contract, pinned by tests/test_schemas.py."""
 
@@ -272,6 +273,32 @@ def _gemm_fp8_real(x, w, w_scale_inv, *, block_n=128, block_k=128):
 _register("gemm_a16w8_block", fake=_gemm_fp8_fake, real=_gemm_fp8_real)
 
 
+# --- bf16 projection ------------------------------------------------------------------------------
+
+def _check_gemm_a16w16_args(x, w):
+    if x.dim() != 2 or x.dtype != torch.bfloat16:
+        raise ValueError(f"kimi_ops.gemm_a16w16: x must be a bf16 [M, K] tensor, got {x.dtype} {tuple(x.shape)}")
+    if w.dim() != 2 or w.dtype != torch.bfloat16:
+        raise ValueError(f"kimi_ops.gemm_a16w16: w must be a bf16 [N, K] tensor, got {w.dtype} {tuple(w.shape)}")
+    if w.shape[1] != x.shape[1]:
+        raise ValueError(f"kimi_ops.gemm_a16w16: x is [M, {x.shape[1]}] but w is [N, {w.shape[1]}]: K must agree")
+    if x.device != w.device:
+        raise ValueError(f"kimi_ops.gemm_a16w16: x and w must be on one device, got {x.device}, {w.device}")
+
+
+def _gemm_bf16_fake(x, w):
+    _check_gemm_a16w16_args(x, w)
+    return x.new_empty((x.shape[0], w.shape[0]))
+
+
+def _gemm_bf16_real(x, w):
+    _check_gemm_a16w16_args(x, w)
+    return dispatch.implementation("gemm_a16w16", x.device)(x, w)
+
+
+_register("gemm_a16w16", fake=_gemm_bf16_fake, real=_gemm_bf16_real)
+
+
 # --- Python entry points ------------------------------------------------------------------------
 
 def mla_decode_splitkv(q, kv_cache, kv_indptr, kv_indices, *, qlen, scale, kv_scale, num_splits,
@@ -443,8 +470,20 @@ def gemm_a16w8_block(x, w, w_scale_inv, *, block_n=128, block_k=128):
     return torch.ops.kimi_ops.gemm_a16w8_block(x, w, w_scale_inv, block_n=block_n, block_k=block_k)
 
 
+def gemm_a16w16(x, w):
+    """A bf16 projection: ``y = x @ w^T``.
+
+    x [M, K] bf16 (any strides); w [N, K] bf16 -> y [M, N] bf16, float32 accumulation. On sm_90
+    with ``kimi_ops._C`` built, ``M <= 8`` runs a small-M tensor-core kernel that streams w
+    (csrc/sm90/gemv.cuh; :mod:`kimi_ops.kernels.sm90_gemv` says what it takes); every other
+    call, and every other device, runs torch's ``F.linear`` (cuBLAS). The decode layer's bf16
+    projections call it (:func:`kimi_ops.runtime.mla.project`).
+    """
+    return torch.ops.kimi_ops.gemm_a16w16(x, w)
+
+
 __all__ = [
     "mla_decode_splitkv", "mla_merge", "mla_decode", "mla_cache_write",
     "mxfp4_quantize", "mxfp4_dequantize", "bmm_a16wfp4", "mla_query", "quantize_query", "query_scale",
-    "gemm_a16w8_block",
+    "gemm_a16w8_block", "gemm_a16w16",
 ]

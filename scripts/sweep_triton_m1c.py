@@ -12,8 +12,8 @@ median), and its output is checked against the float32 reference of the first se
 flagged WRONG); % of floor is scripts/bench_attention.py's floor (PERF.md's). Variants:
 
 * ``--first``: the first generation (kimi_ops/kernels/attention.py) with ``_config`` /
-  ``_prefetch`` / ``S_CHAINS`` replaced: ``BLOCK_N,num_warps,num_stages,PREFETCH,S_CHAINS``
-  (BLOCK_M stays the launcher's); ``default`` is the launcher's own choice.
+  ``_prefetch`` / ``S_CHAINS`` replaced: ``BLOCK_N,num_warps,num_stages,PREFETCH,S_CHAINS[,BLOCK_M]``
+  (without BLOCK_M, the launcher's); ``default`` is the launcher's own choice.
 * ``--m1c``: the second generation (kimi_ops/kernels/triton_m1c.py) with the sm_90 table replaced
   by one entry ``BLOCK_M,BLOCK_N,num_warps,num_stages,VSPLIT``.
 * ``--splits``: multipliers of the launcher's split count (``suggest_num_splits``).
@@ -50,7 +50,7 @@ def parse_shape(label):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default=DEFAULT_SHAPES)
-    ap.add_argument("--first", default="default", help="';'-separated BLOCK_N,warps,stages,PREFETCH,S_CHAINS or default")
+    ap.add_argument("--first", default="default", help="';'-separated BLOCK_N,warps,stages,PREFETCH,S_CHAINS[,BLOCK_M] or default")
     ap.add_argument("--m1c", default="", help="';'-separated BLOCK_M,BLOCK_N,warps,stages,VSPLIT")
     ap.add_argument("--splits", default="1", help="comma list of split-count multipliers")
     ap.add_argument("--reps", type=int, default=10)
@@ -97,8 +97,9 @@ def main(argv=None):
             base_splits = TM.suggest_num_splits(R, qlen, H, tok, nsm, arch=TM.arch_of(dev))  # this kernel's
             os.environ.pop(A.S_CHAINS_ENV, None)
             if kind == "first" and spec != "default":
-                bn, w, st, pf, sc = (int(x) for x in spec.split(","))
-                A._config = lambda rows, mma, bn=bn, w=w, st=st: (orig_config(rows, mma)[0], bn, w, st)
+                bn, w, st, pf, sc, *bm = (int(x) for x in spec.split(","))
+                A._config = lambda rows, mma, bn=bn, w=w, st=st, bm=bm: (
+                    bm[0] if bm else orig_config(rows, mma)[0], bn, w, st)
                 A._prefetch = lambda mma, bm, pf=pf: bool(pf)
                 os.environ[A.S_CHAINS_ENV] = str(sc)
             elif kind == "m1c":

@@ -7,6 +7,9 @@
 //                             -> o_part [S, T, H, 512] bf16, lse_part [S, T, H] f32
 //   _mla_decode_sm90          the same inputs -> o [T, H, 512] bf16, lse [T, H] f32 (work-list grid + merge)
 //   _mla_merge_sm90           o_part [S, T, H, 512] bf16, lse_part [S, T, H] f32 -> o, lse
+// and by impl_sm90_gemv_ops, which gemv_sm90.cu defines:
+//   _gemv_sm90                x [M <= 8, K] bf16, w [N, K] bf16 or fp8 e4m3fn, w_scale_inv
+//                             [ceil(N / block_n), ceil(K / 128)] f32 with an fp8 w -> y [M, N] bf16
 // (CUDA tensors, contiguous; kimi_ops/kernels/sm90.py calls them.)
 #pragma once
 
@@ -14,7 +17,8 @@
 
 namespace kimi_ops::sm90 {
 
-// m.impl of the three ops above (m: a TORCH_LIBRARY_IMPL(kimi_ops, CUDA, m) block).
+// m.impl of the ops above (m: a TORCH_LIBRARY_IMPL(kimi_ops, CUDA, m) block).
 void impl_sm90_ops(torch::Library& m);
+void impl_sm90_gemv_ops(torch::Library& m);
 
 }  // namespace kimi_ops::sm90

@@ -26,7 +26,6 @@ import contextlib
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from .. import ops
 from ..formats import KV_LORA_RANK, ROPE_DIM
@@ -100,11 +99,12 @@ def qkv_gate_weights(layer):
 
 
 def project(x: torch.Tensor, proj) -> torch.Tensor:
-    """``x [T, in] @ W^T`` for one of the layer's projections: ``F.linear`` on a bf16 weight, or
-    :func:`kimi_ops.gemm_a16w8_block` on an fp8 block-scaled one (``proj.weight_scale_inv``)."""
+    """``x [T, in] @ W^T`` for one of the layer's projections: :func:`kimi_ops.gemm_a16w16` on a
+    bf16 weight, or :func:`kimi_ops.gemm_a16w8_block` on an fp8 block-scaled one
+    (``proj.weight_scale_inv``)."""
     scale = getattr(proj, "weight_scale_inv", None)
     if scale is None:
-        return F.linear(x, proj.weight)
+        return ops.gemm_a16w16(x, proj.weight)
     return ops.gemm_a16w8_block(x, proj.weight, scale, block_n=proj.block_n, block_k=proj.block_k)
 
 

@@ -1,0 +1,179 @@
+// Small-M projections of the decode layer: y [M, N] = x [M, K] @ W^T for M <= 8 tokens, W a bf16
+// weight or an fp8 e4m3 weight with 128 x 128-style block scales (gemv_kernel). At M <= 8 the step
+// is a stream of the weight's bytes; the kernel's job is to keep enough of them in flight.
+//
+// Byte layouts:
+//   reads   x [M, K] bf16 (rows x_stride elements apart, 16-byte aligned); W [N, K] row-major,
+//           contiguous: bf16 (2K bytes a row) or fp8 e4m3fn (K bytes a row, real W = fp8 x
+//           scale[n / block_n][k / kFp8BlockK]); scale [ceil(N / block_n), ceil(K / 128)] f32,
+//           rows scale_stride apart
+//   writes  y [M, N] bf16, contiguous; every element of the M rows
+//   shared  red [WARPS][16][8] f32: each warp's partial sums of the CTA's 16 x 8 outputs
+//
+// gemv_kernel: one CTA of WARPS warps per 16 weight rows (the MMA's M; tokens are its N = 8,
+// the tokens past M read as zeros). The warps split K into whole k-blocks (kFp8BlockK = 128 fp8
+// columns, or kBf16BlockK = 256 bf16 columns, each a 512-byte run of a row) and each streams its
+// share with 16-byte L1-bypassing loads, kUnroll k-blocks a step; their partials meet in shared
+// memory. mma.sync m16n8k16 bf16 with f32 accumulation; the K order inside a 32- (bf16) or 64-
+// (fp8) column chunk is permuted the same way in A and B, so lane (g, c) feeds the MMA straight
+// from its loads of W rows g, g + 8 and x row g at columns [k0 + 8c, +8) (bf16) or [k0 + 16c, +16)
+// (fp8): step s takes the lane's register pairs 2s and 2s + 1 as its columns (2c, 2c+1) and
+// (2c+8, 2c+9). fp8 bytes become bf16 exactly (cvt.rn.f16x2.e4m3x2, then f16 -> f32 -> bf16: every
+// e4m3 value is a normal f16 or zero); a k-block's sum is multiplied by its scale in f32
+// (DeepSeek-V3's promotion), so each MMA chain is one k-block long.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+namespace kimi_ops::sm90 {
+namespace {
+
+constexpr int kGemvRows = 16;     // weight rows (outputs) a CTA
+constexpr int kGemvMaxM = 8;      // tokens a launch
+constexpr int kFp8BlockK = 128;   // fp8: the scale's k-block (the kernel's only one)
+constexpr int kBf16BlockK = 256;  // bf16: columns a warp takes at a time (512 bytes a row)
+
+struct GemvParams {
+  const __nv_bfloat16* x;  // [M, K]
+  int64_t x_stride;        // elements between x rows
+  const void* w;           // [N, K] bf16 or fp8 e4m3fn, contiguous
+  const float* scale;      // fp8: [ceil(N / block_n), ceil(K / 128)]; bf16: nullptr
+  int64_t scale_stride;    // elements between scale rows
+  __nv_bfloat16* y;        // [M, N], contiguous
+  int M, N, K, block_n;
+};
+
+// 16 bytes at p where `pred`, else zeros; no branch, so the loads of a step stay together in flight.
+// kStream: W's bytes, read once (no L1 allocation); else x's, shared by every CTA through L2.
+template <bool kStream>
+__device__ __forceinline__ uint4 ld16_or_zero(const void* p, bool pred) {
+  uint4 v;
+  if constexpr (kStream)
+    asm("{\n .reg .pred q;\n setp.ne.b32 q, %5, 0;\n mov.b32 %0, 0;\n mov.b32 %1, 0;\n mov.b32 %2, 0;\n"
+        " mov.b32 %3, 0;\n @q ld.global.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n}\n"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p), "r"(static_cast<int>(pred)));
+  else
+    asm("{\n .reg .pred q;\n setp.ne.b32 q, %5, 0;\n mov.b32 %0, 0;\n mov.b32 %1, 0;\n mov.b32 %2, 0;\n"
+        " mov.b32 %3, 0;\n @q ld.global.v4.u32 {%0, %1, %2, %3}, [%4];\n}\n"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p), "r"(static_cast<int>(pred)));
+  return v;
+}
+
+__device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// two e4m3 bytes (the low 16 bits) -> bf16x2, exact
+__device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t two_bytes) {
+  uint32_t h2;
+  asm("{\n .reg .b16 a;\n cvt.u16.u32 a, %1;\n cvt.rn.f16x2.e4m3x2 %0, a;\n}\n" : "=r"(h2) : "r"(two_bytes));
+  const __half2 h = *reinterpret_cast<const __half2*>(&h2);
+  const __nv_bfloat162 b = __floats2bfloat162_rn(__low2float(h), __high2float(h));
+  return *reinterpret_cast<const uint32_t*>(&b);
+}
+
+// 16 e4m3 bytes -> 8 bf16x2 (pair i = bytes 2i, 2i + 1)
+__device__ __forceinline__ void e4m3x16_to_bf16(const uint4& v, uint32_t (&out)[8]) {
+  const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    out[2 * i] = e4m3x2_to_bf16x2(words[i] & 0xffffu);
+    out[2 * i + 1] = e4m3x2_to_bf16x2(words[i] >> 16);
+  }
+}
+
+template <int WARPS, bool kFp8, int kUnroll>
+__global__ void __launch_bounds__(WARPS * 32) gemv_kernel(const GemvParams p) {
+  __shared__ float red[WARPS][kGemvRows][kGemvMaxM];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, c = lane % 4;
+  const int n0 = blockIdx.x * kGemvRows;
+  const bool row_lo_ok = n0 + g < p.N, row_hi_ok = n0 + g + 8 < p.N, tok_ok = g < p.M;
+
+  constexpr int kBlockK = kFp8 ? kFp8BlockK : kBf16BlockK;
+  constexpr int kBytesPerCol = kFp8 ? 1 : 2;
+  constexpr int kChunkK = kFp8 ? 64 : 32;  // columns of one 16-byte load by each of a row's 4 lanes
+  constexpr int kChunks = kBlockK / kChunkK;
+  const int k_blocks = (p.K + kBlockK - 1) / kBlockK;
+  const int per_warp = (k_blocks + WARPS - 1) / WARPS;
+  const int kb0 = warp * per_warp, kb1 = min(kb0 + per_warp, k_blocks);
+
+  const uint8_t* w_lo = static_cast<const uint8_t*>(p.w) + static_cast<int64_t>(n0 + g) * p.K * kBytesPerCol;
+  const uint8_t* w_hi = w_lo + static_cast<int64_t>(8) * p.K * kBytesPerCol;
+  const __nv_bfloat16* x_row = p.x + static_cast<int64_t>(g) * p.x_stride;
+  const float* scale_row = kFp8 ? p.scale + static_cast<int64_t>(n0 / p.block_n) * p.scale_stride : nullptr;
+
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int kb = kb0; kb < kb1; kb += kUnroll) {
+    // all of the step's loads first (kUnroll k-blocks: 8 (fp8) or 16 (bf16) x 16 bytes of W a
+    // lane in flight), then its MMAs; a k-block past kb1 or a row past N loads zeros
+    constexpr int kLoads = kUnroll * kChunks;
+    uint4 a_lo[kLoads], a_hi[kLoads], xv[kLoads][kFp8 ? 2 : 1];
+#pragma unroll
+    for (int i = 0; i < kLoads; ++i) {
+      const int blk = kb + i / kChunks;
+      const int k = blk * kBlockK + (i % kChunks) * kChunkK + c * (kChunkK / 4);  // the lane's first column
+      const bool in_k = blk < kb1 && k < p.K;  // (K % kChunkK == 0: a chunk is wholly in or out)
+      a_lo[i] = ld16_or_zero<true>(w_lo + static_cast<int64_t>(k) * kBytesPerCol, row_lo_ok && in_k);
+      a_hi[i] = ld16_or_zero<true>(w_hi + static_cast<int64_t>(k) * kBytesPerCol, row_hi_ok && in_k);
+#pragma unroll
+      for (int j = 0; j < (kFp8 ? 2 : 1); ++j) xv[i][j] = ld16_or_zero<false>(x_row + k + 8 * j, tok_ok && in_k);
+    }
+    float sc[kUnroll];  // each k-block's scale (a k-block past kb1 summed zeros)
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) sc[u] = kFp8 && kb + u < kb1 ? scale_row[kb + u] : 1.f;
+    __syncwarp();  // orders the loads before the MMAs: ptxas otherwise sinks each load to its MMA
+                   // (~3 of a lane's loads in flight instead of all; .nc loads move past it too)
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      float part[2][4] = {};  // two MMA chains: k-steps alternate between them
+#pragma unroll
+      for (int ch = 0; ch < kChunks; ++ch) {
+        const int i = u * kChunks + ch;
+        if constexpr (kFp8) {
+          uint32_t lo[8], hi[8];
+          e4m3x16_to_bf16(a_lo[i], lo);
+          e4m3x16_to_bf16(a_hi[i], hi);
+          const uint32_t xb[8] = {xv[i][0].x, xv[i][0].y, xv[i][0].z, xv[i][0].w,
+                                  xv[i][1].x, xv[i][1].y, xv[i][1].z, xv[i][1].w};
+#pragma unroll
+          for (int s = 0; s < 4; ++s)
+            mma_bf16(part[s % 2], lo[2 * s], hi[2 * s], lo[2 * s + 1], hi[2 * s + 1], xb[2 * s], xb[2 * s + 1]);
+        } else {
+          mma_bf16(part[0], a_lo[i].x, a_hi[i].x, a_lo[i].y, a_hi[i].y, xv[i][0].x, xv[i][0].y);
+          mma_bf16(part[1], a_lo[i].z, a_hi[i].z, a_lo[i].w, a_hi[i].w, xv[i][0].z, xv[i][0].w);
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < 4; ++r) acc[r] = fmaf(part[0][r] + part[1][r], sc[u], acc[r]);
+    }
+  }
+  // acc: (row g, token 2c), (g, 2c + 1), (g + 8, 2c), (g + 8, 2c + 1)
+  red[warp][g][2 * c] = acc[0];
+  red[warp][g][2 * c + 1] = acc[1];
+  red[warp][g + 8][2 * c] = acc[2];
+  red[warp][g + 8][2 * c + 1] = acc[3];
+  __syncthreads();
+  if (threadIdx.x < kGemvRows * kGemvMaxM) {
+    const int tok = threadIdx.x / kGemvRows, r = threadIdx.x % kGemvRows;
+    if (tok < p.M && n0 + r < p.N) {
+      float sum = 0.f;
+#pragma unroll
+      for (int w = 0; w < WARPS; ++w) sum += red[w][r][tok];
+      p.y[static_cast<int64_t>(tok) * p.N + n0 + r] = __float2bfloat16_rn(sum);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace kimi_ops::sm90

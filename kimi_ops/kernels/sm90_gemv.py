@@ -1,0 +1,67 @@
+"""Host side of the Hopper small-M projection kernel in ``kimi_ops._C`` (``csrc/sm90/gemv.cuh``,
+launched by ``csrc/sm90/gemv_sm90.cu`` as the private op ``torch.ops.kimi_ops._gemv_sm90``).
+
+The ``cuda`` backend of :func:`kimi_ops.gemm_a16w16` and :func:`kimi_ops.gemm_a16w8_block`: at
+``M <= 8`` rows of x (a decode step of up to 8 tokens) a projection is a stream of its weight's
+bytes, which cuBLAS's bf16 kernels and the Triton fp8 GEMV move at 1.8-3.3 TB/s on the H200
+(docs/perf-history.md, sessions 20-25). The kernel takes 16 weight rows a CTA (the MMA's M) and
+the tokens as the MMA's N, and keeps a lane's 16-byte loads of 1-2 k-blocks in flight at once.
+
+Numerics: the products are exact in float32 (bf16 x bf16; an fp8 e4m3 weight becomes bf16
+exactly); sums in float32, one k-block at a time, the fp8 block scale applied to each k-block's
+sum (``gemm_a16w8_block``'s contract), one rounding to bf16.
+
+What it takes (:func:`serves`; anything else runs the other backend's code: cuBLAS for bf16, the
+Triton kernels for fp8): ``1 <= M <= 8``; x bf16 with contiguous, 16-byte aligned rows; w
+contiguous; bf16 w with ``K % 32 == 0``; fp8 (``float8_e4m3fn``) w with ``K % 64 == 0``,
+``block_k == 128``, ``block_n % 16 == 0`` and a scale of unit stride along K. ``KIMI_OPS_SM90_GEMV=0`` (read at each
+call) turns the kernel off, for A/B measurements.
+"""
+import os
+
+import torch
+import torch.nn.functional as F
+
+MAX_M = 8
+ENV = "KIMI_OPS_SM90_GEMV"
+
+
+def _ops():
+    import kimi_ops._C  # noqa: F401  (registers the private ops)
+    return torch.ops.kimi_ops
+
+
+def _x_ok(x: torch.Tensor) -> bool:
+    return (x.dtype == torch.bfloat16 and 1 <= x.shape[0] <= MAX_M and x.stride(1) == 1
+            and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0)
+
+
+def serves(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor | None = None, block_n: int = 128,
+           block_k: int = 128) -> bool:
+    """Whether the kernel computes ``x @ w^T`` (with ``w_scale_inv``'s block scales for an fp8
+    w): the conditions in the module's docstring."""
+    if os.environ.get(ENV, "1") == "0" or not (x.is_cuda and w.is_cuda and w.is_contiguous() and _x_ok(x)):
+        return False
+    k = x.shape[1]
+    if w.dtype == torch.bfloat16:
+        return w_scale_inv is None and k % 32 == 0
+    return (w.dtype == torch.float8_e4m3fn and w_scale_inv is not None and k % 64 == 0 and block_k == 128
+            and block_n % 16 == 0 and w_scale_inv.stride(1) == 1)
+
+
+def gemm_a16w16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x [M, K] @ w [N, K]^T`` -> bf16 ``[M, N]``: the kernel where it serves, else ``F.linear``
+    (inputs validated by the op layer)."""
+    if serves(x, w):
+        return _ops()._gemv_sm90(x, w, None, 0)
+    return F.linear(x, w)
+
+
+def gemm_a16w8_block(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor, *, block_n: int = 128,
+                     block_k: int = 128) -> torch.Tensor:
+    """``x @ dequant(w)^T`` -> bf16 ``[M, N]``: the kernel where it serves, else the Triton
+    kernels (inputs validated by the op layer)."""
+    if serves(x, w, w_scale_inv, block_n, block_k):
+        return _ops()._gemv_sm90(x, w, w_scale_inv, block_n)
+    from . import fp8_gemm
+    return fp8_gemm.gemm_a16w8_block(x, w, w_scale_inv, block_n=block_n, block_k=block_k)

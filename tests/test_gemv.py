@@ -1,0 +1,188 @@
+"""The decode layer's projections at small M: the op ``kimi_ops.gemm_a16w16`` (bf16 weights) and
+the ``cuda`` backend of both it and ``kimi_ops.gemm_a16w8_block`` (fp8 block-scaled weights): the
+small-M Hopper kernel of csrc/sm90/gemv.cuh (kimi_ops/kernels/sm90_gemv.py).
+
+CPU (CI): the op's schema, errors, opcheck and torch.compile over it, its reference against
+float64. GPU (skipped without CUDA; the kernel needs sm_90 and kimi_ops._C): both weight types at
+Kimi-K3 TP8's shapes and at ragged ones (N not a multiple of 16, a partial last k-block, block_n
+16 / 64 / 128, strided x), M = 1..8, against float64, into NaN-poisoned memory; the calls the
+kernel does not take (M > 8, K % 32, misaligned x) still correct.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kimi_ops
+from test_fp8_weights import gemm64, random_fp8
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+def _has_kernel() -> bool:
+    if not HAS_CUDA or torch.cuda.get_device_capability() != (9, 0):
+        return False
+    from kimi_ops import dispatch
+    return dispatch.cuda_extension_unavailable_reason() is None
+
+
+requires_kernel = pytest.mark.skipif(not _has_kernel(), reason="needs an sm_90 GPU and kimi_ops._C")
+
+
+def bound_ok(y: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |y - ref| over bf16's rounding of each element plus f32-sum slack (<= 1 passes)."""
+    y = y.cpu().double()
+    return ((y - ref).abs() / (2.0 ** -8 * ref.abs() + 1e-5 * ref.abs().max())).max().item()
+
+
+def test_schema_errors_and_reference():
+    assert str(torch.ops.kimi_ops.gemm_a16w16.default._schema) == "kimi_ops::gemm_a16w16(Tensor x, Tensor w) -> Tensor"
+    x = torch.randn(3, 96).to(torch.bfloat16)
+    w = torch.randn(40, 96).to(torch.bfloat16)
+    y = kimi_ops.gemm_a16w16(x, w)
+    assert y.dtype == torch.bfloat16 and y.shape == (3, 40)
+    assert bound_ok(y, x.double() @ w.double().T) <= 1.0
+    with pytest.raises(ValueError, match="x must be a bf16"):
+        kimi_ops.gemm_a16w16(x.float(), w)
+    with pytest.raises(ValueError, match="w must be a bf16"):
+        kimi_ops.gemm_a16w16(x, w.float())
+    with pytest.raises(ValueError, match="K must agree"):
+        kimi_ops.gemm_a16w16(x[:, :64], w)
+
+
+def test_opcheck_and_compile():
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    w = torch.randn(48, 64).to(torch.bfloat16)
+    torch.library.opcheck(torch.ops.kimi_ops.gemm_a16w16.default, (x, w))
+
+    def fn(x, w):
+        return torch.relu(kimi_ops.gemm_a16w16(x * 2, w)).float() * 0.5
+
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(fn, fullgraph=True)(x, w), fn(x, w))
+
+
+# --- GPU -------------------------------------------------------------------------------------------
+
+KIMI_K3 = ((3648, 7168), (2304, 1536), (7168, 1536))   # fused qkv_a + gate, q_b, o_proj (TP8)
+
+
+def _poison(m, n):
+    torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")   # freed: the next allocation's bytes
+
+
+@requires_kernel
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8])
+def test_gpu_bf16_kimi_k3_shapes(m):
+    from kimi_ops.kernels import sm90_gemv
+    for n, k in KIMI_K3:
+        w = (torch.randn(n, k, device="cuda") / k ** 0.5).to(torch.bfloat16)
+        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        assert sm90_gemv.serves(x, w)
+        _poison(m, n)
+        y = kimi_ops.gemm_a16w16(x, w)
+        ref = x.double().cpu() @ w.double().cpu().T
+        rel = float((y.cpu().double() - ref).norm() / ref.norm())
+        print(f"gemm_a16w16 M {m} N {n} K {k}: rel L2 {rel:.2e}, max err / bound {bound_ok(y, ref):.2f}")
+        assert bound_ok(y, ref) <= 1.0 and rel <= 4e-3
+
+
+@requires_kernel
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 4, 7, 8])
+def test_gpu_fp8_kimi_k3_shapes(m):
+    from kimi_ops.kernels import sm90_gemv
+    for (n, k), bn in zip(KIMI_K3, (64, 128, 128)):   # the fused qkv_a + gate on its 64-row scale grid
+        w, s = random_fp8(n, k, bn, 128, seed=n + m)
+        x = torch.randn(m, k).to(torch.bfloat16)
+        wd, sd, xd = w.cuda(), s.cuda(), x.cuda()
+        assert sm90_gemv.serves(xd, wd, sd, bn, 128)
+        _poison(m, n)
+        y = kimi_ops.gemm_a16w8_block(xd, wd, sd, block_n=bn, block_k=128)
+        ref = gemm64(x, w, s, bn, 128)
+        rel = float((y.cpu().double() - ref).norm() / ref.norm())
+        print(f"gemm_a16w8_block (cuda) M {m} N {n} K {k} block_n {bn}: rel L2 {rel:.2e}, "
+              f"max err / bound {bound_ok(y, ref):.2f}")
+        assert bound_ok(y, ref) <= 1.0 and rel <= 4e-3
+
+
+@requires_kernel
+@pytest.mark.gpu
+def test_gpu_ragged_shapes_and_strides():
+    """N not a multiple of 16, K with a partial last k-block, small scale blocks, strided and
+    offset x, M at the kernel's limit and past it, misaligned x (the fallback)."""
+    from kimi_ops.kernels import sm90_gemv
+    for m, n, k in ((1, 200, 96), (8, 37, 512), (6, 16, 32), (3, 1000, 4128)):
+        big = torch.randn(m, k + 64, device="cuda").to(torch.bfloat16)
+        x = big[:, 8:8 + k]                                    # rows k + 64 apart, 16-byte aligned
+        w = torch.randn(n, k, device="cuda").to(torch.bfloat16)
+        assert sm90_gemv.serves(x, w)
+        _poison(m, n)
+        y = kimi_ops.gemm_a16w16(x, w)
+        assert bound_ok(y, x.cpu().double() @ w.cpu().double().T) <= 1.0, (m, n, k)
+    for m, n, k, bn in ((1, 200, 192, 16), (8, 40, 320, 64), (5, 130, 1024, 128), (2, 7, 64, 16)):
+        w, s = random_fp8(n, k, bn, 128, seed=n)
+        x = torch.randn(m, k).to(torch.bfloat16)
+        wd, sd = w.cuda(), s.cuda()
+        xd = torch.randn(m, k + 32, device="cuda").to(torch.bfloat16)[:, 16:16 + k]
+        xd.copy_(x)
+        assert sm90_gemv.serves(xd, wd, sd, bn, 128)
+        _poison(m, n)
+        y = kimi_ops.gemm_a16w8_block(xd, wd, sd, block_n=bn, block_k=128)
+        assert bound_ok(y, gemm64(x, w, s, bn, 128)) <= 1.0, (m, n, k, bn)
+    # what the kernel does not take runs the other path, still right
+    w = torch.randn(64, 96, device="cuda").to(torch.bfloat16)
+    for x in (torch.randn(9, 96, device="cuda").to(torch.bfloat16),                    # M > 8
+              torch.randn(2, 97, device="cuda").to(torch.bfloat16)[:, 1:],            # misaligned rows
+              torch.randn(0, 96, device="cuda").to(torch.bfloat16)):                  # M = 0
+        assert not sm90_gemv.serves(x, w)
+        y = kimi_ops.gemm_a16w16(x, w)
+        assert y.shape == (x.shape[0], 64)
+        if x.shape[0]:
+            assert bound_ok(y, x.cpu().double() @ w.cpu().double().T) <= 1.0
+    w2, s2 = random_fp8(64, 100, 128, 128, seed=1)                                     # K % 64 != 0
+    x2 = torch.randn(2, 100).to(torch.bfloat16)
+    assert not sm90_gemv.serves(x2.cuda(), w2.cuda(), s2.cuda())
+    y2 = kimi_ops.gemm_a16w8_block(x2.cuda(), w2.cuda(), s2.cuda())
+    assert bound_ok(y2, gemm64(x2, w2, s2, 128, 128)) <= 1.0
+
+
+@requires_kernel
+@pytest.mark.gpu
+def test_gpu_private_op_checks():
+    """The launcher's own guards (the Python side never passes these). Their messages are
+    literals: csrc/sm90/gemv_sm90.cu says why."""
+    op = torch.ops.kimi_ops._gemv_sm90
+    x = torch.randn(9, 64, device="cuda").to(torch.bfloat16)
+    w = torch.randn(32, 64, device="cuda").to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="x must be bf16"):
+        op(x[:2].float(), w, None, 0)
+    with pytest.raises(RuntimeError, match="w must be contiguous"):
+        op(x[:2, :48], w[:, :48], None, 0)
+    with pytest.raises(RuntimeError, match="w_scale_inv is required"):
+        op(x[:2], w.to(torch.float8_e4m3fn), None, 128)
+    with pytest.raises(RuntimeError, match="at most 8 rows"):
+        op(x, w, None, 0)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        op(x[:2, :48], w[:, :48].contiguous(), None, 0)
+
+
+@requires_kernel
+@pytest.mark.gpu
+def test_gpu_replays_in_a_cuda_graph():
+    x = torch.randn(4, 1536, device="cuda").to(torch.bfloat16)
+    w = torch.randn(2304, 1536, device="cuda").to(torch.bfloat16)
+    eager = kimi_ops.gemm_a16w16(x, w)
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        kimi_ops.gemm_a16w16(x, w)
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(g):
+        out = kimi_ops.gemm_a16w16(x, w)
+    x.copy_(torch.randn_like(x))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, kimi_ops.gemm_a16w16(x, w)) and not torch.equal(out, eager)
