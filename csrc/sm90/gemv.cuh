@@ -13,7 +13,7 @@
 // gemv_kernel: one CTA of WARPS warps per 16 weight rows (the MMA's M; tokens are its N = 8,
 // the tokens past M read as zeros). The warps split K into whole k-blocks (kFp8BlockK = 128 fp8
 // columns, or kBf16BlockK = 256 bf16 columns, each a 512-byte run of a row) and each streams its
-// share with 16-byte L1-bypassing loads, kUnroll k-blocks a step; their partials meet in shared
+// share with 16-byte loads (W's bypass L1), kUnroll k-blocks a step; their partials meet in shared
 // memory. mma.sync m16n8k16 bf16 with f32 accumulation; the K order inside a 32- (bf16) or 64-
 // (fp8) column chunk is permuted the same way in A and B, so lane (g, c) feeds the MMA straight
 // from its loads of W rows g, g + 8 and x row g at columns [k0 + 8c, +8) (bf16) or [k0 + 16c, +16)
@@ -115,8 +115,9 @@ __global__ void __launch_bounds__(WARPS * 32) gemv_kernel(const GemvParams p) {
 
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
   for (int kb = kb0; kb < kb1; kb += kUnroll) {
-    // all of the step's loads first (kUnroll k-blocks: 8 (fp8) or 16 (bf16) x 16 bytes of W a
-    // lane in flight), then its MMAs; a k-block past kb1 or a row past N loads zeros
+    // all of the step's loads first (kUnroll k-blocks: 16 bytes of W a load, 12 loads a lane in
+    // flight for fp8's three k-blocks, 16 for bf16's one), then its MMAs; a k-block past kb1 or a
+    // row past N loads zeros
     constexpr int kLoads = kUnroll * kChunks;
     uint4 a_lo[kLoads], a_hi[kLoads], xv[kLoads][kFp8 ? 2 : 1];
 #pragma unroll
