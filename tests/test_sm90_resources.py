@@ -1,9 +1,10 @@
 """The Hopper kernels' registers and spills, read from ptxas without a GPU (as
-tests/test_cross_compile.py reads the AMD code objects): csrc/sm90/mla_decode_sm90.cu is compiled
-to a cubin with setup.py's nvcc flags plus ``-Xptxas -v``, and every kernel instance must spill
-nothing (a spill in the K loop costs local-memory traffic on every tile) and fit its launch
-bound's registers. Known exception: the 16-row kernel's 3-stage ring (not a default, only
-``KIMI_OPS_SM90_STAGES=3``) spills 24 bytes. Needs nvcc and a CUDA build of torch; ~50 s on 2 cores.
+tests/test_cross_compile.py reads the AMD code objects): csrc/sm90/mla_decode_sm90.cu and
+gemv_sm90.cu are compiled to cubins with setup.py's nvcc flags plus ``-Xptxas -v``, and every
+kernel instance must spill nothing (a spill in the K loop costs local-memory traffic on every tile)
+and fit its launch bound's registers. Known exception: the 16-row kernel's 3-stage ring (not a
+default, only ``KIMI_OPS_SM90_STAGES=3``) spills 24 bytes. Needs nvcc and a CUDA build of torch;
+~80 s on 2 cores.
 """
 import os
 import re
@@ -17,6 +18,7 @@ import torch
 from conftest import ROOT, setup_module_of_repo
 
 SOURCE = os.path.join(ROOT, "csrc", "sm90", "mla_decode_sm90.cu")
+GEMV_SOURCE = os.path.join(ROOT, "csrc", "sm90", "gemv_sm90.cu")
 
 # instance (demangled, namespaces dropped) -> the spill bytes (stores, loads) it is allowed
 KNOWN_SPILLS = {
@@ -32,7 +34,7 @@ _ENTRY = re.compile(r"Compiling entry function '(\S+)' for 'sm_90a'\n.*?Function
                     re.S)
 
 
-def _ptxas_report(tmp_path):
+def _ptxas_report(tmp_path, source=SOURCE):
     setup = setup_module_of_repo()
     toolkit = setup.cuda_toolkit_root()
     if not torch.version.cuda or toolkit is None:
@@ -42,7 +44,7 @@ def _ptxas_report(tmp_path):
     from torch.utils.cpp_extension import COMMON_NVCC_FLAGS, include_paths
 
     includes = include_paths() + [os.path.join(toolkit, "include"), sysconfig.get_paths()["include"]]
-    cmd = [os.path.join(toolkit, "bin", "nvcc"), "-cubin", "-o", str(tmp_path / "sm90.cubin"), SOURCE,
+    cmd = [os.path.join(toolkit, "bin", "nvcc"), "-cubin", "-o", str(tmp_path / "sm90.cubin"), source,
            *setup.NVCC_FLAGS, "-Xptxas", "-v", "-DTORCH_API_INCLUDE_EXTENSION_H", "-DTORCH_EXTENSION_NAME=_C",
            *COMMON_NVCC_FLAGS, *[f"-I{p}" for p in includes]]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -71,3 +73,17 @@ def test_sm90_kernels_do_not_spill(tmp_path):
     assert not spilled, f"spills (bytes stored, loaded) other than the known ones: {spilled}"
     over = {n: r["regs"] for n, r in report.items() if r["regs"] > MAX_REGS[n.split("<")[0].split("(")[0]]}
     assert not over, f"registers above the launch bound: {over}"
+
+
+def test_gemv_kernel_does_not_spill(tmp_path):
+    """csrc/sm90/gemv.cuh's four instances (bf16 / fp8 weight, 4 / 8 warps): no spill, and at most
+    128 registers, so two CTAs of 8 warps share a SM (Kimi-K3's fused qkv_a launches 228 CTAs on
+    132 SMs: at one CTA a SM that would be two waves)."""
+    report = _ptxas_report(tmp_path, GEMV_SOURCE)
+    for name, r in sorted(report.items()):
+        print(f"{name}: {r['regs']} registers, spills {r['spill_stores']} / {r['spill_loads']} bytes", file=sys.stderr)
+    assert len(report) == 4 and all(n.startswith("gemv_kernel<") for n in report), sorted(report)
+    spilled = {n: (r["spill_stores"], r["spill_loads"]) for n, r in report.items() if r["spill_stores"] or r["spill_loads"]}
+    assert not spilled, f"spills (bytes stored, loaded): {spilled}"
+    over = {n: r["regs"] for n, r in report.items() if r["regs"] > 128}
+    assert not over, f"registers above 128: {over}"

@@ -5,7 +5,8 @@ The ``cuda`` backend of :func:`kimi_ops.gemm_a16w16` and :func:`kimi_ops.gemm_a1
 ``M <= 8`` rows of x (a decode step of up to 8 tokens) a projection is a stream of its weight's
 bytes, which cuBLAS's bf16 kernels and the Triton fp8 GEMV move at 1.8-3.3 TB/s on the H200
 (docs/perf-history.md, sessions 20-25). The kernel takes 16 weight rows a CTA (the MMA's M) and
-the tokens as the MMA's N, and keeps a lane's 16-byte loads of 1-2 k-blocks in flight at once.
+the tokens as the MMA's N, and keeps all of a lane's 16-byte loads of a step in flight at once
+(one 256-column k-block of a bf16 weight, three 128-column ones of an fp8 weight).
 
 Numerics: the products are exact in float32 (bf16 x bf16; an fp8 e4m3 weight becomes bf16
 exactly); sums in float32, one k-block at a time, the fp8 block scale applied to each k-block's
@@ -14,8 +15,8 @@ sum (``gemm_a16w8_block``'s contract), one rounding to bf16.
 What it takes (:func:`serves`; anything else runs the other backend's code: cuBLAS for bf16, the
 Triton kernels for fp8): ``1 <= M <= 8``; x bf16 with contiguous, 16-byte aligned rows; w
 contiguous; bf16 w with ``K % 32 == 0``; fp8 (``float8_e4m3fn``) w with ``K % 64 == 0``,
-``block_k == 128``, ``block_n % 16 == 0`` and a scale of unit stride along K. ``KIMI_OPS_SM90_GEMV=0`` (read at each
-call) turns the kernel off, for A/B measurements.
+``block_k == 128``, ``block_n % 16 == 0`` and a scale of unit stride along K.
+``KIMI_OPS_SM90_GEMV=0`` (read at each call) turns the kernel off, for A/B measurements.
 """
 import os
 
