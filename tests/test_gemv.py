@@ -111,7 +111,7 @@ def test_gpu_fp8_kimi_k3_shapes(m):
 @pytest.mark.gpu
 def test_gpu_ragged_shapes_and_strides():
     """N not a multiple of 16, K with a partial last k-block, small scale blocks, strided and
-    offset x, M at the kernel's limit and past it, misaligned x (the fallback)."""
+    offset x, M at the kernel's limit and past it, misaligned x or w (the fallback)."""
     from kimi_ops.kernels import sm90_gemv
     for m, n, k in ((1, 200, 96), (8, 37, 512), (6, 16, 32), (3, 1000, 4128)):
         big = torch.randn(m, k + 64, device="cuda").to(torch.bfloat16)
@@ -133,6 +133,10 @@ def test_gpu_ragged_shapes_and_strides():
         assert bound_ok(y, gemm64(x, w, s, bn, 128)) <= 1.0, (m, n, k, bn)
     # what the kernel does not take runs the other path, still right
     w = torch.randn(64, 96, device="cuda").to(torch.bfloat16)
+    w_off = torch.randn(64 * 96 + 1, device="cuda").to(torch.bfloat16)[1:].view(64, 96)  # contiguous, 2 bytes off
+    x1 = torch.randn(2, 96, device="cuda").to(torch.bfloat16)
+    assert w_off.is_contiguous() and not sm90_gemv.serves(x1, w_off)
+    assert bound_ok(kimi_ops.gemm_a16w16(x1, w_off), x1.cpu().double() @ w_off.cpu().double().T) <= 1.0
     for x in (torch.randn(9, 96, device="cuda").to(torch.bfloat16),                    # M > 8
               torch.randn(2, 97, device="cuda").to(torch.bfloat16)[:, 1:],            # misaligned rows
               torch.randn(0, 96, device="cuda").to(torch.bfloat16)):                  # M = 0
@@ -158,7 +162,7 @@ def test_gpu_private_op_checks():
     w = torch.randn(32, 64, device="cuda").to(torch.bfloat16)
     with pytest.raises(RuntimeError, match="x must be bf16"):
         op(x[:2].float(), w, None, 0)
-    with pytest.raises(RuntimeError, match="w must be contiguous"):
+    with pytest.raises(RuntimeError, match="w must be contiguous and 16-byte aligned"):
         op(x[:2, :48], w[:, :48], None, 0)
     with pytest.raises(RuntimeError, match="w_scale_inv is required"):
         op(x[:2], w.to(torch.float8_e4m3fn), None, 128)

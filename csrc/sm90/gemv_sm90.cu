@@ -1,8 +1,8 @@
 // Hopper (sm_90a) small-M projections: the host launcher of gemv_kernel (gemv.cuh) and its op,
 // _gemv_sm90 (schema in csrc/registration.cpp, entry point in ops.h):
-//   x [M, K] bf16 (M <= 8; unit stride along K, rows 16-byte aligned), w [N, K] bf16 or fp8 e4m3fn
-//   (contiguous), w_scale_inv [ceil(N / block_n), ceil(K / 128)] f32 with an fp8 w (unit stride
-//   along K), else none -> y [M, N] bf16.
+//   x [M, K] bf16 (M <= 8; unit stride along K, rows 16-byte aligned), w [N, K] bf16 or fp8
+//   e4m3fn (contiguous, 16-byte aligned), w_scale_inv [ceil(N / block_n), ceil(K / 128)] f32 with
+//   an fp8 w (unit stride along K), else none -> y [M, N] bf16.
 // The caller (kimi_ops/kernels/sm90_gemv.py) checks what the kernel needs and takes another path
 // where it does not hold; the checks here only guard the kernel.
 #include <ATen/ATen.h>
@@ -36,7 +36,8 @@ at::Tensor gemv_sm90(const at::Tensor& x, const at::Tensor& w, const std::option
   const bool fp8 = w.scalar_type() == at::kFloat8_e4m3fn;
   TORCH_CHECK(fp8 || w.scalar_type() == at::kBFloat16, "kimi_ops._C: w must be bf16 or float8_e4m3fn");
   TORCH_CHECK(fp8 == w_scale_inv.has_value(), "kimi_ops._C: w_scale_inv is required with an fp8 w and refused with a bf16 one");
-  TORCH_CHECK(w.is_contiguous(), "kimi_ops._C: w must be contiguous");
+  TORCH_CHECK(w.is_contiguous() && reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0,
+              "kimi_ops._C: w must be contiguous and 16-byte aligned");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   static_assert(kGemvMaxM == 8, "the message below");
   TORCH_CHECK(M <= kGemvMaxM, "kimi_ops._C: the GEMV takes at most 8 rows of x");

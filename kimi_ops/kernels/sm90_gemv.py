@@ -14,8 +14,8 @@ sum (``gemm_a16w8_block``'s contract), one rounding to bf16.
 
 What it takes (:func:`serves`; anything else runs the other backend's code: cuBLAS for bf16, the
 Triton kernels for fp8): ``1 <= M <= 8``; x bf16 with contiguous, 16-byte aligned rows; w
-contiguous; bf16 w with ``K % 32 == 0``; fp8 (``float8_e4m3fn``) w with ``K % 64 == 0``,
-``block_k == 128``, ``block_n % 16 == 0`` and a scale of unit stride along K.
+contiguous and 16-byte aligned; bf16 w with ``K % 32 == 0``; fp8 (``float8_e4m3fn``) w with
+``K % 64 == 0``, ``block_k == 128``, ``block_n % 16 == 0`` and a scale of unit stride along K.
 ``KIMI_OPS_SM90_GEMV=0`` (read at each call) turns the kernel off, for A/B measurements.
 """
 import os
@@ -41,7 +41,8 @@ def serves(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor | None = 
            block_k: int = 128) -> bool:
     """Whether the kernel computes ``x @ w^T`` (with ``w_scale_inv``'s block scales for an fp8
     w): the conditions in the module's docstring."""
-    if os.environ.get(ENV, "1") == "0" or not (x.is_cuda and w.is_cuda and w.is_contiguous() and _x_ok(x)):
+    if os.environ.get(ENV, "1") == "0" or not (x.is_cuda and w.is_cuda and w.is_contiguous()
+                                                 and w.data_ptr() % 16 == 0 and _x_ok(x)):
         return False
     k = x.shape[1]
     if w.dtype == torch.bfloat16:
