@@ -17,6 +17,15 @@ KV_ROW, KV_LORA = 576, 512
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
+
+def _sm90_ready() -> bool:
+    from kimi_ops import dispatch
+    return (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+            and dispatch.cuda_extension_unavailable_reason() is None)
+
+
+requires_sm90 = pytest.mark.skipif(not _sm90_ready(), reason="needs an sm_90 GPU and kimi_ops._C")
+
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
 

@@ -16,19 +16,11 @@ import torch
 
 import kimi_ops
 from kimi_ops import dispatch
-from conftest import quantize_per_tensor
+from conftest import quantize_per_tensor, requires_sm90
 from test_triton_attention import (SCALE, check_decode, check_decode_grid, check_graph_replay, check_merge,
                                    check_variable_lengths, make_inputs, oracle)
 
 FP8Q_RTOL, FP8Q_LSE_ATOL = 4e-3, 4e-3  # the fp8-query contract (README, Numerics)
-
-
-def _sm90_ready() -> bool:
-    return (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-            and dispatch.cuda_extension_unavailable_reason() is None)
-
-
-sm90 = pytest.mark.skipif(not _sm90_ready(), reason="needs an sm_90 GPU and kimi_ops._C")
 
 
 @pytest.mark.skipif(dispatch.cuda_extension_unavailable_reason() is not None, reason="kimi_ops._C not built")
@@ -88,7 +80,7 @@ def test_cta_shape_and_ring_depth(monkeypatch):
         ring_stages(48)
 
 
-@sm90
+@requires_sm90
 def test_auto_backend_is_cuda():
     dev = torch.device("cuda")
     assert dispatch.backend_for("mla_decode_splitkv", dev) == "cuda"
@@ -120,7 +112,7 @@ def test_balance_waves(monkeypatch):
         suggest_num_splits(64, 1, 12, tokens)
 
 
-@sm90
+@requires_sm90
 @pytest.mark.parametrize("stages", ["2", "3", "4"])
 @pytest.mark.parametrize("H", [12, 16, 96, 128])
 def test_grid(H, stages, monkeypatch):
@@ -134,13 +126,13 @@ def test_grid(H, stages, monkeypatch):
     print(f"cuda H={H} stages={stages}: worst rel L2 {worst[0]:.2e}, worst |lse| {worst[1]:.2e}")
 
 
-@sm90
+@requires_sm90
 def test_variable_lengths():
     import kimi_ops.kernels.sm90 as hopper
     check_variable_lengths(torch.Generator().manual_seed(7), kernels=hopper)
 
 
-@sm90
+@requires_sm90
 def test_kv_scale_and_extreme_queries():
     """Query rows of very different magnitudes (the per-row 2^k scaling) and other kv_scales."""
     import kimi_ops.kernels.sm90 as hopper
@@ -162,7 +154,7 @@ def test_kv_scale_and_extreme_queries():
         assert err.max().item() <= 4e-3, err.max().item()
 
 
-@sm90
+@requires_sm90
 @pytest.mark.parametrize("rise", [-40.0, 0.5, 4.0, 40.0])
 @pytest.mark.parametrize("H,qlen", [(12, 1), (16, 2), (96, 1)])
 def test_rising_scores(H, qlen, rise):
@@ -210,7 +202,7 @@ def check_work_list_decode(lens, qlen, H, S, gen, oob=0):
     return err, lerr
 
 
-@sm90
+@requires_sm90
 @pytest.mark.parametrize("rows", ["32", "48", "64"])
 def test_tile_edges(rows, monkeypatch):
     """Lengths at the 64- and 128-token tile edges, 1-3 splits, on each token-major CTA height:
@@ -225,7 +217,7 @@ def test_tile_edges(rows, monkeypatch):
         check_work_list_decode(lens, 2, 12, S, g)
 
 
-@sm90
+@requires_sm90
 @pytest.mark.parametrize("waves", ["1", "2", "4"])
 @pytest.mark.parametrize("H", [12, 16, 96, 128])
 def test_work_list_grid(H, waves, monkeypatch):
@@ -250,7 +242,7 @@ def test_work_list_grid(H, waves, monkeypatch):
     print(f"cuda work list H={H} waves={waves}: worst rel L2 {worst[0]:.2e}, worst |lse| {worst[1]:.2e}")
 
 
-@sm90
+@requires_sm90
 def test_work_list_launch_order(monkeypatch):
     """The work list launches whole chunks first and partial ones by length after, while each
     request's splits keep consecutive partials slots: 2000 requests (63 scan steps) of 0-23 tokens
@@ -267,7 +259,7 @@ def test_work_list_launch_order(monkeypatch):
     print(f"cuda work list, 2000 requests: rel L2 {err:.2e}, |lse| {lerr:.2e}")
 
 
-@sm90
+@requires_sm90
 def test_work_list_merge_rounds(monkeypatch):
     """A request with more splits than the merge was sized for: beside 127 requests of 64 tokens
     (one split each) the merge is told rows have about 3 splits (merge_rows_kernel), but the
@@ -284,7 +276,7 @@ def test_work_list_merge_rounds(monkeypatch):
     print(f"cuda work list, a 16-split request among hints of 3 splits: rel L2 {err:.2e}, |lse| {lerr:.2e}")
 
 
-@sm90
+@requires_sm90
 @pytest.mark.parametrize("work_list", ["0", "1"])
 @pytest.mark.parametrize("waves", ["1", "2"])
 def test_private_partials(waves, work_list, monkeypatch):
@@ -313,7 +305,7 @@ def test_private_partials(waves, work_list, monkeypatch):
         check_work_list_decode(lens, qlen, 12, S, g)
 
 
-@sm90
+@requires_sm90
 def test_merge(monkeypatch):
     import kimi_ops.kernels.sm90 as hopper
     import kimi_ops.kernels.attention as triton_kernels
@@ -331,7 +323,7 @@ def test_merge(monkeypatch):
         check_merge(S, T, H, device="cuda", gen=g, dead_frac=0.7, dead_nan=True)
 
 
-@sm90
+@requires_sm90
 @pytest.mark.parametrize("work_list", ["0", "1"])
 def test_public_ops_and_cuda_graph(work_list, monkeypatch):
     """mla_decode through the dispatcher (auto -> cuda), captured in a CUDA graph, replayed after
@@ -344,7 +336,7 @@ def test_public_ops_and_cuda_graph(work_list, monkeypatch):
         q, kv, indptr, idx, qlen=qlen, scale=SCALE, kv_scale=0.5, num_splits=S))
 
 
-@sm90
+@requires_sm90
 def test_agrees_with_triton():
     """The two GPU backends on one input: both within the contract of each other."""
     import kimi_ops.kernels.sm90 as hopper
@@ -511,7 +503,7 @@ def check_fp8q(lens, qlen, H, S, gen, *, oob=0, q_gain=1.0, work_list=False, kv_
     return err, lerr
 
 
-@sm90
+@requires_sm90
 @pytest.mark.parametrize("rows", ["16", "32", "48", "64"])
 def test_fp8q_grid(rows, monkeypatch):
     """The fp8 query on each CTA height (both kernels stage it as f16, exact), both grids, edge
@@ -534,7 +526,7 @@ def test_fp8q_grid(rows, monkeypatch):
     print(f"cuda fp8 q rows={rows}: worst rel L2 {worst[0]:.2e}, worst |lse| {worst[1]:.2e}")
 
 
-@sm90
+@requires_sm90
 @pytest.mark.parametrize("rows", ["16", "32", "48", "64"])
 def test_fp8q_power_of_two_scale_is_the_bf16_query(rows, monkeypatch):
     """The kernels stage the fp8 q as f16 (exact) and fold q_scale into the score scale, so a
@@ -551,7 +543,7 @@ def test_fp8q_power_of_two_scale_is_the_bf16_query(rows, monkeypatch):
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
-@sm90
+@requires_sm90
 def test_fp8q_graph_replays_a_new_scale():
     """mla_decode on an fp8 q captured in a CUDA graph, q8 and q_scale rewritten in place between
     replays: replay == eager, within the contract (the kernels read q_scale on the device)."""

@@ -14,19 +14,8 @@ import pytest
 import torch
 
 import kimi_ops
+from conftest import requires_sm90
 from test_fp8_weights import gemm64, random_fp8
-
-HAS_CUDA = torch.cuda.is_available()
-
-
-def _has_kernel() -> bool:
-    if not HAS_CUDA or torch.cuda.get_device_capability() != (9, 0):
-        return False
-    from kimi_ops import dispatch
-    return dispatch.cuda_extension_unavailable_reason() is None
-
-
-requires_kernel = pytest.mark.skipif(not _has_kernel(), reason="needs an sm_90 GPU and kimi_ops._C")
 
 
 def bound_ok(y: torch.Tensor, ref: torch.Tensor) -> float:
@@ -71,7 +60,7 @@ def _poison(m, n):
     torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")   # freed: the next allocation's bytes
 
 
-@requires_kernel
+@requires_sm90
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 8])
 def test_gpu_bf16_kimi_k3_shapes(m):
@@ -88,7 +77,7 @@ def test_gpu_bf16_kimi_k3_shapes(m):
         assert bound_ok(y, ref) <= 1.0 and rel <= 4e-3
 
 
-@requires_kernel
+@requires_sm90
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 4, 7, 8])
 def test_gpu_fp8_kimi_k3_shapes(m):
@@ -107,7 +96,7 @@ def test_gpu_fp8_kimi_k3_shapes(m):
         assert bound_ok(y, ref) <= 1.0 and rel <= 4e-3
 
 
-@requires_kernel
+@requires_sm90
 @pytest.mark.gpu
 def test_gpu_ragged_shapes_and_strides():
     """N not a multiple of 16, K with a partial last k-block, small scale blocks, strided and
@@ -152,7 +141,7 @@ def test_gpu_ragged_shapes_and_strides():
     assert bound_ok(y2, gemm64(x2, w2, s2, 128, 128)) <= 1.0
 
 
-@requires_kernel
+@requires_sm90
 @pytest.mark.gpu
 def test_gpu_private_op_checks():
     """The launcher's own guards (the Python side never passes these). Their messages are
@@ -172,7 +161,7 @@ def test_gpu_private_op_checks():
         op(x[:2, :48], w[:, :48].contiguous(), None, 0)
 
 
-@requires_kernel
+@requires_sm90
 @pytest.mark.gpu
 def test_gpu_replays_in_a_cuda_graph():
     x = torch.randn(4, 1536, device="cuda").to(torch.bfloat16)

@@ -59,10 +59,14 @@ def _ptxas_report(tmp_path, source=SOURCE):
     return report
 
 
-def test_sm90_kernels_do_not_spill(tmp_path):
-    report = _ptxas_report(tmp_path)
+def _print(report):
     for name, r in sorted(report.items()):
         print(f"{name}: {r['regs']} registers, spills {r['spill_stores']} / {r['spill_loads']} bytes", file=sys.stderr)
+
+
+def test_sm90_kernels_do_not_spill(tmp_path):
+    report = _ptxas_report(tmp_path)
+    _print(report)
     kinds = {name.split("<")[0].split("(")[0] for name in report}
     assert kinds == set(MAX_REGS), f"kernels compiled: {sorted(kinds)}"
     # every instance the launchers can pick: 3 ring depths x 2 queries (16 rows), 4 token-major
@@ -80,8 +84,7 @@ def test_gemv_kernel_does_not_spill(tmp_path):
     128 registers, so two CTAs of 8 warps share a SM (Kimi-K3's fused qkv_a launches 228 CTAs on
     132 SMs: at one CTA a SM that would be two waves)."""
     report = _ptxas_report(tmp_path, GEMV_SOURCE)
-    for name, r in sorted(report.items()):
-        print(f"{name}: {r['regs']} registers, spills {r['spill_stores']} / {r['spill_loads']} bytes", file=sys.stderr)
+    _print(report)
     assert len(report) == 4 and all(n.startswith("gemv_kernel<") for n in report), sorted(report)
     spilled = {n: (r["spill_stores"], r["spill_loads"]) for n, r in report.items() if r["spill_stores"] or r["spill_loads"]}
     assert not spilled, f"spills (bytes stored, loaded): {spilled}"

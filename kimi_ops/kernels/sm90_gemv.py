@@ -23,13 +23,10 @@ import os
 import torch
 import torch.nn.functional as F
 
+from .sm90 import _ops  # kimi_ops._C's private ops (importing it registers them)
+
 MAX_M = 8
 ENV = "KIMI_OPS_SM90_GEMV"
-
-
-def _ops():
-    import kimi_ops._C  # noqa: F401  (registers the private ops)
-    return torch.ops.kimi_ops
 
 
 def _x_ok(x: torch.Tensor) -> bool:
