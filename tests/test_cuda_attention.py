@@ -87,6 +87,32 @@ def test_auto_backend_is_cuda():
     assert dispatch.backend_for("mla_merge", dev) == "cuda"
 
 
+@requires_sm90
+@pytest.mark.gpu
+def test_gpu_private_op_messages():
+    """The launcher's own guards raise (the public ops never pass these) with messages built as one
+    string: csrc/sm90/mla_decode_sm90.cu says why (a number formatted by c10::str crashed the
+    process on the H200 image)."""
+    ops = torch.ops.kimi_ops
+    q = torch.zeros(2, 12, 576, device="cuda", dtype=torch.bfloat16)
+    kv = torch.zeros(64, 576, device="cuda").to(torch.float8_e4m3fn)
+    indptr = torch.tensor([0, 32, 64], device="cuda", dtype=torch.int32)
+    indices = torch.arange(64, device="cuda", dtype=torch.int32)
+    tail = (0, 1, 16, 2, 0)  # dcp rank, world, rows_per_cta, stages, balance_ctas
+
+    def call(q=q, kv=kv, splits=2):
+        return ops._mla_decode_sm90(q, kv, indptr, indices, None, 1, 0.1, 1.0, splits, *tail)
+
+    with pytest.raises(RuntimeError, match="kv_cache must be Float8_e4m3fn, got BFloat16"):
+        call(kv=kv.to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="q must be BFloat16, got Float"):
+        call(q=q.float())
+    with pytest.raises(RuntimeError, match="at most 65535 items, got 80000"):
+        call(splits=40000)
+    o, lse = call()  # and the same arguments, well formed, run
+    assert o.shape == (2, 12, 512) and lse.shape == (2, 12)
+
+
 def test_max_splits(monkeypatch):
     """KIMI_OPS_SM90_MAX_SPLITS replaces the default cap (256) of a request's splits."""
     from kimi_ops.kernels.sm90 import MAX_SPLITS, MAX_SPLITS_ENV, one_wave_splits, suggest_num_splits

@@ -70,6 +70,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 
 #include "copy.cuh"
 #include "params.cuh"
@@ -113,10 +114,17 @@ void launch(void (*kernel)(const Params), dim3 grid, unsigned threads, size_t sm
   C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, params));
 }
 
+// Each failing check's message is one std::string (or a literal), which TORCH_CHECK passes on as
+// is: c10::str formats two or more arguments through an ostringstream, and on the H200 image
+// (torch 2.11, nvcc 13 with /opt/gcc) a message formatting a number that way crashed the process
+// instead of raising (gemv_sm90.cu; docs/perf-history.md, session 25). Numbers: std::to_string.
+std::string message(const char* name, const char* what) { return std::string("kimi_ops._C: ") + name + what; }
+
 void check_cuda_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype) {
-  TORCH_CHECK(t.is_cuda(), "kimi_ops._C: ", name, " must be a CUDA tensor");
-  TORCH_CHECK(t.scalar_type() == dtype, "kimi_ops._C: ", name, " must be ", dtype, ", got ", t.scalar_type());
-  TORCH_CHECK(t.is_contiguous(), "kimi_ops._C: ", name, " must be contiguous");
+  TORCH_CHECK(t.is_cuda(), message(name, " must be a CUDA tensor"));
+  TORCH_CHECK(t.scalar_type() == dtype, message(name, " must be ") + c10::toString(dtype) + ", got " +
+                                            c10::toString(t.scalar_type()));
+  TORCH_CHECK(t.is_contiguous(), message(name, " must be contiguous"));
 }
 
 // kFp8Q: the kernel's fp8-query instance (its own `configured`: the attribute is per function)
@@ -293,7 +301,7 @@ std::tuple<at::Tensor, at::Tensor> mla_decode_sm90(const at::Tensor& q, const at
                                         dcp_rank, dcp_world_size, rows_per_cta, stages, balance_ctas, q_scale);
   const int64_t T = q.size(0), H = q.size(1), R = T / qlen;
   const int64_t items = work_list_items(R, num_splits, balance_ctas);
-  TORCH_CHECK(items <= 65535, "kimi_ops._C: the work-list grid takes at most 65535 items, got ", items);
+  TORCH_CHECK(items <= 65535, "kimi_ops._C: the work-list grid takes at most 65535 items, got " + std::to_string(items));
   auto o = at::empty({T, H, kLatent}, q.options().dtype(at::kBFloat16));
   auto lse = at::empty({T, H}, q.options().dtype(at::kFloat));
   if (T == 0 || H == 0) return {o, lse};
