@@ -83,7 +83,8 @@ def test_launcher_configs_are_the_specs():
 def test_amd_no_spills(target, tmp_path):
     """Every attention / merge variant the launcher can pick on ``target``: 0 VGPR (and SGPR)
     spills and at least 2 waves a SIMD, read from the code object's metadata; the attention
-    variants use the bf16 MFMA."""
+    variants use the bf16 MFMA (P V^T), and an fp8 q of the cache's type (gfx950: e4m3fn,
+    gfx942: e4m3fnuz) the target's fp8 MFMA for S, a bf16 q never."""
     import re
 
     res = _run(target, [re.escape(n) for n in _launcher_specs(target)], tmp_path)
@@ -91,9 +92,12 @@ def test_amd_no_spills(target, tmp_path):
            for n, r in res.items()
            if r.get("vgpr_spills", 1) != 0 or r.get("sgpr_spills", 0) != 0 or r.get("occupancy", 0) < 2}
     assert not bad, f"{target}: variants that spill or run under 2 waves a SIMD: {bad}"
+    fp8_mfma = {"gfx950": "f8f6f4", "gfx942": "fp8_fp8"}[target]
+    fp8_q = {"gfx950": "_qfp8_fn_", "gfx942": "_qfp8_fnuz_"}[target]
     for n, r in res.items():
         if n.startswith("tm_"):
             assert any("bf16" in k for k in r["mma"]), (n, r["mma"])
+            assert any(fp8_mfma in k for k in r["mma"]) == (fp8_q in n), (n, r["mma"])
     assert len(res) == len(_launcher_specs(target))
 
 

@@ -392,6 +392,56 @@ except ValueError as e:
 """, mma="bf16")
 
 
+def fp8_dots_match_bf16_dots(lens, qlen, H, S, dtype, gen):
+    """The second generation on an fp8 q of the cache's type, fp8 dots for S against the same
+    kernel with ``KIMI_OPS_TRITON_FP8_DOTS=0`` (q converted to bf16): in the interpreter both
+    sum the same exact products in f32, so the partials agree bit for bit; and the fp8-dot
+    call passes check_decode."""
+    import kimi_ops.kernels.triton_m1c as M
+
+    assert M.takes_fp8_dots(M.pick_config("interp", qlen * H), dtype, dtype), "not the fp8-dot config"
+    check_decode(lens, qlen, H, S, dtype=dtype, gen=gen, fp8_q=True)
+    q, kv, indptr, idx = make_inputs(lens, qlen, H, dtype=dtype, gen=gen)
+    q8, q_scale = quantize_q(q, dtype)
+    fp8 = M.mla_decode_splitkv(q8, kv, indptr, idx, qlen, SCALE, 0.5, S, q_scale=q_scale)
+    os.environ[M.FP8_DOTS_ENV] = "0"
+    try:
+        bf16 = M.mla_decode_splitkv(q8, kv, indptr, idx, qlen, SCALE, 0.5, S, q_scale=q_scale)
+    finally:
+        del os.environ[M.FP8_DOTS_ENV]
+    assert torch.equal(fp8[0], bf16[0]) and torch.equal(fp8[1], bf16[1]), "fp8 dots != bf16 dots"
+
+
+def test_fp8_dots_where_the_mfma_takes_the_format(monkeypatch):
+    """Which (target, q, cache) pairs run S as fp8 x fp8 dots: AMD only (gfx950 e4m3fn, gfx942
+    e4m3fnuz), q of the cache's own type, and not with KIMI_OPS_TRITON_FP8_DOTS=0."""
+    import kimi_ops.kernels.triton_m1c as M
+
+    fn, fnuz = torch.float8_e4m3fn, torch.float8_e4m3fnuz
+    want = {("gfx950", fn): True, ("gfx950", fnuz): False, ("gfx942", fn): False,
+            ("gfx942", fnuz): True, ("sm90", fn): False, ("sm90", fnuz): False,
+            ("nvidia", fn): False, ("nvidia", fnuz): False}
+    for (arch, dt), taken in want.items():
+        for rows in (12, 96):
+            cfg = M.pick_config(arch, rows)
+            assert M.takes_fp8_dots(cfg, dt, dt) == taken, (arch, dt, rows)
+            other = fnuz if dt == fn else fn
+            assert not M.takes_fp8_dots(cfg, other, dt), (arch, "q of another fp8 type", dt)
+    monkeypatch.setenv(M.FP8_DOTS_ENV, "0")
+    assert not M.takes_fp8_dots(M.pick_config("gfx950", 12), fn, fn)
+
+
+def test_interp_fp8_dots():
+    # the fp8-dot S of AMD's second generation (the interpreter's 32-row config takes it)
+    _interp("""
+t.fp8_dots_match_bf16_dots([100, 0, 33], 2, 12, 3, torch.float8_e4m3fn, g)
+t.fp8_dots_match_bf16_dots([70, 9], 3, 16, 2, torch.float8_e4m3fn, g)
+from kimi_ops.kernels.attention import native_fnuz
+if native_fnuz():   # Triton >= 3.7's interpreter: gfx942's pair, e4m3fnuz q and cache
+    t.fp8_dots_match_bf16_dots([64, 5], 2, 12, 2, torch.float8_e4m3fnuz, g)
+""", mma="bf16")
+
+
 def test_interp_lse_large_scores():
     # lse in the thousands (scores rising along the context by 40 and 256 natural-log units a
     # 64-token tile): the stored lse stays within one f32 rounding of the truth plus 1e-6

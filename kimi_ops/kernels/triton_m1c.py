@@ -22,16 +22,19 @@ at 16 rows x 64 tokens, 4 warps).
 
 Registers (AMD): O^T is ``DV * BLOCK_M * 4`` bytes a program.  With 16 rows a program and
 ``vsplit`` 2 (two programs a row block, each computing all of S and half of O^T, the K tile
-read by both from L2) gfx950 (32-token tiles, 4 waves) needs 252 VGPRs and gfx942 (16-token
-tiles, 8 waves) 192-194, no spills, 2 waves a SIMD (scripts/cross_compile.py; every
-one-program-a-row-block configuration of 16-64 tokens x 2-8 waves, and 32-row blocks, spilled
-or dropped to 1 wave).  Triton's LDS is dynamic (``metadata.shared``: 36992 / 8192 bytes), so
-the code object's group segment reads 0.  The configuration of each architecture is one table,
-:data:`CONFIGS`, read by the launcher and by the cross-compile specs alike.
+read by both from L2) and the next tile's fp8 bytes loaded into registers while a tile computes
+(``prefetch``; Triton's own 2-stage pipelining of the gathered tile took 42 VGPRs more on gfx950
+and, with fp8 dots, 317 + 61 AGPRs), gfx950 (32-token tiles, 4 waves) needs 212 VGPRs (160 with
+an fp8 q's fp8 dots) and gfx942 (16-token tiles, 8 waves) 176-196 (144), no spills, 2-3 waves a
+SIMD (scripts/cross_compile.py; every one-program-a-row-block configuration of 16-64 tokens x
+2-8 waves, and 32-row blocks, spilled or dropped to 1 wave).  Triton's LDS is dynamic
+(``metadata.shared``: 16384 / 8192 bytes), so the code object's group segment reads 0.  The
+configuration of each architecture is one table, :data:`CONFIGS`, read by the launcher and by
+the cross-compile specs alike.
 
-Numerics: bf16 x bf16 dots with f32 accumulation on every target.  The seeds' fp8 hi + lo
-scheme is not taken on AMD: the AMD material found (the ROCm blog "Matrix Core Programming on
-AMD CDNA3 and CDNA4 architecture", rocm.blogs.amd.com/software-tools-optimization/
+Numerics: bf16 x bf16 dots with f32 accumulation (but S of an fp8 q on AMD, below).  The seeds'
+fp8 hi + lo scheme is not taken on AMD: the AMD material found (the ROCm blog "Matrix Core
+Programming on AMD CDNA3 and CDNA4 architecture", rocm.blogs.amd.com/software-tools-optimization/
 matrix-cores-cdna) says the MFMA's output matrix is stored in FP32 "to minimize accuracy loss
 during accumulation" but states nothing about how the fp8 products are summed inside an
 instruction (alignment, truncation), and sm_90's fp8 MMA is known to keep ~14 bits there; the
@@ -43,8 +46,15 @@ formed at the end with ``c = scale * kv_scale [* q_scale]`` carried as a hi + lo
 product's rounding error recovered by an FMA.
 
 fp8 query (issue 28): ``q`` float8_e4m3fn (or e4m3fnuz with an e4m3fnuz cache) with a float32
-1-element ``q_scale`` tensor; q is converted to bf16 in the kernel (exact) and ``q_scale``
-joins ``c``: ``s = scale * kv_scale * q_scale * (q8 . k8)``.
+1-element ``q_scale`` tensor; ``q_scale`` joins ``c``: ``s = scale * kv_scale * q_scale * (q8 .
+k8)``.  Where the target's fp8 MFMA takes the pair's format (``Config.fp8_qk``: gfx950 e4m3fn,
+16x16x128 f8f6f4; gfx942 e4m3fnuz, 16x16x32 fp8) S^T is fp8 x fp8 dots on the bytes as loaded:
+no conversion of q, of the rope channels or of the other program's half, and half the MMA
+cycles of S (P V^T stays bf16).  That product is the seeds' own (their M1c runs K's fp8 bytes
+against Q's fp8 hi and lo on the same f8f6f4 MFMA for a bf16-level result); here it has never
+run on an AMD GPU: ``KIMI_OPS_TRITON_FP8_DOTS=0`` returns to bf16 dots, converting q exactly.
+Elsewhere (NVIDIA, the e4m3fn cache on gfx942, bytes decoded in the kernel) q is converted to
+bf16 in the kernel, exactly.
 """
 from __future__ import annotations
 
@@ -66,6 +76,25 @@ LN2 = 0.6931471805599453
 
 
 @triton.jit
+def _load_tile(kv_ptr, indices_ptr, start, tok, hi, N, offs_c, offs_x, offs_p, VSPLIT: tl.constexpr):
+    """The fp8 bytes of tokens ``tok`` (of the split ending at ``hi``): (channels offs_c, the
+    other half offs_x (VSPLIT 2; else offs_c's again, unused), rope); a token past the split
+    or with an index outside [0, N) reads zeros."""
+    D: tl.constexpr = 576
+    tok_ok = tok < hi
+    idx = tl.load(indices_ptr + start + tok, mask=tok_ok, other=-1).to(tl.int64)
+    ld_ok = (tok_ok & (idx >= 0) & (idx < N))[:, None]
+    krow = (kv_ptr + idx * D)[:, None]
+    kc = tl.load(krow + offs_c[None, :], mask=ld_ok, other=0.0)
+    kp = tl.load(krow + 512 + offs_p[None, :], mask=ld_ok, other=0.0)
+    if VSPLIT == 2:
+        kx = tl.load(krow + offs_x[None, :], mask=ld_ok, other=0.0)
+    else:
+        kx = kc
+    return kc, kp, kx
+
+
+@triton.jit
 def _splitkv_tm_kernel(
     q_ptr, q_scale_ptr, kv_ptr, indptr_ptr, indices_ptr, seq_lens_ptr, o_ptr, lse_ptr,
     T, H, N, qlen, num_splits, dcp_rank, dcp_world_size,
@@ -73,6 +102,7 @@ def _splitkv_tm_kernel(
     kv_scale,
     HAS_QSCALE: tl.constexpr,   # q is fp8 and q_scale_ptr holds its float32 scale
     Q_U8_FNUZ: tl.constexpr,    # q is e4m3fnuz bytes (decoded in the kernel)
+    FP8_QK: tl.constexpr,       # S^T = K Q^T as fp8 x fp8 dots (an fp8 q of the cache's fp8 type)
     KV_U8_FNUZ: tl.constexpr,   # the cache is e4m3fnuz bytes (decoded in the kernel)
     INTERP: tl.constexpr,
     BLOCK_M: tl.constexpr,      # query rows a program (the MMA's N)
@@ -80,6 +110,7 @@ def _splitkv_tm_kernel(
     GLOBAL_LENS: tl.constexpr,
     INTERP_STEPS: tl.constexpr,
     VSPLIT: tl.constexpr,       # programs sharing a row block's 512 output channels (1 or 2)
+    PREFETCH: tl.constexpr,     # the next tile's bytes are loaded while this one computes
 ):
     DC: tl.constexpr = 512
     DV: tl.constexpr = 512 // VSPLIT
@@ -107,11 +138,13 @@ def _splitkv_tm_kernel(
     q_rows = q_ptr + flat_row[None, :] * D
     qcT = tl.load(q_rows + offs_c[:, None], mask=row_ok[None, :], other=0.0)
     qpT = tl.load(q_rows + DC + offs_p[:, None], mask=row_ok[None, :], other=0.0)
-    qcT = _fp8_to16(qcT, Q_U8_FNUZ, DT16)
-    qpT = _fp8_to16(qpT, Q_U8_FNUZ, DT16)
+    if not FP8_QK:
+        qcT = _fp8_to16(qcT, Q_U8_FNUZ, DT16)
+        qpT = _fp8_to16(qpT, Q_U8_FNUZ, DT16)
     if VSPLIT == 2:
         qxT = tl.load(q_rows + offs_x[:, None], mask=row_ok[None, :], other=0.0)
-        qxT = _fp8_to16(qxT, Q_U8_FNUZ, DT16)
+        if not FP8_QK:
+            qxT = _fp8_to16(qxT, Q_U8_FNUZ, DT16)
 
     # |c| = |scale * kv_scale [* q_scale]| as hi + lo, its sign; the scores' base-2 factor
     ch, cl, sgn = _score_scale(c_hi, c_lo, q_scale_ptr, HAS_QSCALE)
@@ -121,23 +154,30 @@ def _splitkv_tm_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     accT = tl.zeros([DV, BLOCK_M], dtype=tl.float32)
 
+    if PREFETCH:
+        # the next tile's fp8 bytes in flight (registers) while this one computes
+        k8_nx, kp_nx, kx_nx = _load_tile(kv_ptr, indices_ptr, start, lo + offs_n, hi, N, offs_c, offs_x,
+                                         offs_p, VSPLIT)
     for step in range(0, INTERP_STEPS if INTERP_STEPS > 0 else tl.cdiv(hi - lo, BLOCK_N)):
         tok = lo + step * BLOCK_N + offs_n
         tok_ok = tok < hi
-        idx = tl.load(indices_ptr + start + tok, mask=tok_ok, other=-1).to(tl.int64)
-        ld_ok = tok_ok & (idx >= 0) & (idx < N)
-        krow = kv_ptr + idx * D
-        kc = tl.load(krow[:, None] + offs_c[None, :], mask=ld_ok[:, None], other=0.0)
-        kp = tl.load(krow[:, None] + DC + offs_p[None, :], mask=ld_ok[:, None], other=0.0)
-        kc = _fp8_to16(kc, KV_U8_FNUZ, DT16)
-        kp = _fp8_to16(kp, KV_U8_FNUZ, DT16)
+        if PREFETCH:
+            k8, kp, kx = k8_nx, kp_nx, kx_nx
+            k8_nx, kp_nx, kx_nx = _load_tile(kv_ptr, indices_ptr, start, tok + BLOCK_N, hi, N, offs_c, offs_x,
+                                             offs_p, VSPLIT)
+        else:
+            k8, kp, kx = _load_tile(kv_ptr, indices_ptr, start, tok, hi, N, offs_c, offs_x, offs_p, VSPLIT)
+        kc = _fp8_to16(k8, KV_U8_FNUZ, DT16)   # V^T's operand (and K's, unless FP8_QK)
+        if not FP8_QK:
+            k8 = kc
+            kp = _fp8_to16(kp, KV_U8_FNUZ, DT16)
         # S^T in raw dot units [BLOCK_N, BLOCK_M], as independent partial products added in
         # f32 (RNE): an MMA's chained accumulation truncates its running sum, so one long
         # chain's error grows with |s| (the lse of large scores); short chains bound it
-        d = tl.dot(kc, qcT)
+        d = tl.dot(k8, qcT)
         if VSPLIT == 2:
-            kx = tl.load(krow[:, None] + offs_x[None, :], mask=ld_ok[:, None], other=0.0)
-            kx = _fp8_to16(kx, KV_U8_FNUZ, DT16)
+            if not FP8_QK:
+                kx = _fp8_to16(kx, KV_U8_FNUZ, DT16)
             dx = tl.dot(kx, qxT)
             dp = tl.dot(kp, qpT)
             # the same sum in both programs, channels [0, 256) + ([256, 512) + rope): each one's
@@ -176,6 +216,8 @@ class Config(NamedTuple):
     num_stages: int
     vsplit: int = 1    # programs sharing a row block's 512 output channels (each does all of S)
     amd_options: tuple = ()  # extra AMD compile options, (name, value) pairs
+    prefetch: bool = False  # the next tile's fp8 bytes loaded (into registers) during this one
+    fp8_qk: tuple = ()  # cache formats ("fn", "fnuz") whose fp8 q of the same type takes fp8 dots for S
 
 
 # arch -> entries by max_rows (ascending; the last entry takes every larger row count: more
@@ -184,17 +226,24 @@ class Config(NamedTuple):
 CONFIGS: dict[str, tuple[Config, ...]] = {
     # sm_90: a program does all of S and half of O (vsplit 2), 32-token tiles, 8 warps: ptxas
     # (scripts/cross_compile.py, 2026-12-03) 170-174 registers, 0 spills on the e4m3fn cache, where
-    # the earlier (16 rows, 64 tokens, 4 warps, vsplit 1) spilled ~1 KB; not yet timed on the H200
-    # (NVIDIA runs the first generation by default: KIMI_OPS_TRITON_KERNEL)
+    # the earlier (16 rows, 64 tokens, 4 warps, vsplit 1) spilled ~1 KB; timed on the H200 2.8-8x
+    # slower than the first generation, which NVIDIA runs by default (KIMI_OPS_TRITON_KERNEL). No
+    # fp8 dots: sm_90's fp8 MMA missed the lse contract (the first generation's fp8 variant)
     "sm90": (Config(1 << 30, 16, 32, 8, 2, vsplit=2),),
     "nvidia": (Config(1 << 30, 16, 64, 4, 2),),  # Ampere / Ada / Blackwell: mma.sync, same tiles
-    # gfx950: a program does all of S and half of O (vsplit 2): 0 spills, 2 waves a SIMD
-    "gfx950": (Config(1 << 30, 16, 32, 4, 2, vsplit=2),),
-    # gfx942: a program does all of S but half of O (vsplit 2): 192 VGPRs, 0 spills, 2 waves
-    # (every one-program-a-row-block config of 16-64 tokens x 2-8 waves spills or runs 1 wave)
-    "gfx942": (Config(1 << 30, 16, 16, 8, 1, vsplit=2),),
-    # the interpreter: both program shapes (vsplit 1 and 2), small tiles
-    "interp": (Config(16, 16, 16, 4, 1), Config(1 << 30, 16, 32, 4, 1, vsplit=2)),
+    # gfx950: a program does all of S and half of O (vsplit 2), the next tile in registers: 212
+    # VGPRs (bf16 dots; 254 with Triton's 2-stage pipelining instead), 160 with the fp8 q's
+    # 16x16x128 f8f6f4 dots (3 waves); 0 spills
+    "gfx950": (Config(1 << 30, 16, 32, 4, 1, vsplit=2, prefetch=True, fp8_qk=("fn",)),),
+    # gfx942: the same with 16-token tiles and 8 waves: 176-196 VGPRs, 2 waves (every
+    # one-program-a-row-block config of 16-64 tokens x 2-8 waves spills or runs 1 wave); an
+    # e4m3fnuz q against the e4m3fnuz cache takes 16x16x32 fp8 dots (144 VGPRs, 3 waves); gfx942's
+    # MFMA has no e4m3fn, where Triton would widen to f16 dots (236 VGPRs): bf16 dots there
+    "gfx942": (Config(1 << 30, 16, 16, 8, 1, vsplit=2, prefetch=True, fp8_qk=("fnuz",)),),
+    # the interpreter: both program shapes (vsplit 1 and 2), with and without the prefetch and
+    # the fp8 dots
+    "interp": (Config(16, 16, 16, 4, 1),
+               Config(1 << 30, 16, 32, 4, 1, vsplit=2, prefetch=True, fp8_qk=("fn", "fnuz"))),
 }
 
 
@@ -236,6 +285,19 @@ def pick_config(arch: str, rows_per_req: int) -> Config:
         if rows_per_req <= cfg.max_rows:
             return cfg
     return CONFIGS[arch][-1]
+
+
+FP8_DOTS_ENV = "KIMI_OPS_TRITON_FP8_DOTS"
+_FORMAT = {torch.float8_e4m3fn: "fn", torch.float8_e4m3fnuz: "fnuz"}
+
+
+def takes_fp8_dots(cfg: Config, q_dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
+    """Whether an fp8 q of ``q_dtype`` against a cache of ``kv_dtype`` runs S^T = K Q^T as fp8 x
+    fp8 dots under ``cfg``: q of the cache's own fp8 type, a format the target's fp8 MMA takes
+    (``cfg.fp8_qk``), and ``KIMI_OPS_TRITON_FP8_DOTS`` not ``0`` (read at each launch)."""
+    if os.environ.get(FP8_DOTS_ENV, "1").strip() == "0":
+        return False
+    return q_dtype == kv_dtype and _FORMAT.get(q_dtype) in cfg.fp8_qk
 
 
 def _q_mode(q: torch.Tensor, q_scale, kv_dtype):
@@ -280,6 +342,7 @@ def mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: floa
         return o_part, lse_part
     kv, u8_fnuz, _ = _kv_mode(kv_rows)
     cfg = pick_config(arch_of(q.device), qlen * H)
+    fp8_qk = has_qs and not u8_fnuz and takes_fp8_dots(cfg, q.dtype, kv_rows.dtype)
     grid = (triton.cdiv(qlen * H, cfg.block_m) * cfg.vsplit, S, R)
     indices = kv_indices if kv_indices.numel() > 0 else kv_indptr  # never dereferenced when empty
     c_hi, c_lo = _split_f32(float(scale) * float(kv_scale))
@@ -288,9 +351,9 @@ def mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: floa
         seq_lens if seq_lens is not None else kv_indptr, o_part, lse_part,
         T, H, kv_rows.shape[0], qlen, S, dcp_rank, dcp_world_size,
         c_hi, c_lo, float(kv_scale),
-        HAS_QSCALE=has_qs, Q_U8_FNUZ=q_u8, KV_U8_FNUZ=u8_fnuz, INTERP=interpreting(),
+        HAS_QSCALE=has_qs, Q_U8_FNUZ=q_u8, FP8_QK=fp8_qk, KV_U8_FNUZ=u8_fnuz, INTERP=interpreting(),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GLOBAL_LENS=seq_lens is not None,
-        INTERP_STEPS=_interpreter_steps(kv_indptr, cfg.block_n), VSPLIT=cfg.vsplit,
+        INTERP_STEPS=_interpreter_steps(kv_indptr, cfg.block_n), VSPLIT=cfg.vsplit, PREFETCH=cfg.prefetch,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **dict(cfg.amd_options),
     )
     return o_part, lse_part
@@ -334,9 +397,10 @@ def _specs():
                     qt = "*bf16" if qk == "bf16" else {"fn": "*fp8e4nv", "fnuz": "*fp8e4b8",
                                                        "u8fnuz": "*u8"}[fmt]
                     cx = {"HAS_QSCALE": qk == "fp8", "Q_U8_FNUZ": qk == "fp8" and fmt == "u8fnuz",
+                          "FP8_QK": qk == "fp8" and fmt in cfg.fp8_qk,
                           "KV_U8_FNUZ": fmt == "u8fnuz", "INTERP": False, "BLOCK_M": cfg.block_m,
                           "BLOCK_N": cfg.block_n, "GLOBAL_LENS": False, "INTERP_STEPS": 0,
-                          "VSPLIT": cfg.vsplit}
+                          "VSPLIT": cfg.vsplit, "PREFETCH": cfg.prefetch}
                     sig = {"q_ptr": qt, "kv_ptr": kvt, **common, **{k: "constexpr" for k in cx}}
                     specs.append(dict(name=f"tm_{arch}_q{qk}_{fmt}_m{cfg.block_m}_n{cfg.block_n}"
                                            f"_v{cfg.vsplit}",
