@@ -15,7 +15,8 @@ flagged WRONG); % of floor is scripts/bench_attention.py's floor (PERF.md's). Va
   ``_prefetch`` / ``S_CHAINS`` replaced: ``BLOCK_N,num_warps,num_stages,PREFETCH,S_CHAINS[,BLOCK_M]``
   (without BLOCK_M, the launcher's); ``default`` is the launcher's own choice.
 * ``--m1c``: the second generation (kimi_ops/kernels/triton_m1c.py) with the sm_90 table replaced
-  by one entry ``BLOCK_M,BLOCK_N,num_warps,num_stages,VSPLIT``.
+  by one entry ``BLOCK_M,BLOCK_N,num_warps,num_stages,VSPLIT[,PREFETCH]`` (PREFETCH 1: the next
+  tile's bytes loaded into registers during this one, as AMD's entries do).
 * ``--splits``: multipliers of the launcher's split count (``suggest_num_splits``).
 
 Prints one line a (shape, variant, split multiplier) and a table of the best per shape; writes
@@ -51,7 +52,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default=DEFAULT_SHAPES)
     ap.add_argument("--first", default="default", help="';'-separated BLOCK_N,warps,stages,PREFETCH,S_CHAINS[,BLOCK_M] or default")
-    ap.add_argument("--m1c", default="", help="';'-separated BLOCK_M,BLOCK_N,warps,stages,VSPLIT")
+    ap.add_argument("--m1c", default="", help="';'-separated BLOCK_M,BLOCK_N,warps,stages,VSPLIT[,PREFETCH]")
     ap.add_argument("--splits", default="1", help="comma list of split-count multipliers")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--set-bytes", type=float, default=600e6, help="rotate input sets until this many KV bytes")
@@ -103,8 +104,8 @@ def main(argv=None):
                 A._prefetch = lambda mma, bm, pf=pf: bool(pf)
                 os.environ[A.S_CHAINS_ENV] = str(sc)
             elif kind == "m1c":
-                bm, bn, w, st, vs = (int(x) for x in spec.split(","))
-                TM.CONFIGS["sm90"] = (TM.Config(1 << 30, bm, bn, w, st, vsplit=vs),)
+                bm, bn, w, st, vs, *pf = (int(x) for x in spec.split(","))
+                TM.CONFIGS["sm90"] = (TM.Config(1 << 30, bm, bn, w, st, vsplit=vs, prefetch=bool(pf and pf[0])),)
             for mult in mults:
                 S = max(1, int(round(base_splits * mult)))
                 fl = floor_of(H, qlen, lens, S)["floor"] * 1e6
