@@ -22,10 +22,10 @@ at 16 rows x 64 tokens, 4 warps).
 
 Registers (AMD): O^T is ``DV * BLOCK_M * 4`` bytes a program.  With 16 rows a program and
 ``vsplit`` 2 (two programs a row block, each computing all of S and half of O^T, the K tile
-read by both from L2) and the next tile's fp8 bytes loaded into registers while a tile computes
-(``prefetch``; Triton's own 2-stage pipelining of the gathered tile took 42 VGPRs more on gfx950
-and, with fp8 dots, 317 + 61 AGPRs), gfx950 (32-token tiles, 4 waves) needs 212 VGPRs (160 with
-an fp8 q's fp8 dots) and gfx942 (16-token tiles, 8 waves) 176-196 (144), no spills, 2-3 waves a
+read by both from L2) and the next tile's fp8 bytes (and the indices of the one after) loaded
+into registers while a tile computes (``prefetch``; Triton's own 2-stage pipelining of the gathered tile took 42 VGPRs more on gfx950
+and, with fp8 dots, 317 + 61 AGPRs), gfx950 (32-token tiles, 4 waves) needs 214 VGPRs (164 with
+an fp8 q's fp8 dots) and gfx942 (16-token tiles, 8 waves) 176-198 (142), no spills, 2-3 waves a
 SIMD (scripts/cross_compile.py; every one-program-a-row-block configuration of 16-64 tokens x
 2-8 waves, and 32-row blocks, spilled or dropped to 1 wave).  Triton's LDS is dynamic
 (``metadata.shared``: 16384 / 8192 bytes), so the code object's group segment reads 0.  The
@@ -76,14 +76,19 @@ LN2 = 0.6931471805599453
 
 
 @triton.jit
-def _load_tile(kv_ptr, indices_ptr, start, tok, hi, N, offs_c, offs_x, offs_p, VSPLIT: tl.constexpr):
-    """The fp8 bytes of tokens ``tok`` (of the split ending at ``hi``): (channels offs_c, the
-    other half offs_x (VSPLIT 2; else offs_c's again, unused), rope); a token past the split
-    or with an index outside [0, N) reads zeros."""
+def _tile_indices(indices_ptr, start, tok, hi):
+    """The cache rows of tokens ``tok`` of the split ending at ``hi`` (-1 past it)."""
+    return tl.load(indices_ptr + start + tok, mask=tok < hi, other=-1)
+
+
+@triton.jit
+def _load_tile(kv_ptr, idx, N, offs_c, offs_x, offs_p, VSPLIT: tl.constexpr):
+    """The fp8 bytes of cache rows ``idx``: (channels offs_c, the other half offs_x (VSPLIT 2;
+    else offs_c's again, unused), rope); an index outside [0, N) (a token past the split: -1)
+    reads zeros."""
     D: tl.constexpr = 576
-    tok_ok = tok < hi
-    idx = tl.load(indices_ptr + start + tok, mask=tok_ok, other=-1).to(tl.int64)
-    ld_ok = (tok_ok & (idx >= 0) & (idx < N))[:, None]
+    idx = idx.to(tl.int64)
+    ld_ok = ((idx >= 0) & (idx < N))[:, None]
     krow = (kv_ptr + idx * D)[:, None]
     kc = tl.load(krow + offs_c[None, :], mask=ld_ok, other=0.0)
     kp = tl.load(krow + 512 + offs_p[None, :], mask=ld_ok, other=0.0)
@@ -155,18 +160,21 @@ def _splitkv_tm_kernel(
     accT = tl.zeros([DV, BLOCK_M], dtype=tl.float32)
 
     if PREFETCH:
-        # the next tile's fp8 bytes in flight (registers) while this one computes
-        k8_nx, kp_nx, kx_nx = _load_tile(kv_ptr, indices_ptr, start, lo + offs_n, hi, N, offs_c, offs_x,
-                                         offs_p, VSPLIT)
+        # the next tile's fp8 bytes, and the indices of the one after, in flight (registers)
+        # while this one computes
+        k8_nx, kp_nx, kx_nx = _load_tile(kv_ptr, _tile_indices(indices_ptr, start, lo + offs_n, hi), N,
+                                         offs_c, offs_x, offs_p, VSPLIT)
+        idx_nx = _tile_indices(indices_ptr, start, lo + BLOCK_N + offs_n, hi)
     for step in range(0, INTERP_STEPS if INTERP_STEPS > 0 else tl.cdiv(hi - lo, BLOCK_N)):
         tok = lo + step * BLOCK_N + offs_n
         tok_ok = tok < hi
         if PREFETCH:
             k8, kp, kx = k8_nx, kp_nx, kx_nx
-            k8_nx, kp_nx, kx_nx = _load_tile(kv_ptr, indices_ptr, start, tok + BLOCK_N, hi, N, offs_c, offs_x,
-                                             offs_p, VSPLIT)
+            k8_nx, kp_nx, kx_nx = _load_tile(kv_ptr, idx_nx, N, offs_c, offs_x, offs_p, VSPLIT)
+            idx_nx = _tile_indices(indices_ptr, start, tok + 2 * BLOCK_N, hi)
         else:
-            k8, kp, kx = _load_tile(kv_ptr, indices_ptr, start, tok, hi, N, offs_c, offs_x, offs_p, VSPLIT)
+            k8, kp, kx = _load_tile(kv_ptr, _tile_indices(indices_ptr, start, tok, hi), N, offs_c, offs_x,
+                                    offs_p, VSPLIT)
         kc = _fp8_to16(k8, KV_U8_FNUZ, DT16)   # V^T's operand (and K's, unless FP8_QK)
         if not FP8_QK:
             k8 = kc
@@ -231,13 +239,13 @@ CONFIGS: dict[str, tuple[Config, ...]] = {
     # fp8 dots: sm_90's fp8 MMA missed the lse contract (the first generation's fp8 variant)
     "sm90": (Config(1 << 30, 16, 32, 8, 2, vsplit=2),),
     "nvidia": (Config(1 << 30, 16, 64, 4, 2),),  # Ampere / Ada / Blackwell: mma.sync, same tiles
-    # gfx950: a program does all of S and half of O (vsplit 2), the next tile in registers: 212
-    # VGPRs (bf16 dots; 254 with Triton's 2-stage pipelining instead), 160 with the fp8 q's
+    # gfx950: a program does all of S and half of O (vsplit 2), the next tile in registers: 214
+    # VGPRs (bf16 dots; 254 with Triton's 2-stage pipelining instead), 164 with the fp8 q's
     # 16x16x128 f8f6f4 dots (3 waves); 0 spills
     "gfx950": (Config(1 << 30, 16, 32, 4, 1, vsplit=2, prefetch=True, fp8_qk=("fn",)),),
-    # gfx942: the same with 16-token tiles and 8 waves: 176-196 VGPRs, 2 waves (every
+    # gfx942: the same with 16-token tiles and 8 waves: 176-198 VGPRs, 2 waves (every
     # one-program-a-row-block config of 16-64 tokens x 2-8 waves spills or runs 1 wave); an
-    # e4m3fnuz q against the e4m3fnuz cache takes 16x16x32 fp8 dots (144 VGPRs, 3 waves); gfx942's
+    # e4m3fnuz q against the e4m3fnuz cache takes 16x16x32 fp8 dots (142 VGPRs, 3 waves); gfx942's
     # MFMA has no e4m3fn, where Triton would widen to f16 dots (236 VGPRs): bf16 dots there
     "gfx942": (Config(1 << 30, 16, 16, 8, 1, vsplit=2, prefetch=True, fp8_qk=("fnuz",)),),
     # the interpreter: both program shapes (vsplit 1 and 2), with and without the prefetch and
