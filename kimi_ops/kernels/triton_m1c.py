@@ -24,10 +24,11 @@ Registers (AMD): O^T is ``DV * BLOCK_M * 4`` bytes a program.  With 16 rows a pr
 ``vsplit`` 2 (two programs a row block, each computing all of S and half of O^T, the K tile
 read by both from L2) and the next tile's fp8 bytes (and the indices of the one after) loaded
 into registers while a tile computes (``prefetch``; Triton's own 2-stage pipelining of the
-gathered tile took 40 VGPRs more on gfx950 and, with fp8 dots, 317 + 61 AGPRs), gfx950 (32-token tiles, 4 waves) needs 214 VGPRs (164 with
-an fp8 q's fp8 dots) and gfx942 (16-token tiles, 8 waves) 176-198 (142), no spills, 2-3 waves a
-SIMD (scripts/cross_compile.py; every one-program-a-row-block configuration of 16-64 tokens x
-2-8 waves, and 32-row blocks, spilled or dropped to 1 wave).  Triton's LDS is dynamic
+gathered tile took 40 VGPRs more on gfx950 and, with fp8 dots, 317 + 61 AGPRs), gfx950
+(32-token tiles, 4 waves) needs 214 VGPRs (164 with an fp8 q's fp8 dots) and gfx942 (16-token
+tiles, 8 waves) 176-198 (142), no spills, 2-3 waves a SIMD (scripts/cross_compile.py; every
+one-program-a-row-block configuration of 16-64 tokens x 2-8 waves, and 32-row blocks, spilled
+or dropped to 1 wave).  Triton's LDS is dynamic
 (``metadata.shared``: 16384 / 8192 bytes), so the code object's group segment reads 0.  The
 configuration of each architecture is one table, :data:`CONFIGS`, read by the launcher and by
 the cross-compile specs alike.
