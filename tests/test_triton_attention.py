@@ -574,7 +574,7 @@ def check_variable_lengths(gen, kernels=None):
 def test_gpu_grid(H, mma, kernel, monkeypatch):
     # auto: what NVIDIA runs (the first generation); m1c: the token-major kernel AMD runs
     if kernel == "m1c" and (mma == "fp8" or H in (16, 128)):
-        pytest.skip("triton_m1c: bf16 dots only; H 12 and 96 cover its row blocks (GPU time)")
+        pytest.skip("triton_m1c: no first-generation MMA variants (KIMI_OPS_TRITON_MMA); H 12 and 96 cover its row blocks")
     monkeypatch.setenv("KIMI_OPS_TRITON_MMA", mma)
     monkeypatch.setenv("KIMI_OPS_TRITON_KERNEL", kernel)
     worst = check_decode_grid(H, _gpu_gen(H))
