@@ -574,11 +574,17 @@ def test_cross_compile_specs_cover_launches():
     for spec in K.CROSS_COMPILE_SPECS:
         assert set(spec["signature"]) == set(spec["kernel"].arg_names)
         assert set(spec["constexprs"]) == {k for k, v in spec["signature"].items() if v == "constexpr"}
-    launched = {K.bmm_config(m, n, k) for n, k in ((512, 128), (128, 512)) for m in (1, 8, 64, 256, 512)}
-    for ds in (False, True):
-        covered = {(s["constexprs"]["BLOCK_M"], s["constexprs"]["BLOCK_N"], s["constexprs"]["BLOCK_K"],
-                    s["num_warps"], s["num_stages"]) for s in dot_specs if s["constexprs"]["DOT_SCALED"] is ds}
-        assert launched <= covered, ds
+    # the tl.dot kernel: every config bmm_config gives each target (AMD's own where it differs), on
+    # each path the target takes (decode everywhere, dot_scaled on gfx950)
+    for amd, targets in ((False, ("sm90",)), (True, ("gfx950", "gfx942"))):
+        launched = {K.bmm_config(m, n, k, amd=amd) for n, k in ((512, 128), (128, 512))
+                    for m in (1, 8, 32, 33, 64, 256, 512)}
+        for target in targets:
+            for ds in ((False, True) if target == "gfx950" else (False,)):
+                covered = {(s["constexprs"]["BLOCK_M"], s["constexprs"]["BLOCK_N"], s["constexprs"]["BLOCK_K"],
+                            s["num_warps"], s["num_stages"]) for s in dot_specs
+                           if s["constexprs"]["DOT_SCALED"] is ds and target in s["targets"]}
+                assert launched <= covered, (target, ds)
     # the GEMV kernel: every config gemv_config gives for M <= GEMV_MAX_M, x as pairs and as halves
     launched = {(*K.gemv_config(m, n, k), -(-k // K.gemv_config(m, n, k)[2])) for n, k in ((512, 128), (128, 512))
                 for m in range(1, K.GEMV_MAX_M + 1)}

@@ -239,8 +239,10 @@ def max_block_k(block_k: int) -> int:
     return min(128, block_k & -block_k)
 
 
-def gemm_config(m: int, n: int, k: int, block_k: int = 128, sms: int = 132) -> tuple[int, int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) from shapes and the SM count.
+def gemm_config(m: int, n: int, k: int, block_k: int = 128, sms: int = 132,
+                amd: bool = False) -> tuple[int, int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) from shapes and the SM count;
+    ``amd``: for gfx950 / gfx942 (the launcher: a ROCm build; see the end).
 
     Measured on the H200 (2026-12-03, Kimi-K3 TP8's three fp8 projections, M = 1, 8, 32, 64;
     scripts/bench_layer.py --gemms / --sweep; that run timed one call a CUDA-graph replay, so each
@@ -262,15 +264,17 @@ def gemm_config(m: int, n: int, k: int, block_k: int = 128, sms: int = 132) -> t
     least 2 K tiles (the fixed-config rows cap theirs the same way), and its float32 partials
     (``SPLIT_K x M x N x 4`` bytes) at most half the weight's. BLOCK_K = 128 (or the largest power
     of two dividing ``block_k``). ``KIMI_OPS_FP8_GEMM_CONFIG`` overrides all of it.
+
+    AMD (not timed there; scripts/cross_compile.py, 2026-12-04): the 32 x 64 tile of M <= 4 and
+    17..32 takes 318-482 VGPRs + 62-226 AGPRs, 1 wave a SIMD, on gfx950 and gfx942 at every stage
+    count (8 warps: 22-152 VGPRs spilled), so AMD runs 32 x 32 at 4 stages (200-210, 2 waves).
     """
     bk = max_block_k(block_k)
     k_tiles = max(1, triton.cdiv(k, bk))
     cap = _pow2_floor(max(1, k_tiles // 2))
     m = max(1, m)
-    if m <= 4:
-        return 32, 64, bk, min(4, cap), 4, 6
-    if 17 <= m <= 32:
-        return 32, 64, bk, min(4, cap), 4, 6
+    if m <= 4 or 17 <= m <= 32:
+        return (32, 32, bk, min(4, cap), 4, 4) if amd else (32, 64, bk, min(4, cap), 4, 6)
     if 33 <= m <= 64:
         return 64, 128, bk, min(4, cap), 8, 4
     bm = min(64, max(16, triton.next_power_of_2(m)))
@@ -450,7 +454,8 @@ def gemm_a16w8_block(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor
             raise ValueError(f"gemm_a16w8_block: the GEMV kernel's config is (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, "
                              f"DEPTH, X_AHEAD), got {cfg}")
         return _gemv(x, w, w_scale_inv, y, block_n, block_k, cfg)
-    cfg = config or _env_config() or gemm_config(m, n, k, block_k, _sm_count(x.device))
+    cfg = config or _env_config() or gemm_config(m, n, k, block_k, _sm_count(x.device),
+                                                  amd=torch.version.hip is not None)
     if len(cfg) != 6:
         raise ValueError(f"gemm_a16w8_block: the tl.dot kernel's config is (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, "
                          f"num_warps, num_stages), got {cfg}")
@@ -483,11 +488,14 @@ def split_count(m: int, n: int, k: int, block_k: int = 128, sms: int = 132) -> i
 
 # ----------------------------------------------------------------------------------------------
 # cross-compilation registry (scripts/cross_compile.py; format in kimi_ops/kernels/__init__.py).
-# Not yet listed in CROSS_COMPILE_MODULES: float8_e4m3fn weights are the OCP format, which gfx942
-# (fnuz fp8) does not convert natively; sm90 and gfx950 only.
+# gfx942 has no OCP fp8 (float8_e4m3fn) conversion of its own: Triton converts the weight's bytes
+# in software there.
 
 KIMI_K3_SHAPES = ((3648, 7168), (2304, 1536), (7168, 1536))
 """Kimi-K3 TP8's fp8 projections (N, K): fused qkv_a + gate, q_b, o_proj."""
+
+TARGET_SMS = {"sm90": 132, "gfx950": 256, "gfx942": 304}
+"""The multiprocessor count of each target's part (H200, MI355X, MI300X): the configs' split rule."""
 
 
 def _gemv_launch(m: int, n: int, k: int, block_k: int = 128, sms: int = 132):
@@ -498,12 +506,15 @@ def _gemv_launch(m: int, n: int, k: int, block_k: int = 128, sms: int = 132):
     return triton.next_power_of_2(m), bn, bk, gemv_vec(block_k), per, split, warps, depth, ahead
 
 
-def _gemv_spec_name(m: int, n: int, k: int) -> str:
-    bm, bn, bk, vec, per, split, warps, depth, ahead = _gemv_launch(m, n, k)
+def _gemv_spec_name(m: int, n: int, k: int, sms: int = 132) -> str:
+    bm, bn, bk, vec, per, split, warps, depth, ahead = _gemv_launch(m, n, k, sms=sms)
     return f"gemv_a16w8_block_m{bm}n{bn}k{bk}v{vec}p{per}s{split}w{warps}d{depth}a{ahead}"
 
 
 def _specs():
+    """Per target: every launch the default rule picks at Kimi-K3's shapes (the GEMV at M <= 4, the
+    tl.dot kernel above; on sm90 also the GEMV up to M = 16, KIMI_OPS_FP8_GEMV's sweeps) and the
+    split-K reduce of each split count."""
     sig = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "y_ptr": "*bf16", "p_ptr": "*fp32",
            "M": "i32", "N": "i32", "K": "i32", "block_n": "i32", "block_k": "i32"}
     for name in ("stride_xm", "stride_wn", "stride_sn"):
@@ -512,43 +523,44 @@ def _specs():
         sig[name] = "constexpr"       # 1 at run time (the JIT specializes it): contiguous K
     for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "K_TILES", "TILES_PER_SPLIT", "SPLIT_K", "INTERP"):
         sig[name] = "constexpr"
-    configs = {}  # each distinct launch the shapes below pick, in order (a dict keeps insertion order)
-    for n, k in KIMI_K3_SHAPES:
-        for m in (1, 8, 32, 64, 256):
-            bm, bn, bk, split, warps, stages = gemm_config(m, n, k, 128, 132)
-            k_tiles = -(-k // bk)
-            per = -(-k_tiles // split)
-            configs[(bm, bn, bk, k_tiles, per, -(-k_tiles // per), warps, stages)] = None
-    specs = [{
-        "name": f"gemm_a16w8_block_m{bm}n{bn}k{bk}t{k_tiles}p{per}s{split}w{warps}st{stages}",
-        "kernel": _gemm_a16w8_block_kernel, "signature": dict(sig),
-        "constexprs": {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "K_TILES": k_tiles,
-                       "TILES_PER_SPLIT": per, "SPLIT_K": split, "INTERP": False,
-                       "stride_xk": 1, "stride_wk": 1, "stride_sk": 1},
-        "num_warps": warps, "num_stages": stages, "targets": ("gfx950", "sm90")}
-        for bm, bn, bk, k_tiles, per, split, warps, stages in configs]
     gsig = dict(sig)
     del gsig["K_TILES"], gsig["TILES_PER_SPLIT"], gsig["BLOCK_M"], gsig["BLOCK_N"], gsig["BLOCK_K"]
     for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "VEC", "TILES_PER_SPLIT", "DEPTH", "X_AHEAD"):
         gsig[name] = "constexpr"
-    gemv = {}
-    for n, k in KIMI_K3_SHAPES:
-        for m in (1, 2, 3, 4, 5, 6, 7, 8, 16):
-            gemv[_gemv_spec_name(m, n, k)] = _gemv_launch(m, n, k)
-    for name, (bm, bn, bk, vec, per, split, warps, depth, ahead) in gemv.items():
-        specs.append({
-            "name": name, "kernel": _gemv_a16w8_block_kernel, "signature": dict(gsig),
-            "constexprs": {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "VEC": vec, "TILES_PER_SPLIT": per,
-                           "SPLIT_K": split, "DEPTH": depth, "X_AHEAD": bool(ahead), "INTERP": False,
-                           "stride_xk": 1, "stride_wk": 1, "stride_sk": 1},
-            "num_warps": warps, "num_stages": 1, "targets": ("gfx950", "sm90")})
-    for split in sorted({s["constexprs"]["SPLIT_K"] for s in specs} - {1}):
-        specs.append({
-            "name": f"gemm_a16w8_reduce_s{split}", "kernel": _reduce_splits_kernel,
-            "signature": {"p_ptr": "*fp32", "y_ptr": "*bf16", "total": "i32", "SPLIT_K": "constexpr",
-                          "BLOCK": "constexpr", "INTERP": "constexpr"},
-            "constexprs": {"SPLIT_K": split, "BLOCK": 1024, "INTERP": False},
-            "num_warps": 4, "num_stages": 1, "targets": ("gfx950", "sm90")})
+    unit = {"INTERP": False, "stride_xk": 1, "stride_wk": 1, "stride_sk": 1}
+    specs = []
+    for target, sms in TARGET_SMS.items():
+        amd = target != "sm90"
+        dots, gemvs, splits = {}, {}, set()  # dicts: each distinct launch once, in order
+        for n, k in KIMI_K3_SHAPES:
+            for m in (5, 8, 16, 32, 64, 256):
+                bm, bn, bk, split, warps, stages = gemm_config(m, n, k, 128, sms, amd=amd)
+                split, per = _split_plan(-(-k // bk), split)
+                dots[(bm, bn, bk, -(-k // bk), per, split, warps, stages)] = None
+            for m in range(1, (GEMV_MAX_M if amd else GEMV_LIMIT_M) + 1):
+                gemvs[_gemv_spec_name(m, n, k, sms)] = _gemv_launch(m, n, k, sms=sms)
+        for bm, bn, bk, k_tiles, per, split, warps, stages in dots:
+            splits.add(split)
+            specs.append({
+                "name": f"gemm_a16w8_block_m{bm}n{bn}k{bk}t{k_tiles}p{per}s{split}w{warps}st{stages}",
+                "kernel": _gemm_a16w8_block_kernel, "signature": dict(sig),
+                "constexprs": {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "K_TILES": k_tiles,
+                               "TILES_PER_SPLIT": per, "SPLIT_K": split, **unit},
+                "num_warps": warps, "num_stages": stages, "targets": (target,)})
+        for name, (bm, bn, bk, vec, per, split, warps, depth, ahead) in gemvs.items():
+            splits.add(split)
+            specs.append({
+                "name": name, "kernel": _gemv_a16w8_block_kernel, "signature": dict(gsig),
+                "constexprs": {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "VEC": vec, "TILES_PER_SPLIT": per,
+                               "SPLIT_K": split, "DEPTH": depth, "X_AHEAD": bool(ahead), **unit},
+                "num_warps": warps, "num_stages": 1, "targets": (target,)})
+        for split in sorted(splits - {1}):
+            specs.append({
+                "name": f"gemm_a16w8_reduce_s{split}", "kernel": _reduce_splits_kernel,
+                "signature": {"p_ptr": "*fp32", "y_ptr": "*bf16", "total": "i32", "SPLIT_K": "constexpr",
+                              "BLOCK": "constexpr", "INTERP": "constexpr"},
+                "constexprs": {"SPLIT_K": split, "BLOCK": 1024, "INTERP": False},
+                "num_warps": 4, "num_stages": 1, "targets": (target,)})
     return specs
 
 

@@ -311,16 +311,23 @@ def use_dot_scaled(device: torch.device) -> bool:
     return _is_gfx950(device)
 
 
-def bmm_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) from shapes alone."""
+def bmm_config(m: int, n: int, k: int, amd: bool = False) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) from shapes alone; ``amd``: for gfx950 /
+    gfx942 (the launcher: a ROCm build)."""
     # measured on the H200 (docs/PERF.md, query section's sweep), Kimi-K3 TP8 shapes
     if m >= 256:
-        return (128, 128, 64, 8, 3) if n >= 256 else (64, 64, 128, 4, 3)
-    bm = 16 if m <= 16 else 32 if m <= 32 else 64
-    bn = 64 if n >= 256 else 32
-    bk = min(128, max(32, triton.next_power_of_2(k)))
-    stages = 3 if k > bk else 1
-    return bm, bn, bk, 4, stages
+        bm, bn, bk, warps, stages = (128, 128, 64, 8, 3) if n >= 256 else (64, 64, 128, 4, 3)
+    else:
+        bm = 16 if m <= 16 else 32 if m <= 32 else 64
+        bn = 64 if n >= 256 else 32
+        bk = min(128, max(32, triton.next_power_of_2(k)))
+        warps, stages = 4, 3 if k > bk else 1
+    if amd and bm == 64 and k > bk:
+        # 64 rows x 4 K tiles at 4 waves: 325-331 VGPRs + 69-75 AGPRs, 1 wave a SIMD on both chips
+        # (the decode path; stages change nothing on gfx942); 8 waves: 145-210 VGPRs, 2-3 waves
+        # (scripts/cross_compile.py, 2026-12-04; not timed on AMD)
+        warps = 8
+    return bm, bn, bk, warps, stages
 
 
 # The GEMV path's M limit: up to 8 rows one program holds all of M (BLOCK_M = M's power of two)
@@ -444,7 +451,7 @@ def bmm_a16wfp4(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,
     if config is not None and len(config) != 5:
         raise ValueError(f"the tl.dot kernel runs: config must be (BLOCK_M, BLOCK_N, BLOCK_K, "
                          f"num_warps, num_stages), got {config}")
-    bm, bn, bk, warps, stages = config or bmm_config(m, n, k)
+    bm, bn, bk, warps, stages = config or bmm_config(m, n, k, amd=torch.version.hip is not None)
     # BLOCK_K beyond K's power of two only wastes work; and an (untuned) BLOCK_K = 4 K config
     # once faulted on the H200 under Triton 3.6 (docs/PERF.md, query section): never launch one.
     bk = min(bk, max(32, triton.next_power_of_2(k)))
@@ -478,20 +485,23 @@ def _specs():
     paths = ((False, "decode"), (True, "dotscaled"))
     for n, k in ((512, 128), (128, 512)):
         for m in (1, 32, 64, 512):   # every config bmm_config returns for these shapes
-            bm, bn, bk, warps, stages = bmm_config(m, n, k)
             for ds, kind in paths:
-                key = (bm, bn, bk, -(-k // bk), warps, stages, ds)
-                if key in seen:
-                    continue
-                seen.add(key)
-                specs.append({
-                    "name": f"bmm_a16wfp4_{kind}_m{bm}n{bn}k{bk}t{-(-k // bk)}w{warps}s{stages}",
-                    "kernel": _bmm_a16wfp4_kernel, "signature": dict(sig),
-                    "constexprs": {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "K_TILES": -(-k // bk),
-                                   "DOT_SCALED": ds, "INTERP": False, "PDL": False},
-                    "num_warps": warps, "num_stages": stages,
-                    # dot_scaled is the gfx950 path; the decode path every target's.
-                    "targets": ("gfx950",) if ds else ("gfx950", "gfx942", "sm90")})
+                # dot_scaled is the gfx950 path; the decode path every target's (AMD's configs
+                # where bmm_config gives AMD its own)
+                for amd in ((True,) if ds else (False, True)):
+                    bm, bn, bk, warps, stages = bmm_config(m, n, k, amd=amd)
+                    key = (bm, bn, bk, -(-k // bk), warps, stages, ds, amd)
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                    targets = ("gfx950",) if ds else ("gfx950", "gfx942") if amd else ("sm90",)
+                    specs.append({
+                        "name": f"bmm_a16wfp4_{kind}_m{bm}n{bn}k{bk}t{-(-k // bk)}w{warps}s{stages}"
+                                + ("_amd" if amd and not ds else ""),
+                        "kernel": _bmm_a16wfp4_kernel, "signature": dict(sig),
+                        "constexprs": {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "K_TILES": -(-k // bk),
+                                       "DOT_SCALED": ds, "INTERP": False, "PDL": False},
+                        "num_warps": warps, "num_stages": stages, "targets": targets})
     # the dot-free GEMV kernel (the default at M = 1, and at M <= 8 when K >= 512: gemv_wins; gemv=True
     # or KIMI_OPS_MXFP4_GEMV=1 at any M <= 8): every config gemv_config returns
     # for these shapes at M 1 .. GEMV_MAX_M (BLOCK_M 1, 2, 4, 8), with x read as uint32 pairs (the
