@@ -486,8 +486,8 @@ def test_gemm_config_env(monkeypatch):
     assert fp8_gemm.gemm_config(3, 3648, 7168, 128, 132) == (32, 64, 128, 4, 4, 6)
     assert fp8_gemm.gemm_config(32, 2304, 1536, 128, 132) == (32, 64, 128, 4, 4, 6)
     # AMD's own where that tile takes 1 wave a SIMD there (tests/test_cross_compile.py)
-    assert fp8_gemm.gemm_config(32, 2304, 1536, 128, 304, amd=True) == (32, 32, 128, 4, 4, 4)
-    assert fp8_gemm.gemm_config(64, 3648, 7168, 128, 256, amd=True) == (64, 128, 128, 4, 8, 4)
+    assert fp8_gemm.gemm_config(32, 2304, 1536, 128, 304, amd=True) == (32, 32, 128, 4, 8, 4)
+    assert fp8_gemm.gemm_config(64, 3648, 7168, 128, 256, amd=True) == (64, 64, 128, 4, 8, 4)
     bm, bn, bk, split, _, _ = fp8_gemm.gemm_config(8, 3648, 7168, 128, 132)
     assert (bm, bn, bk, split) == (16, 32, 128, 2)
     assert fp8_gemm.gemm_config(1, 64, 256, 128, 132)[3] == 1, "at least 2 K tiles a split"

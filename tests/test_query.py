@@ -142,12 +142,16 @@ def test_cross_compile_specs_cover_launches():
         assert set(spec["signature"]) == set(Q._mla_query_kernel.arg_names)
         assert set(spec["constexprs"]) == {k for k, v in spec["signature"].items() if v == "constexpr"}
         assert not (spec["constexprs"]["DOT_SCALED"] and not spec["constexprs"]["MXFP4"])
-    launched = {Q.query_config(t, 12, 512) for t in (1, 8, 16, 32, 64, 128, 256, 512)}
-    for path in ((False, False), (True, False), (True, True)):
-        covered = {(s["constexprs"]["BLOCK_M"], s["constexprs"]["BLOCK_N"], s["num_warps"])
-                   for s in Q.CROSS_COMPILE_SPECS
-                   if (s["constexprs"]["MXFP4"], s["constexprs"]["DOT_SCALED"]) == path}
-        assert launched <= covered, path
+    # each target's configs (AMD's own) on each path it takes (dot_scaled: gfx950 only)
+    for amd, targets in ((False, ("sm90",)), (True, ("gfx950", "gfx942"))):
+        launched = {Q.query_config(t, 12, 512, amd=amd) for t in (1, 8, 16, 32, 64, 128, 256, 512)}
+        for target in targets:
+            paths = ((False, False), (True, False)) + (((True, True),) if target == "gfx950" else ())
+            for path in paths:
+                covered = {(s["constexprs"]["BLOCK_M"], s["constexprs"]["BLOCK_N"], s["num_warps"])
+                           for s in Q.CROSS_COMPILE_SPECS if target in s["targets"]
+                           and (s["constexprs"]["MXFP4"], s["constexprs"]["DOT_SCALED"]) == path}
+                assert launched <= covered, (target, path)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -265,18 +265,20 @@ def gemm_config(m: int, n: int, k: int, block_k: int = 128, sms: int = 132,
     (``SPLIT_K x M x N x 4`` bytes) at most half the weight's. BLOCK_K = 128 (or the largest power
     of two dividing ``block_k``). ``KIMI_OPS_FP8_GEMM_CONFIG`` overrides all of it.
 
-    AMD (not timed there; scripts/cross_compile.py, 2026-12-04): the 32 x 64 tile of M <= 4 and
-    17..32 takes 318-482 VGPRs + 62-226 AGPRs, 1 wave a SIMD, on gfx950 and gfx942 at every stage
-    count (8 warps: 22-152 VGPRs spilled), so AMD runs 32 x 32 at 4 stages (200-210, 2 waves).
+    AMD (not timed there; scripts/cross_compile.py, 2026-12-04, Triton 3.6 and 3.8): the 32 x 64
+    tile of M <= 4 and 17..32 takes 318-482 VGPRs + 62-226 AGPRs, 1 wave a SIMD, on gfx950 and
+    gfx942 at every stage count (8 warps: 22-152 VGPRs spilled), the 64 x 128 tile spills 44-46
+    on gfx950 with Triton 3.6, and 16-row tiles at 8 stages run 1 wave there: AMD runs 32 x 32 and
+    64 x 64 at 8 warps and at most 4 stages (172-253 VGPRs, 2 waves, both Tritons).
     """
     bk = max_block_k(block_k)
     k_tiles = max(1, triton.cdiv(k, bk))
     cap = _pow2_floor(max(1, k_tiles // 2))
     m = max(1, m)
     if m <= 4 or 17 <= m <= 32:
-        return (32, 32, bk, min(4, cap), 4, 4) if amd else (32, 64, bk, min(4, cap), 4, 6)
+        return (32, 32, bk, min(4, cap), 8, 4) if amd else (32, 64, bk, min(4, cap), 4, 6)
     if 33 <= m <= 64:
-        return 64, 128, bk, min(4, cap), 8, 4
+        return 64, 64 if amd else 128, bk, min(4, cap), 8, 4
     bm = min(64, max(16, triton.next_power_of_2(m)))
     bn = min(128, max(16, triton.next_power_of_2(4 * min(m, bm))))
     tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm)
@@ -284,6 +286,8 @@ def gemm_config(m: int, n: int, k: int, block_k: int = 128, sms: int = 132,
     split = min(split, cap, _pow2_floor(max(1, k // (8 * m))))
     stage_bytes = bm * bk * 2 + bn * bk
     stages = 8 if stage_bytes <= 8192 else 6 if stage_bytes < 16384 else 4
+    if amd:
+        bn, stages = (min(bn, 64) if bm == 64 else bn), min(stages, 4)
     return bm, bn, bk, max(1, split), (8 if m > 64 else 4), stages
 
 

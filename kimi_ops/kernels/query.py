@@ -94,12 +94,14 @@ def _mla_query_kernel(
                      tl.zeros((BLOCK_M, BLOCK_P), dtype=tl.bfloat16), mask=mask_p)
 
 
-def query_config(t: int, heads: int, latent: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) from shapes alone."""
+def query_config(t: int, heads: int, latent: int, amd: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) from shapes alone; ``amd``: for gfx950 / gfx942 (the launcher:
+    a ROCm build), where 32- and 64-row tiles take 8 warps (the MXFP4 decode path at 4 took 292-439
+    VGPRs + AGPRs, 1 wave a SIMD, on gfx950 with Triton 3.6; scripts/cross_compile.py)."""
     bm = 16 if t <= 16 else 32 if t <= 32 else 64
     bn = 64 if t <= 64 else 128
     bn = min(bn, max(16, triton.next_power_of_2(latent)))
-    warps = 8 if bm * bn >= 64 * 128 else 4
+    warps = 8 if bm * bn >= 64 * 128 or (amd and bm >= 32) else 4
     return bm, bn, warps
 
 
@@ -120,7 +122,7 @@ def mla_query(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor,
     out = torch.empty((t, heads, latent + p), dtype=torch.bfloat16, device=q_nope.device)
     if out.numel() == 0:
         return out
-    bm, bn, warps = config or query_config(t, h, latent)
+    bm, bn, warps = config or query_config(t, h, latent, amd=torch.version.hip is not None)
     if mxfp4:
         scale = w_uk_scale.view(torch.uint8)
         s_strides = scale.stride()
@@ -159,19 +161,21 @@ def _specs():
         # (DOT_SCALED, kind): MXFP4's in-register decode, gfx950's dot_scaled
         paths = ((False, "mxfp4_decode"), (True, "mxfp4_dotscaled")) if mxfp4 else ((False, "bf16"),)
         for t in (1, 32, 64, 512):
-            bm, bn, warps = query_config(t, 12, 512)
             for ds, kind in paths:
-                if (kind, bm, bn, warps) in seen:
-                    continue
-                seen.add((kind, bm, bn, warps))
-                specs.append({
-                    "name": f"mla_query_{kind}_m{bm}n{bn}w{warps}",
-                    "kernel": _mla_query_kernel, "signature": dict(sig),
-                    "constexprs": {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_D": 128, "BLOCK_P": 64,
-                                   "MXFP4": mxfp4, "DOT_SCALED": ds, "INTERP": False,
-                                   "PDL": False},  # sm_90 launches PDL=True: kimi_ops.kernels.pdl
-                    "num_warps": warps, "num_stages": 1,
-                    "targets": ("gfx950",) if ds else ("gfx950", "gfx942", "sm90")})
+                # gfx950's dot_scaled takes AMD's configs; the decode / bf16 path each target's
+                for amd in ((True,) if ds else (False, True)):
+                    bm, bn, warps = query_config(t, 12, 512, amd=amd)
+                    if (kind, bm, bn, warps, amd) in seen:
+                        continue
+                    seen.add((kind, bm, bn, warps, amd))
+                    specs.append({
+                        "name": f"mla_query_{kind}_m{bm}n{bn}w{warps}" + ("_amd" if amd and not ds else ""),
+                        "kernel": _mla_query_kernel, "signature": dict(sig),
+                        "constexprs": {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_D": 128, "BLOCK_P": 64,
+                                       "MXFP4": mxfp4, "DOT_SCALED": ds, "INTERP": False,
+                                       "PDL": False},  # sm_90 launches PDL=True: kimi_ops.kernels.pdl
+                        "num_warps": warps, "num_stages": 1,
+                        "targets": ("gfx950",) if ds else ("gfx950", "gfx942") if amd else ("sm90",)})
     return specs
 
 
