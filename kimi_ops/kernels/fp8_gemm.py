@@ -269,7 +269,7 @@ def gemm_config(m: int, n: int, k: int, block_k: int = 128, sms: int = 132,
     tile of M <= 4 and 17..32 takes 318-482 VGPRs + 62-226 AGPRs, 1 wave a SIMD, on gfx950 and
     gfx942 at every stage count (8 warps: 22-152 VGPRs spilled), the 64 x 128 tile spills 44-46
     on gfx950 with Triton 3.6, and 16-row tiles at 8 stages run 1 wave there: AMD runs 32 x 32 and
-    64 x 64 at 8 warps and at most 4 stages (172-253 VGPRs, 2 waves, both Tritons).
+    64 x 64 at 8 warps and at most 4 stages (172-254 VGPRs, 2 waves, both Tritons).
     """
     bk = max_block_k(block_k)
     k_tiles = max(1, triton.cdiv(k, bk))

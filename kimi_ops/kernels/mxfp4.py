@@ -323,10 +323,10 @@ def bmm_config(m: int, n: int, k: int, amd: bool = False) -> tuple[int, int, int
         bk = min(128, max(32, triton.next_power_of_2(k)))
         warps, stages = 4, 3 if k > bk else 1
     if amd and bm >= 32:
-        # 4 waves: the decode path's 64 rows x 4 K tiles took 325-331 VGPRs + 69-75 AGPRs, 1 wave a
-        # SIMD, on both chips (stages change nothing on gfx942), and with Triton 3.6 its 32 / 64 rows
-        # x 1 K tile 272-346 on gfx950; 8 waves: 113-210 VGPRs, 2-4 waves (scripts/cross_compile.py,
-        # 2026-12-04; not timed on AMD)
+        # at 4 warps (wavefronts) the decode path's 64 rows x 4 K tiles took 325-331 VGPRs + 69-75
+        # AGPRs, 1 wave a SIMD, on both chips (stages change nothing on gfx942), and with Triton 3.6
+        # its 32 / 64 rows x 1 K tile 272-346 on gfx950; at 8: 113-213 VGPRs, 2-4 waves a SIMD
+        # (scripts/cross_compile.py, 2026-12-04; not timed on AMD)
         warps = 8
     return bm, bn, bk, warps, stages
 
