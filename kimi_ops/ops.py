@@ -239,14 +239,18 @@ _register("mla_query", fake=_query_fake, real=_query_real)
 FP8_WEIGHT_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 
 
-def _check_gemm_a16w8_block_args(name, x, w, w_scale_inv, block_n, block_k):
+def _check_projection_args(name, x, w, w_dtypes, w_kind):
+    """A projection's x (bf16 [M, K]) and w ([N, K] of ``w_dtypes``, named ``w_kind``), K agreeing."""
     if x.dim() != 2 or x.dtype != torch.bfloat16:
         raise ValueError(f"kimi_ops.{name}: x must be a bf16 [M, K] tensor, got {x.dtype} {tuple(x.shape)}")
-    if w.dim() != 2 or w.dtype not in FP8_WEIGHT_DTYPES:
-        raise ValueError(f"kimi_ops.{name}: w must be an fp8 (float8_e4m3fn) [N, K] tensor, "
-                         f"got {w.dtype} {tuple(w.shape)}")
+    if w.dim() != 2 or w.dtype not in w_dtypes:
+        raise ValueError(f"kimi_ops.{name}: w must be {w_kind} [N, K] tensor, got {w.dtype} {tuple(w.shape)}")
     if w.shape[1] != x.shape[1]:
         raise ValueError(f"kimi_ops.{name}: x is [M, {x.shape[1]}] but w is [N, {w.shape[1]}]: K must agree")
+
+
+def _check_gemm_a16w8_block_args(name, x, w, w_scale_inv, block_n, block_k):
+    _check_projection_args(name, x, w, FP8_WEIGHT_DTYPES, "an fp8 (float8_e4m3fn)")
     if block_n < 1 or block_k < 1:
         raise ValueError(f"kimi_ops.{name}: block_n and block_k must be >= 1, got {block_n}, {block_k}")
     n, k = w.shape
@@ -276,12 +280,7 @@ _register("gemm_a16w8_block", fake=_gemm_fp8_fake, real=_gemm_fp8_real)
 # --- bf16 projection ------------------------------------------------------------------------------
 
 def _check_gemm_a16w16_args(x, w):
-    if x.dim() != 2 or x.dtype != torch.bfloat16:
-        raise ValueError(f"kimi_ops.gemm_a16w16: x must be a bf16 [M, K] tensor, got {x.dtype} {tuple(x.shape)}")
-    if w.dim() != 2 or w.dtype != torch.bfloat16:
-        raise ValueError(f"kimi_ops.gemm_a16w16: w must be a bf16 [N, K] tensor, got {w.dtype} {tuple(w.shape)}")
-    if w.shape[1] != x.shape[1]:
-        raise ValueError(f"kimi_ops.gemm_a16w16: x is [M, {x.shape[1]}] but w is [N, {w.shape[1]}]: K must agree")
+    _check_projection_args("gemm_a16w16", x, w, (torch.bfloat16,), "a bf16")
     if x.device != w.device:
         raise ValueError(f"kimi_ops.gemm_a16w16: x and w must be on one device, got {x.device}, {w.device}")
 

@@ -21,8 +21,8 @@ contiguous and 16-byte aligned; bf16 w with ``K % 32 == 0``; fp8 (``float8_e4m3f
 import os
 
 import torch
-import torch.nn.functional as F
 
+from ..reference.linear import gemm_a16w16 as _linear
 from .sm90 import _ops  # kimi_ops._C's private ops (importing it registers them)
 
 MAX_M = 8
@@ -49,11 +49,11 @@ def serves(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor | None = 
 
 
 def gemm_a16w16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x [M, K] @ w [N, K]^T`` -> bf16 ``[M, N]``: the kernel where it serves, else ``F.linear``
-    (inputs validated by the op layer)."""
+    """``x [M, K] @ w [N, K]^T`` -> bf16 ``[M, N]``: the kernel where it serves, else the reference's
+    ``F.linear`` (inputs validated by the op layer)."""
     if serves(x, w):
         return _ops()._gemv_sm90(x, w, None, 0)
-    return F.linear(x, w)
+    return _linear(x, w)
 
 
 def gemm_a16w8_block(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor, *, block_n: int = 128,
