@@ -8,8 +8,9 @@ Each module in ``kimi_ops.kernels.CROSS_COMPILE_MODULES`` that exists and expose
 ``CROSS_COMPILE_SPECS`` (see kimi_ops/kernels/__init__.py) is compiled with
 ``triton.compile(ASTSource(...), target=GPUTarget(...))``.  Each variant's assembly goes to
 ``OUT/<target>/<name>.amdgcn`` (AMD) or ``.ptx`` (NVIDIA); the matrix instructions found in it
-and its registers / spills (AMD: the code object's metadata; sm90: ptxas -v, Triton's bundled
-ptxas) are printed, one line a variant, and a summary is written to ``OUT/<target>/summary.json``.
+and its registers / spills (AMD: the code object's metadata; sm90 / sm80: ptxas -v, Triton's
+bundled ptxas) are printed, one line a variant, and a summary is written to
+``OUT/<target>/summary.json``.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ TARGETS = {
     "gfx950": ("hip", "gfx950", 64),
     "gfx942": ("hip", "gfx942", 64),
     "sm90": ("cuda", 90, 32),
+    "sm80": ("cuda", 80, 32),   # Ampere: no e4m3fn in Triton; the fp8 operands go as uint8 codes
 }
 
 # matrix instructions: AMD MFMA / WMMA, NVIDIA wgmma / mma
@@ -124,8 +126,8 @@ def _ptxas():
     return bundled if os.path.isfile(bundled) else shutil.which("ptxas")
 
 
-def sm90_resources(ptx: str, tmp_dir: str) -> dict:
-    """ptxas -v's report of one kernel's PTX for sm_90a: {regs, spill_stores, spill_loads,
+def sm90_resources(ptx: str, tmp_dir: str, arch: str = "sm_90a") -> dict:
+    """ptxas -v's report of one kernel's PTX for ``arch``: {regs, spill_stores, spill_loads,
     stack} (bytes; empty where no ptxas exists). The JIT specializes more arguments than these
     generic compiles (an int equal to 1, one divisible by 16), so a launch's SASS can differ."""
     import subprocess
@@ -136,7 +138,7 @@ def sm90_resources(ptx: str, tmp_dir: str) -> dict:
     path = os.path.join(tmp_dir, "ptxas_input.ptx")
     with open(path, "w") as f:
         f.write(ptx)
-    r = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", path + ".cubin"], capture_output=True, text=True)
+    r = subprocess.run([ptxas, f"-arch={arch}", "-v", path, "-o", path + ".cubin"], capture_output=True, text=True)
     m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads.*?Used (\d+) registers",
                   r.stdout + r.stderr, re.S)
     if r.returncode != 0 or m is None:
@@ -172,7 +174,8 @@ def run(target_name, out_dir, only=None, quiet=False):
         if backend == "hip":
             meta.update(amd_resources(asm))
         else:
-            meta.update(sm90_resources(asm, dest))
+            cc = TARGETS[target_name][1]
+            meta.update(sm90_resources(asm, dest, "sm_90a" if cc == 90 else f"sm_{cc}"))
         results.append(meta)
         if not quiet:
             mma_s = ", ".join(f"{k} x{v}" for k, v in sorted(mma.items())) or "(no MMA)"

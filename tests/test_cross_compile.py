@@ -1,4 +1,4 @@
-"""scripts/cross_compile.py: the Triton kernels compile for gfx950, gfx942 and sm90 with no GPU,
+"""scripts/cross_compile.py: the Triton kernels compile for gfx950, gfx942, sm90 and sm80 with no GPU,
 and use the fp8 matrix instructions of each target (a representative set, to stay fast)."""
 from __future__ import annotations
 
@@ -50,6 +50,21 @@ def test_sm90_wgmma_e4m3(tmp_path):
     mma = res["splitkv_fp8_fn_m64"]["mma"]
     assert any(k.startswith("wgmma") and "e4m3.e4m3" in k for k in mma), mma
     assert res["splitkv_bf16_fn_m16"]["mma"], "the bf16 variant has no MMA"
+
+
+def test_sm80_compiles_without_e4m3fn(tmp_path):
+    """NVIDIA before sm_89 (Ampere): Triton has no e4m3fn type there ("type fp8e4nv not supported
+    in this architecture"), so the attention kernels take the cache and an fp8 q, and the fp8
+    projections their weight, as uint8 codes decoded by integer arithmetic. Every sm80 variant of
+    those modules compiles (ptxas for sm_80) with bf16 mma.sync and no fp8 MMA."""
+    res = _run("sm80", [r"splitkv_.*", r"gemm_a16w8_block_.*", r"gemv_a16w8_block_.*",
+                        r"cache_write_bf16_i32_fn"], tmp_path)
+    split = [n for n in res if n.startswith("splitkv_")]
+    assert {"splitkv_bf16_u8fn_m16", "splitkv_bf16_u8fn_m16_q8", "splitkv_bf16_u8fn_m64"} <= set(split), split
+    for name, r in res.items():
+        assert all("e4m3" not in k for k in r["mma"]), (name, r["mma"])
+        if name.startswith(("splitkv_", "gemm_a16w8_block_m")):
+            assert r["mma"] and all(".bf16.bf16." in k for k in r["mma"]), (name, r["mma"])
 
 
 # ----------------------------------------------------------------------------------------------

@@ -252,9 +252,7 @@ def test_interp_fp8q_fnuz():
 f.check_triton_fp8q([70, 33, 0], 2, 12, 2, kv_dtype=FNUZ, q_dtype=FN, gen=g)
 f.check_triton_fp8q([50, 4], 3, 4, 3, kv_dtype=FNUZ, q_dtype=FNUZ, oob=3, gen=g)
 import kimi_ops.kernels.attention as A
-A._kv_mode = lambda kv: (kv.view(torch.uint8), True, True) if kv.dtype == FNUZ else (kv, False, False)
-real_q_mode = A._q_mode
-A._q_mode = lambda q, s: (q.view(torch.uint8), True, True) if q.dtype == FNUZ else real_q_mode(q, s)
+A.native_fnuz = lambda: False   # q and cache as e4m3fnuz codes (A._as_codes)
 f.check_triton_fp8q([70, 33, 0], 2, 12, 2, kv_dtype=FNUZ, q_dtype=FNUZ, gen=g)
 """)
 

@@ -14,8 +14,12 @@ import sys
 import pytest
 import torch
 import triton
+import triton.language as tl
 
 from conftest import run_interpreted
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from kimi_ops.kernels.cache import fp8_value  # noqa: E402
 
 needs_fnuz_triton = pytest.mark.skipif(
     tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 7),
@@ -469,11 +473,47 @@ def test_interp_decode_fnuz_bytes():
     # the NVIDIA path for an e4m3fnuz cache: bytes decoded in the kernel (forced here)
     _interp("""
 import kimi_ops.kernels.attention as A
-import kimi_ops.kernels.triton_m1c as M
-A._kv_mode = lambda kv: (kv.view(torch.uint8), True, True) if kv.dtype == torch.float8_e4m3fnuz else (kv, False, False)
-M._kv_mode = A._kv_mode
+A.native_fnuz = lambda: False   # the cache as e4m3fnuz codes (A._as_codes)
 t.check_decode([70, 33, 0], 2, 12, 2, dtype=torch.float8_e4m3fnuz, gen=g)
 """)
+
+
+@pytest.mark.parametrize("kernel", ["first", "m1c"])
+def test_interp_decode_e4m3fn_bytes(kernel):
+    # NVIDIA before sm_89 (Ampere: Triton has no e4m3fn there): the cache and an fp8 q reach the
+    # kernels as e4m3fn codes, decoded by integer arithmetic (forced here)
+    _interp("""
+import kimi_ops.kernels.attention as A
+A.native_e4m3fn = lambda device: False
+kv = torch.zeros(4, 576, dtype=torch.float8_e4m3fn)
+assert A._kv_mode(kv)[:2][1] == A.FN_BYTES and A._kv_mode(kv)[0].dtype == torch.uint8
+t.check_decode([100, 0, 3, 70], 2, 12, 3, oob=4, gen=g)
+t.check_decode([40, 17], 8, 12, 2, gen=g)              # 96 rows (the first generation's m64)
+t.check_decode([100, 33], 1, 12, 2, gen=g, fp8_q=True)
+""", mma="bf16", kernel=kernel)
+
+
+@triton.jit
+def _decode_codes(c_ptr, y_ptr, FNUZ: tl.constexpr):
+    offs = tl.arange(0, 256)
+    tl.store(y_ptr + offs, fp8_value(tl.load(c_ptr + offs), FNUZ))
+
+
+def check_fp8_value():
+    """fp8_value (the kernels' integer decode) against torch's decode of every code, both formats:
+    the same f32 bits, NaN where torch gives NaN (-0 kept for e4m3fn)."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    for dt in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
+        y = torch.empty(256, dtype=torch.float32)
+        _decode_codes[(1,)](codes, y, FNUZ=dt == torch.float8_e4m3fnuz)
+        ref = codes.view(dt).float()
+        assert torch.equal(torch.isnan(y), torch.isnan(ref)), dt
+        ok = ~torch.isnan(ref)
+        assert torch.equal(y[ok].view(torch.int32), ref[ok].view(torch.int32)), dt
+
+
+def test_interp_fp8_value():
+    _interp("t.check_fp8_value()")
 
 
 def test_interp_merge():

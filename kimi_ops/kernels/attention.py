@@ -16,8 +16,9 @@ Numerics (``MMA="fp8"``, the seeds' scheme): each query row is scaled by 2^k (k 
 row's max exponent) and split into exact E4M3 ``hi + lo``; S = (Q_hi + Q_lo) K^T with fp8 x
 fp8 dots on the cache as stored; P = exp2(S - m) * 2^PLOG is split into E4M3 ``hi + lo`` and
 O += (P_hi + P_lo) V as fp8 x fp8 dots.  ``MMA="bf16"``: the K tile is converted to bf16
-(exact) and both products run as bf16 dots.  ``KV_U8_FNUZ``: an e4m3fnuz cache on a backend
-without that type (NVIDIA) is read as bytes and decoded in the kernel (bf16 dots).
+(exact) and both products run as bf16 dots.  ``KV_BYTES``: a cache of an fp8 type the backend
+lacks (e4m3fnuz on NVIDIA, e4m3fn before sm_89) is read as bytes and decoded in the kernel by
+integer arithmetic (``fp8_value``; bf16 dots); ``Q_BYTES`` the same for an fp8 q.
 
 fp8 query (issue 28, ``q_scale`` given): q is loaded as stored (e4m3fn, or e4m3fnuz read as
 bytes where the backend has no such type) and converted exactly to bf16 (every e4m3 value is a
@@ -38,7 +39,11 @@ import triton.language as tl
 
 from ..formats import KV_LORA_RANK, KV_ROW
 from . import interpreting
-from .cache import fp8_bits
+from .cache import fp8_bits, fp8_value
+
+# how an fp8 tensor reaches a kernel (its KV_BYTES / Q_BYTES): as its fp8 type, or as bytes of
+# e4m3fn / e4m3fnuz codes where the backend lacks the type (decoded by fp8_value)
+NATIVE, FN_BYTES, FNUZ_BYTES = 0, 1, 2
 
 LOG2E = 1.4426950408889634
 
@@ -66,26 +71,18 @@ def _to_bf16(x, INTERP: tl.constexpr):
 
 
 @triton.jit
-def _fnuz_bytes_to_f32(b):
-    # e4m3fnuz bytes (uint8) -> f32: value(b) = e4m3fn(b) / 2, except 0x7f/0xff (+-240), 0x80 (NaN)
-    x = b.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 0.5
-    x = tl.where((b & 0x7F) == 0x7F, tl.where(b >= 128, -240.0, 240.0), x)
-    return tl.where(b == 0x80, float("nan"), x)
-
-
-@triton.jit
-def _q_half(ptrs, row_ok, Q_FP8: tl.constexpr, Q_U8_FNUZ: tl.constexpr, DT16: tl.constexpr):
+def _q_half(ptrs, row_ok, Q_FP8: tl.constexpr, Q_BYTES: tl.constexpr, DT16: tl.constexpr):
     x = tl.load(ptrs, mask=row_ok[:, None], other=0.0)
-    if Q_FP8 and Q_U8_FNUZ:
-        x = _fnuz_bytes_to_f32(x)
+    if Q_FP8 and Q_BYTES:
+        x = fp8_value(x, Q_BYTES == 2)
     return x.to(tl.float32).to(DT16)
 
 
 @triton.jit
-def _fp8_to16(x, U8_FNUZ: tl.constexpr, DT16: tl.constexpr):
-    # an fp8 tile (or e4m3fnuz bytes with U8_FNUZ) -> DT16, exact (every e4m3 value is a bf16 value)
-    if U8_FNUZ:
-        return _fnuz_bytes_to_f32(x).to(DT16)
+def _fp8_to16(x, BYTES: tl.constexpr, DT16: tl.constexpr):
+    # an fp8 tile (or codes: BYTES 1 e4m3fn, 2 e4m3fnuz) -> DT16, exact (every e4m3 value is a bf16 value)
+    if BYTES:
+        return fp8_value(x, BYTES == 2).to(DT16)
     return x.to(DT16)
 
 
@@ -179,10 +176,10 @@ def _split_kv_kernel(
     T, H, N, qlen, num_splits, dcp_rank, dcp_world_size,
     c_hi, c_lo,  # scale * kv_scale (natural units) as hi + lo f32
     kv_scale,
-    Q_FP8: tl.constexpr,  # q is fp8 (q_ptr's type, or e4m3fnuz bytes with Q_U8_FNUZ); q_scale_ptr -> f32 [1]
-    Q_U8_FNUZ: tl.constexpr,
+    Q_FP8: tl.constexpr,  # q is fp8 (q_ptr's type, or its codes with Q_BYTES); q_scale_ptr -> f32 [1]
+    Q_BYTES: tl.constexpr,  # 0: q as its type; 1 / 2: e4m3fn / e4m3fnuz codes (uint8)
     MMA_FP8: tl.constexpr,
-    KV_U8_FNUZ: tl.constexpr,
+    KV_BYTES: tl.constexpr,  # 0: the cache as its fp8 type; 1 / 2: e4m3fn / e4m3fnuz codes (uint8)
     FNUZ: tl.constexpr,
     INTERP: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -213,16 +210,16 @@ def _split_kv_kernel(
     qp = tl.load(q_ptr + flat_row[:, None] * D + DC + offs_p[None, :], mask=row_ok[:, None], other=0.0)
     if Q_FP8:
         # the fp8 query as stored -> f32 (exact; exact in bf16 too); its scale: _score_scale
-        if Q_U8_FNUZ:
-            qc = _fnuz_bytes_to_f32(qc)
-            qp = _fnuz_bytes_to_f32(qp)
+        if Q_BYTES:
+            qc = fp8_value(qc, Q_BYTES == 2)
+            qp = fp8_value(qp, Q_BYTES == 2)
         else:
             qc = qc.to(tl.float32)
             qp = qp.to(tl.float32)
     ch, cl, sgn = _score_scale(c_hi, c_lo, q_scale_ptr, Q_FP8)
 
-    if KV_U8_FNUZ:
-        FP8: tl.constexpr = tl.float8e4nv
+    if KV_BYTES:
+        FP8: tl.constexpr = tl.float8e4nv  # (unused: codes take bf16 dots)
     else:
         FP8: tl.constexpr = kv_ptr.dtype.element_ty
     if FNUZ:
@@ -258,8 +255,8 @@ def _split_kv_kernel(
         qc = qc.to(DT16)
         qp = qp.to(DT16)
         if S_CHAINS:
-            qc0 = _q_half(q_ptr + flat_row[:, None] * D + offs_h[None, :], row_ok, Q_FP8, Q_U8_FNUZ, DT16)
-            qc1 = _q_half(q_ptr + flat_row[:, None] * D + DH + offs_h[None, :], row_ok, Q_FP8, Q_U8_FNUZ,
+            qc0 = _q_half(q_ptr + flat_row[:, None] * D + offs_h[None, :], row_ok, Q_FP8, Q_BYTES, DT16)
+            qc1 = _q_half(q_ptr + flat_row[:, None] * D + DH + offs_h[None, :], row_ok, Q_FP8, Q_BYTES,
                           DT16)
         row_c = tl.zeros([BLOCK_M], dtype=tl.float32) + ch
         row_cl = tl.zeros([BLOCK_M], dtype=tl.float32) + cl
@@ -329,12 +326,12 @@ def _split_kv_kernel(
             kp = tl.load(krow[:, None] + DC + offs_p[None, :], mask=ld_ok[:, None], other=0.0)
         if S_CHAINS:
             # bf16 dots only (S_CHAINS is never set with MMA_FP8)
-            kc0 = _fp8_to16(kc0, KV_U8_FNUZ, DT16)
-            kc1 = _fp8_to16(kc1, KV_U8_FNUZ, DT16)
-            kp = _fp8_to16(kp, KV_U8_FNUZ, DT16)
-        elif KV_U8_FNUZ:
-            kc = _fp8_to16(kc, KV_U8_FNUZ, DT16)  # e4m3fnuz bytes, decoded
-            kp = _fp8_to16(kp, KV_U8_FNUZ, DT16)
+            kc0 = _fp8_to16(kc0, KV_BYTES, DT16)
+            kc1 = _fp8_to16(kc1, KV_BYTES, DT16)
+            kp = _fp8_to16(kp, KV_BYTES, DT16)
+        elif KV_BYTES:
+            kc = _fp8_to16(kc, KV_BYTES, DT16)  # fp8 codes, decoded
+            kp = _fp8_to16(kp, KV_BYTES, DT16)
 
         if MMA_FP8:
             s = tl.dot(qc_hi, tl.trans(kc))
@@ -349,7 +346,7 @@ def _split_kv_kernel(
                 s = tl.dot(qc0, tl.trans(kc0)) + tl.dot(qc1, tl.trans(kc1))
                 s = s + tl.dot(qp, tl.trans(kp))
             else:
-                if not KV_U8_FNUZ:
+                if not KV_BYTES:
                     kc = kc.to(DT16)
                     kp = kp.to(DT16)
                 s = tl.dot(qc, tl.trans(kc))
@@ -531,15 +528,30 @@ def native_fnuz() -> bool:
     return interpreting() and _interpreter_takes_fnuz()
 
 
+def native_e4m3fn(device: torch.device) -> bool:
+    """Whether a kernel on ``device`` takes an e4m3fn tensor as such: Triton has the type on ROCm,
+    on NVIDIA sm_89 and later, and in the interpreter; on an older NVIDIA GPU (Ampere: "type
+    fp8e4nv not supported in this architecture") the launchers pass its bytes."""
+    if device.type != "cuda" or torch.version.hip is not None:
+        return True
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def _as_codes(x: torch.Tensor):
+    """(tensor to pass, BYTES) for an fp8 tensor: its own type where the backend has it, else its
+    uint8 codes with NATIVE's alternative (FN_BYTES / FNUZ_BYTES)."""
+    if x.dtype == torch.float8_e4m3fn:
+        return (x, NATIVE) if native_e4m3fn(x.device) else (x.view(torch.uint8), FN_BYTES)
+    assert x.dtype == torch.float8_e4m3fnuz, x.dtype
+    return (x, NATIVE) if native_fnuz() else (x.view(torch.uint8), FNUZ_BYTES)
+
+
 def _kv_mode(kv_rows: torch.Tensor):
-    """(tensor to pass, KV_U8_FNUZ, FNUZ)."""
-    if kv_rows.dtype == torch.float8_e4m3fn:
-        return kv_rows, False, False
-    if kv_rows.dtype == torch.float8_e4m3fnuz:
-        if native_fnuz():
-            return kv_rows, False, True
-        return kv_rows.view(torch.uint8), True, True
-    raise TypeError(f"kv_rows must be float8_e4m3fn or float8_e4m3fnuz, got {kv_rows.dtype}")
+    """(tensor to pass, KV_BYTES, FNUZ)."""
+    if kv_rows.dtype not in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
+        raise TypeError(f"kv_rows must be float8_e4m3fn or float8_e4m3fnuz, got {kv_rows.dtype}")
+    kv, kv_bytes = _as_codes(kv_rows)
+    return kv, kv_bytes, kv_rows.dtype == torch.float8_e4m3fnuz
 
 
 def _launch_shape(q, kv_rows, kv_indptr, kv_indices, qlen: int, num_splits: int):
@@ -563,15 +575,14 @@ def _partials(S: int, T: int, H: int, device):
 
 
 def _q_mode(q: torch.Tensor, q_scale):
-    """(tensor to pass, Q_FP8, Q_U8_FNUZ) for a bf16 q, or an fp8 q with its q_scale."""
+    """(tensor to pass, Q_FP8, Q_BYTES) for a bf16 q, or an fp8 q with its q_scale."""
     if q.dtype == torch.bfloat16:
         assert q_scale is None, "a bf16 q takes no q_scale"
-        return q, False, False
+        return q, False, NATIVE
     assert q.dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz), q.dtype
     assert q_scale is not None and q_scale.numel() == 1 and q_scale.dtype == torch.float32
-    if q.dtype == torch.float8_e4m3fnuz and not native_fnuz():
-        return q.view(torch.uint8), True, True
-    return q, True, False
+    q_arg, q_bytes = _as_codes(q)
+    return q_arg, True, q_bytes
 
 
 def mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: float, kv_scale: float,
@@ -585,13 +596,13 @@ def mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: floa
     leaving an empty split's o unwritten (see :func:`kimi_ops.kernels.sm90.mla_decode_splitkv`); this
     kernel writes it anyway."""
     T, H, R = _launch_shape(q, kv_rows, kv_indptr, kv_indices, qlen, num_splits)
-    q_arg, q_fp8, q_u8_fnuz = _q_mode(q, q_scale)
+    q_arg, q_fp8, q_bytes = _q_mode(q, q_scale)
     S = int(num_splits)
     o_part, lse_part = _partials(S, T, H, q.device)
     if T == 0:
         return o_part, lse_part
-    kv, u8_fnuz, fnuz = _kv_mode(kv_rows)
-    mma = "bf16" if u8_fnuz else _mma_mode()
+    kv, kv_bytes, fnuz = _kv_mode(kv_rows)
+    mma = "bf16" if kv_bytes else _mma_mode()
     bm, bn, warps, stages = _config(qlen * H, mma)
     grid = (triton.cdiv(qlen * H, bm), S, R)
     indices = kv_indices if kv_indices.numel() > 0 else kv_indptr  # never dereferenced when empty
@@ -600,7 +611,7 @@ def mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: floa
         q_scale if q_fp8 else lse_part,  # never read without an fp8 q
         T, H, kv_rows.shape[0], qlen, S, dcp_rank, dcp_world_size,
         *_split_f32(float(scale) * float(kv_scale)), float(kv_scale),
-        Q_FP8=q_fp8, Q_U8_FNUZ=q_u8_fnuz, MMA_FP8=(mma == "fp8"), KV_U8_FNUZ=u8_fnuz, FNUZ=fnuz, INTERP=interpreting(),
+        Q_FP8=q_fp8, Q_BYTES=q_bytes, MMA_FP8=(mma == "fp8"), KV_BYTES=kv_bytes, FNUZ=fnuz, INTERP=interpreting(),
         BLOCK_M=bm, BLOCK_N=bn, PREFETCH=_prefetch(mma, bm), GLOBAL_LENS=seq_lens is not None,
         INTERP_STEPS=_interpreter_steps(kv_indptr, bn), S_CHAINS=_s_chains(mma),
         num_warps=warps, num_stages=stages,
@@ -681,25 +692,28 @@ def _specs():
     variants = [("bf16", 16), ("bf16", 32), ("bf16", 64), ("fp8", 16), ("fp8", 32), ("fp8", 64)]
     for mma, rows in variants:
         bm, bn, warps, stages = _config(rows, mma)
-        for fmt in ("fn", "fnuz", "u8fnuz"):
-            if fmt == "u8fnuz" and mma == "fp8":
-                continue
-            kvt = {"fn": "*fp8e4nv", "fnuz": "*fp8e4b8", "u8fnuz": "*u8"}[fmt]
+        for fmt in ("fn", "fnuz", "u8fnuz", "u8fn"):
+            if fmt.startswith("u8") and mma == "fp8":
+                continue  # fp8 codes take bf16 dots
+            kvt = {"fn": "*fp8e4nv", "fnuz": "*fp8e4b8", "u8fnuz": "*u8", "u8fn": "*u8"}[fmt]
+            # u8fnuz: e4m3fnuz on NVIDIA; u8fn: e4m3fn on NVIDIA before sm_89 (native_e4m3fn)
             targets = {"fn": ("gfx950", "gfx942", "sm90"), "fnuz": ("gfx942",),
-                       "u8fnuz": ("sm90",)}[fmt]
+                       "u8fnuz": ("sm90", "sm80"), "u8fn": ("sm80",)}[fmt]
+            kv_bytes = {"u8fnuz": FNUZ_BYTES, "u8fn": FN_BYTES}.get(fmt, NATIVE)
             sig = {"q_ptr": "*bf16", "kv_ptr": kvt, **sig_common}
-            cx = {"Q_FP8": False, "Q_U8_FNUZ": False, "MMA_FP8": mma == "fp8", "KV_U8_FNUZ": fmt == "u8fnuz", "FNUZ": fmt != "fn",
-                  "INTERP": False, "BLOCK_M": bm, "BLOCK_N": bn, "PREFETCH": _prefetch(mma, bm),
+            cx = {"Q_FP8": False, "Q_BYTES": NATIVE, "MMA_FP8": mma == "fp8", "KV_BYTES": kv_bytes,
+                  "FNUZ": "fnuz" in fmt, "INTERP": False, "BLOCK_M": bm, "BLOCK_N": bn, "PREFETCH": _prefetch(mma, bm),
                   "GLOBAL_LENS": False, "INTERP_STEPS": 0, "S_CHAINS": _s_chains(mma)}
             for kk in cx:
                 sig[kk] = "constexpr"
             specs.append(dict(name=f"splitkv_{mma}_{fmt}_m{bm}", kernel=_split_kv_kernel,
                               signature=sig, constexprs=cx, num_warps=warps, num_stages=stages,
                               targets=targets))
-            if fmt == "fn" and mma == "bf16":
-                # the fp8 query (issue 28): loaded as e4m3fn, converted to bf16 in registers
+            if fmt in ("fn", "u8fn") and mma == "bf16":
+                # the fp8 query (issue 28): e4m3fn (its codes on sm80), converted to bf16 in registers
                 specs.append(dict(name=f"splitkv_{mma}_{fmt}_m{bm}_q8", kernel=_split_kv_kernel,
-                                  signature={**sig, "q_ptr": "*fp8e4nv"}, constexprs={**cx, "Q_FP8": True},
+                                  signature={**sig, "q_ptr": "*fp8e4nv" if fmt == "fn" else "*u8"},
+                                  constexprs={**cx, "Q_FP8": True, "Q_BYTES": kv_bytes},
                                   num_warps=warps, num_stages=stages, targets=targets))
     # every (BLOCK_S, BLOCK_C, num_warps) _merge_config can return
     merge_cfgs = sorted({_merge_config(S, TH) for S in (1, 2, 4, 8, 16, 32, 64, 65)

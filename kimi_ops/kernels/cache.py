@@ -1,4 +1,5 @@
-"""Triton KV-cache write (``mla_cache_write``) and the software fp8 encoder it shares.
+"""Triton KV-cache write (``mla_cache_write``) and the software fp8 encoder / decoder the kernels
+share (``fp8_bits`` / ``fp8_value``: no fp8 type, so they run on any GPU and in the interpreter).
 
 The fp8 encode is done with integer / exact float arithmetic (``fp8_bits``), not the
 hardware or interpreter conversion: it rounds to nearest even, handles subnormals,
@@ -58,6 +59,29 @@ def fp8_bits(x, FNUZ: tl.constexpr):
         code = code | (sign << 7)
         code = tl.where(x != x, 0x7F | (sign << 7), code)
     return code
+
+
+@triton.jit
+def fp8_value(code, FNUZ: tl.constexpr):
+    """E4M3 code (uint8 / int, [0, 255]) -> f32, exact, by integer arithmetic: for a GPU without
+    the fp8 type (NVIDIA before sm_89, e4m3fnuz on NVIDIA) and the kernels' byte paths.
+
+    e4m3fn: bias 7, 0x7f / 0xff NaN, 0x80 -0. e4m3fnuz: bias 8, 0x80 NaN, no -0, no inf.
+    """
+    if FNUZ:
+        BIAS: tl.constexpr = 8
+    else:
+        BIAS: tl.constexpr = 7
+    c = code.to(tl.int32) & 0xFF
+    e = (c >> 3) & 0xF
+    m = c & 7
+    normal = (((e + (127 - BIAS)) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    mag = tl.where(e > 0, normal, m.to(tl.float32) * (2.0**(-BIAS - 2)))  # subnormal: m * 2^(1 - BIAS - 3)
+    # the sign as a bit (a negation may be 0 - x, which gives +0 for e4m3fn's 0x80)
+    x = (mag.to(tl.int32, bitcast=True) | ((c >> 7) << 31)).to(tl.float32, bitcast=True)
+    if FNUZ:
+        return tl.where(c == 0x80, float("nan"), x)
+    return tl.where((c & 0x7F) == 0x7F, float("nan"), x)
 
 
 @triton.jit

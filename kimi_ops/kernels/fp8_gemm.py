@@ -57,6 +57,8 @@ import triton
 import triton.language as tl
 
 from . import interpreting
+from .attention import native_e4m3fn
+from .cache import fp8_value
 from .mxfp4 import _to_bf16
 
 CONFIG_ENV = "KIMI_OPS_FP8_GEMM_CONFIG"
@@ -80,6 +82,7 @@ def _gemm_a16w8_block_kernel(
     stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     K_TILES: tl.constexpr, TILES_PER_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr, INTERP: tl.constexpr,
+    W_BYTES: tl.constexpr = False,  # w is e4m3fn codes (uint8), decoded here (no e4m3fn type: sm_80)
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -101,6 +104,8 @@ def _gemm_a16w8_block_kernel(
         x = tl.load(x_rows + kx[None, :] * stride_xk, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         w = tl.load(w_rows + kx[None, :] * stride_wk, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
         s = tl.load(s_rows + (k0 // block_k) * stride_sk, mask=mask_n & (kt < K_TILES), other=0.0)
+        if W_BYTES:
+            w = fp8_value(w, False)
         part = tl.dot(_operand(x, INTERP), tl.trans(_operand(w, INTERP)))
         acc += part * s[None, :]
     if SPLIT_K == 1:
@@ -138,7 +143,7 @@ def _gemv_a16w8_block_kernel(
     stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
     TILES_PER_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr, DEPTH: tl.constexpr, X_AHEAD: tl.constexpr,
-    INTERP: tl.constexpr,
+    INTERP: tl.constexpr, W_BYTES: tl.constexpr = False,
 ):
     """Small-M GEMM without tl.dot: one program per (BLOCK_N weight rows, K split), all M <= BLOCK_M
     x rows. Tensors are 4-D ``(ko, m, n, ki)``: K slot of VEC columns, x row, weight row, column
@@ -184,7 +189,11 @@ def _gemv_a16w8_block_kernel(
             xt = _gemv_x_tile(x_ptr, kx, m4, M, K, stride_xm, stride_xk, BLOCK_M, BKO, VEC)
         ks = k0 + ko                                              # [BKO, 1, 1, 1]: slot starts
         s = tl.load(s_rows + (ks // block_k) * stride_sk, mask=mask_n & (ks < K), other=0.0)
-        blk = tl.sum(xt * w0.to(tl.float32), axis=3, keep_dims=True)   # [BKO, BM, BN, 1]
+        if W_BYTES:
+            wf = fp8_value(w0, False)
+        else:
+            wf = w0.to(tl.float32)
+        blk = tl.sum(xt * wf, axis=3, keep_dims=True)   # [BKO, BM, BN, 1]
         acc += blk * s
         if DEPTH == 1:
             w0 = w_new
@@ -400,8 +409,17 @@ def _reduce(partial: torch.Tensor, y: torch.Tensor, split: int) -> None:
                                                         INTERP=interpreting(), num_warps=4)
 
 
+def _weight_arg(w: torch.Tensor):
+    """(tensor to pass, W_BYTES): the e4m3fn weight as such, or its uint8 codes where Triton has no
+    e4m3fn (NVIDIA before sm_89; :func:`kimi_ops.kernels.attention.native_e4m3fn`)."""
+    if native_e4m3fn(w.device):
+        return w, False
+    return w.view(torch.uint8), True
+
+
 def _gemv(x, w, w_scale_inv, y, block_n, block_k, cfg):
     m, k = x.shape
+    w, w_bytes = _weight_arg(w)
     n = w.shape[0]
     bn, bk, split, warps, depth, ahead = cfg
     vec = gemv_vec(block_k)
@@ -418,7 +436,7 @@ def _gemv(x, w, w_scale_inv, y, block_n, block_k, cfg):
         x, w, w_scale_inv, y, partial, m, n, k, block_n, block_k,
         *x.stride(), *w.stride(), *w_scale_inv.stride(),
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=bn, BLOCK_K=bk, VEC=vec, TILES_PER_SPLIT=per, SPLIT_K=split,
-        DEPTH=depth, X_AHEAD=bool(ahead), INTERP=interpreting(), num_warps=warps, num_stages=1,
+        DEPTH=depth, X_AHEAD=bool(ahead), INTERP=interpreting(), W_BYTES=w_bytes, num_warps=warps, num_stages=1,
     )
     if split > 1:
         _reduce(partial, y, split)
@@ -471,11 +489,12 @@ def gemm_a16w8_block(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor
     split, per_split = _split_plan(k_tiles, split)
     partial = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split)
+    w, w_bytes = _weight_arg(w)
     _gemm_a16w8_block_kernel[grid](
         x, w, w_scale_inv, y, partial, m, n, k, block_n, block_k,
         *x.stride(), *w.stride(), *w_scale_inv.stride(),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, K_TILES=k_tiles, TILES_PER_SPLIT=per_split, SPLIT_K=split,
-        INTERP=interpreting(), num_warps=warps, num_stages=stages,
+        INTERP=interpreting(), W_BYTES=w_bytes, num_warps=warps, num_stages=stages,
     )
     if split > 1:
         _reduce(partial, y, split)
@@ -498,8 +517,12 @@ def split_count(m: int, n: int, k: int, block_k: int = 128, sms: int = 132) -> i
 KIMI_K3_SHAPES = ((3648, 7168), (2304, 1536), (7168, 1536))
 """Kimi-K3 TP8's fp8 projections (N, K): fused qkv_a + gate, q_b, o_proj."""
 
-TARGET_SMS = {"sm90": 132, "gfx950": 256, "gfx942": 304}
-"""The multiprocessor count of each target's part (H200, MI355X, MI300X): the configs' split rule."""
+TARGET_SMS = {"sm90": 132, "gfx950": 256, "gfx942": 304, "sm80": 108}
+"""The multiprocessor count of each target's part (H200, MI355X, MI300X, A100): the configs' split
+rule. sm80 (no e4m3fn in Triton) takes the weight as uint8 codes (W_BYTES)."""
+
+
+TARGETS_WITHOUT_E4M3FN = ("sm80",)
 
 
 def _gemv_launch(m: int, n: int, k: int, block_k: int = 128, sms: int = 132):
@@ -525,7 +548,7 @@ def _specs():
         sig[name] = "i32"
     for name in ("stride_xk", "stride_wk", "stride_sk"):
         sig[name] = "constexpr"       # 1 at run time (the JIT specializes it): contiguous K
-    for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "K_TILES", "TILES_PER_SPLIT", "SPLIT_K", "INTERP"):
+    for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "K_TILES", "TILES_PER_SPLIT", "SPLIT_K", "INTERP", "W_BYTES"):
         sig[name] = "constexpr"
     gsig = dict(sig)
     del gsig["K_TILES"], gsig["TILES_PER_SPLIT"], gsig["BLOCK_M"], gsig["BLOCK_N"], gsig["BLOCK_K"]
@@ -534,29 +557,33 @@ def _specs():
     unit = {"INTERP": False, "stride_xk": 1, "stride_wk": 1, "stride_sk": 1}
     specs = []
     for target, sms in TARGET_SMS.items():
-        amd = target != "sm90"
+        amd = target.startswith("gfx")
+        codes = target in TARGETS_WITHOUT_E4M3FN
+        tsig = dict(sig, w_ptr="*u8" if codes else "*fp8e4nv")
+        tgsig = dict(gsig, w_ptr=tsig["w_ptr"])
+        tunit = dict(unit, W_BYTES=codes)
         dots, gemvs, splits = {}, {}, set()  # dicts: each distinct launch once, in order
         for n, k in KIMI_K3_SHAPES:
             for m in (5, 8, 16, 32, 64, 256):
                 bm, bn, bk, split, warps, stages = gemm_config(m, n, k, 128, sms, amd=amd)
                 split, per = _split_plan(-(-k // bk), split)
                 dots[(bm, bn, bk, -(-k // bk), per, split, warps, stages)] = None
-            for m in range(1, (GEMV_MAX_M if amd else GEMV_LIMIT_M) + 1):
+            for m in range(1, (GEMV_LIMIT_M if target == "sm90" else GEMV_MAX_M) + 1):
                 gemvs[_gemv_spec_name(m, n, k, sms)] = _gemv_launch(m, n, k, sms=sms)
         for bm, bn, bk, k_tiles, per, split, warps, stages in dots:
             splits.add(split)
             specs.append({
                 "name": f"gemm_a16w8_block_m{bm}n{bn}k{bk}t{k_tiles}p{per}s{split}w{warps}st{stages}",
-                "kernel": _gemm_a16w8_block_kernel, "signature": dict(sig),
+                "kernel": _gemm_a16w8_block_kernel, "signature": dict(tsig),
                 "constexprs": {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "K_TILES": k_tiles,
-                               "TILES_PER_SPLIT": per, "SPLIT_K": split, **unit},
+                               "TILES_PER_SPLIT": per, "SPLIT_K": split, **tunit},
                 "num_warps": warps, "num_stages": stages, "targets": (target,)})
         for name, (bm, bn, bk, vec, per, split, warps, depth, ahead) in gemvs.items():
             splits.add(split)
             specs.append({
-                "name": name, "kernel": _gemv_a16w8_block_kernel, "signature": dict(gsig),
+                "name": name, "kernel": _gemv_a16w8_block_kernel, "signature": dict(tgsig),
                 "constexprs": {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "VEC": vec, "TILES_PER_SPLIT": per,
-                               "SPLIT_K": split, "DEPTH": depth, "X_AHEAD": bool(ahead), **unit},
+                               "SPLIT_K": split, "DEPTH": depth, "X_AHEAD": bool(ahead), **tunit},
                 "num_warps": warps, "num_stages": 1, "targets": (target,)})
         for split in sorted(splits - {1}):
             specs.append({

@@ -68,8 +68,8 @@ import triton
 import triton.language as tl
 
 from . import interpreting
-from .attention import (native_fnuz, _fp8_to16, _interpreter_steps, _kv_mode, _launch_shape, _partials, _program_rows,
-                        _row_inv, _row_lse, _score_scale, _split_f32, _to_bf16)
+from .attention import (FNUZ_BYTES, NATIVE, _as_codes, _fp8_to16, _interpreter_steps, _kv_mode, _launch_shape,
+                        _partials, _program_rows, _row_inv, _row_lse, _score_scale, _split_f32, _to_bf16)
 from .attention import mla_merge  # noqa: F401  (the M1b of this backend: one merge for both generations)
 
 LOG2E = 1.4426950408889634
@@ -107,9 +107,9 @@ def _splitkv_tm_kernel(
     c_hi, c_lo,  # scale * kv_scale as hi + lo f32 (c_hi + c_lo = the f64 product to ~2^-48)
     kv_scale,
     HAS_QSCALE: tl.constexpr,   # q is fp8 and q_scale_ptr holds its float32 scale
-    Q_U8_FNUZ: tl.constexpr,    # q is e4m3fnuz bytes (decoded in the kernel)
+    Q_BYTES: tl.constexpr,      # 0: q as its type; 1 / 2: e4m3fn / e4m3fnuz codes (decoded in the kernel)
     FP8_QK: tl.constexpr,       # S^T = K Q^T as fp8 x fp8 dots (an fp8 q of the cache's fp8 type)
-    KV_U8_FNUZ: tl.constexpr,   # the cache is e4m3fnuz bytes (decoded in the kernel)
+    KV_BYTES: tl.constexpr,     # 0: the cache as its type; 1 / 2: e4m3fn / e4m3fnuz codes (decoded)
     INTERP: tl.constexpr,
     BLOCK_M: tl.constexpr,      # query rows a program (the MMA's N)
     BLOCK_N: tl.constexpr,      # tokens a tile (the MMA's M)
@@ -145,12 +145,12 @@ def _splitkv_tm_kernel(
     qcT = tl.load(q_rows + offs_c[:, None], mask=row_ok[None, :], other=0.0)
     qpT = tl.load(q_rows + DC + offs_p[:, None], mask=row_ok[None, :], other=0.0)
     if not FP8_QK:
-        qcT = _fp8_to16(qcT, Q_U8_FNUZ, DT16)
-        qpT = _fp8_to16(qpT, Q_U8_FNUZ, DT16)
+        qcT = _fp8_to16(qcT, Q_BYTES, DT16)
+        qpT = _fp8_to16(qpT, Q_BYTES, DT16)
     if VSPLIT == 2:
         qxT = tl.load(q_rows + offs_x[:, None], mask=row_ok[None, :], other=0.0)
         if not FP8_QK:
-            qxT = _fp8_to16(qxT, Q_U8_FNUZ, DT16)
+            qxT = _fp8_to16(qxT, Q_BYTES, DT16)
 
     # |c| = |scale * kv_scale [* q_scale]| as hi + lo, its sign; the scores' base-2 factor
     ch, cl, sgn = _score_scale(c_hi, c_lo, q_scale_ptr, HAS_QSCALE)
@@ -176,17 +176,17 @@ def _splitkv_tm_kernel(
         else:
             k8, kp, kx = _load_tile(kv_ptr, _tile_indices(indices_ptr, start, tok, hi), N, offs_c, offs_x,
                                     offs_p, VSPLIT)
-        kc = _fp8_to16(k8, KV_U8_FNUZ, DT16)   # V^T's operand (and K's, unless FP8_QK)
+        kc = _fp8_to16(k8, KV_BYTES, DT16)   # V^T's operand (and K's, unless FP8_QK)
         if not FP8_QK:
             k8 = kc
-            kp = _fp8_to16(kp, KV_U8_FNUZ, DT16)
+            kp = _fp8_to16(kp, KV_BYTES, DT16)
         # S^T in raw dot units [BLOCK_N, BLOCK_M], as independent partial products added in
         # f32 (RNE): an MMA's chained accumulation truncates its running sum, so one long
         # chain's error grows with |s| (the lse of large scores); short chains bound it
         d = tl.dot(k8, qcT)
         if VSPLIT == 2:
             if not FP8_QK:
-                kx = _fp8_to16(kx, KV_U8_FNUZ, DT16)
+                kx = _fp8_to16(kx, KV_BYTES, DT16)
             dx = tl.dot(kx, qxT)
             dp = tl.dot(kp, qpT)
             # the same sum in both programs, channels [0, 256) + ([256, 512) + rope): each one's
@@ -310,23 +310,21 @@ def takes_fp8_dots(cfg: Config, q_dtype: torch.dtype, kv_dtype: torch.dtype) -> 
 
 
 def _q_mode(q: torch.Tensor, q_scale, kv_dtype):
-    """(tensor to pass, HAS_QSCALE, Q_U8_FNUZ) after checking the q / q_scale pair."""
+    """(tensor to pass, HAS_QSCALE, Q_BYTES) after checking the q / q_scale pair."""
     if q.dtype == torch.bfloat16:
         if q_scale is not None:
             raise ValueError("mla_decode_splitkv: q_scale is only for an fp8 q; q is bfloat16")
-        return q, False, False
+        return q, False, NATIVE
     if q.dtype not in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
         raise TypeError(f"mla_decode_splitkv: q must be bfloat16 or float8_e4m3fn, got {q.dtype}")
     if q_scale is None:
         raise ValueError("mla_decode_splitkv: an fp8 q needs q_scale (a float32 1-element tensor)")
     if q_scale.dtype != torch.float32 or q_scale.numel() != 1 or q_scale.device != q.device:
         raise ValueError("mla_decode_splitkv: q_scale must be a float32 1-element tensor on q's device")
-    if q.dtype == torch.float8_e4m3fnuz:
-        if kv_dtype != torch.float8_e4m3fnuz:
-            raise TypeError("mla_decode_splitkv: an e4m3fnuz q needs an e4m3fnuz cache")
-        if not native_fnuz():
-            return q.view(torch.uint8), True, True
-    return q, True, False
+    if q.dtype == torch.float8_e4m3fnuz and kv_dtype != torch.float8_e4m3fnuz:
+        raise TypeError("mla_decode_splitkv: an e4m3fnuz q needs an e4m3fnuz cache")
+    q_arg, q_bytes = _as_codes(q)
+    return q_arg, True, q_bytes
 
 
 def mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: float, kv_scale: float,
@@ -344,14 +342,14 @@ def mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: floa
         return first_generation(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits,
                                 seq_lens=seq_lens, dcp_rank=dcp_rank, dcp_world_size=dcp_world_size,
                                 zero_empty=zero_empty, q_scale=q_scale)
-    qq, has_qs, q_u8 = _q_mode(q, q_scale, kv_rows.dtype)
+    qq, has_qs, q_bytes = _q_mode(q, q_scale, kv_rows.dtype)
     S = int(num_splits)
     o_part, lse_part = _partials(S, T, H, q.device)
     if T == 0:
         return o_part, lse_part
-    kv, u8_fnuz, _ = _kv_mode(kv_rows)
+    kv, kv_bytes, _ = _kv_mode(kv_rows)
     cfg = pick_config(arch_of(q.device), qlen * H)
-    fp8_qk = has_qs and not u8_fnuz and takes_fp8_dots(cfg, q.dtype, kv_rows.dtype)
+    fp8_qk = has_qs and not kv_bytes and not q_bytes and takes_fp8_dots(cfg, q.dtype, kv_rows.dtype)
     grid = (triton.cdiv(qlen * H, cfg.block_m) * cfg.vsplit, S, R)
     indices = kv_indices if kv_indices.numel() > 0 else kv_indptr  # never dereferenced when empty
     c_hi, c_lo = _split_f32(float(scale) * float(kv_scale))
@@ -360,7 +358,7 @@ def mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: floa
         seq_lens if seq_lens is not None else kv_indptr, o_part, lse_part,
         T, H, kv_rows.shape[0], qlen, S, dcp_rank, dcp_world_size,
         c_hi, c_lo, float(kv_scale),
-        HAS_QSCALE=has_qs, Q_U8_FNUZ=q_u8, FP8_QK=fp8_qk, KV_U8_FNUZ=u8_fnuz, INTERP=interpreting(),
+        HAS_QSCALE=has_qs, Q_BYTES=q_bytes, FP8_QK=fp8_qk, KV_BYTES=kv_bytes, INTERP=interpreting(),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GLOBAL_LENS=seq_lens is not None,
         INTERP_STEPS=_interpreter_steps(kv_indptr, cfg.block_n), VSPLIT=cfg.vsplit, PREFETCH=cfg.prefetch,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **dict(cfg.amd_options),
@@ -405,9 +403,11 @@ def _specs():
                     kvt = {"fn": "*fp8e4nv", "fnuz": "*fp8e4b8", "u8fnuz": "*u8"}[fmt]
                     qt = "*bf16" if qk == "bf16" else {"fn": "*fp8e4nv", "fnuz": "*fp8e4b8",
                                                        "u8fnuz": "*u8"}[fmt]
-                    cx = {"HAS_QSCALE": qk == "fp8", "Q_U8_FNUZ": qk == "fp8" and fmt == "u8fnuz",
+                    cx = {"HAS_QSCALE": qk == "fp8",
+                          "Q_BYTES": FNUZ_BYTES if qk == "fp8" and fmt == "u8fnuz" else NATIVE,
                           "FP8_QK": qk == "fp8" and fmt in cfg.fp8_qk,
-                          "KV_U8_FNUZ": fmt == "u8fnuz", "INTERP": False, "BLOCK_M": cfg.block_m,
+                          "KV_BYTES": FNUZ_BYTES if fmt == "u8fnuz" else NATIVE, "INTERP": False,
+                          "BLOCK_M": cfg.block_m,
                           "BLOCK_N": cfg.block_n, "GLOBAL_LENS": False, "INTERP_STEPS": 0,
                           "VSPLIT": cfg.vsplit, "PREFETCH": cfg.prefetch}
                     sig = {"q_ptr": qt, "kv_ptr": kvt, **common, **{k: "constexpr" for k in cx}}
