@@ -55,7 +55,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import interpreting
+from . import interpreting, mxfp4_paths
 from .pdl import pdl_args, wait_prior_grid
 
 
@@ -481,28 +481,23 @@ def _specs():
     # PDL False: sm_90 launches PDL=True (kimi_ops.kernels.pdl: two griddepcontrol instructions more)
     # Kimi-K3 TP8: W_UK (N 512, K 128) and W_UV (N 128, K 512), M from 1 to 512.
     seen = set()
-    # (DOT_SCALED, kind): the decode path (also M <= 8 with gemv=False, and ROCm's gfx942 at
-    # every M), gfx950's dot_scaled path
-    paths = ((False, "decode"), (True, "dotscaled"))
+    # the decode path (also M <= 8 with gemv=False, and ROCm's gfx942 at every M) and gfx950's
+    # dot_scaled path
     for n, k in ((512, 128), (128, 512)):
         for m in (1, 32, 64, 512):   # every config bmm_config returns for these shapes
-            for ds, kind in paths:
-                # dot_scaled is the gfx950 path; the decode path every target's (AMD's configs
-                # where bmm_config gives AMD its own)
-                for amd in ((True,) if ds else (False, True)):
-                    bm, bn, bk, warps, stages = bmm_config(m, n, k, amd=amd)
-                    key = (bm, bn, bk, -(-k // bk), warps, stages, ds, amd)
-                    if key in seen:
-                        continue
-                    seen.add(key)
-                    targets = ("gfx950",) if ds else ("gfx950", "gfx942") if amd else ("sm90",)
-                    specs.append({
-                        "name": f"bmm_a16wfp4_{kind}_m{bm}n{bn}k{bk}t{-(-k // bk)}w{warps}s{stages}"
-                                + ("_amd" if amd and not ds else ""),
-                        "kernel": _bmm_a16wfp4_kernel, "signature": dict(sig),
-                        "constexprs": {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "K_TILES": -(-k // bk),
-                                       "DOT_SCALED": ds, "INTERP": False, "PDL": False},
-                        "num_warps": warps, "num_stages": stages, "targets": targets})
+            for ds, kind, amd, targets in mxfp4_paths("decode", "dotscaled"):
+                bm, bn, bk, warps, stages = bmm_config(m, n, k, amd=amd)
+                key = (bm, bn, bk, -(-k // bk), warps, stages, ds, amd)
+                if key in seen:
+                    continue
+                seen.add(key)
+                specs.append({
+                    "name": f"bmm_a16wfp4_{kind}_m{bm}n{bn}k{bk}t{-(-k // bk)}w{warps}s{stages}"
+                            + ("_amd" if amd and not ds else ""),
+                    "kernel": _bmm_a16wfp4_kernel, "signature": dict(sig),
+                    "constexprs": {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "K_TILES": -(-k // bk),
+                                   "DOT_SCALED": ds, "INTERP": False, "PDL": False},
+                    "num_warps": warps, "num_stages": stages, "targets": targets})
     # the dot-free GEMV kernel (the default at M = 1, and at M <= 8 when K >= 512: gemv_wins; gemv=True
     # or KIMI_OPS_MXFP4_GEMV=1 at any M <= 8): every config gemv_config returns
     # for these shapes at M 1 .. GEMV_MAX_M (BLOCK_M 1, 2, 4, 8), with x read as uint32 pairs (the

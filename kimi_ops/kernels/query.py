@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import interpreting
+from . import interpreting, mxfp4_paths
 from .pdl import pdl_args, wait_prior_grid
 from .mxfp4 import (
     _dot_mxfp4_scaled,
@@ -158,24 +158,20 @@ def _specs():
             sig[f"stride_{name}"] = "i32"
         for kk in ("BLOCK_M", "BLOCK_N", "BLOCK_D", "BLOCK_P", "MXFP4", "DOT_SCALED", "INTERP", "PDL"):
             sig[kk] = "constexpr"
-        # (DOT_SCALED, kind): MXFP4's in-register decode, gfx950's dot_scaled
-        paths = ((False, "mxfp4_decode"), (True, "mxfp4_dotscaled")) if mxfp4 else ((False, "bf16"),)
+        paths = mxfp4_paths("mxfp4_decode", "mxfp4_dotscaled") if mxfp4 else mxfp4_paths("bf16", None)
         for t in (1, 32, 64, 512):
-            for ds, kind in paths:
-                # gfx950's dot_scaled takes AMD's configs; the decode / bf16 path each target's
-                for amd in ((True,) if ds else (False, True)):
-                    bm, bn, warps = query_config(t, 12, 512, amd=amd)
-                    if (kind, bm, bn, warps, amd) in seen:
-                        continue
-                    seen.add((kind, bm, bn, warps, amd))
-                    specs.append({
-                        "name": f"mla_query_{kind}_m{bm}n{bn}w{warps}" + ("_amd" if amd and not ds else ""),
-                        "kernel": _mla_query_kernel, "signature": dict(sig),
-                        "constexprs": {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_D": 128, "BLOCK_P": 64,
-                                       "MXFP4": mxfp4, "DOT_SCALED": ds, "INTERP": False,
-                                       "PDL": False},  # sm_90 launches PDL=True: kimi_ops.kernels.pdl
-                        "num_warps": warps, "num_stages": 1,
-                        "targets": ("gfx950",) if ds else ("gfx950", "gfx942") if amd else ("sm90",)})
+            for ds, kind, amd, targets in paths:
+                bm, bn, warps = query_config(t, 12, 512, amd=amd)
+                if (kind, bm, bn, warps, amd) in seen:
+                    continue
+                seen.add((kind, bm, bn, warps, amd))
+                specs.append({
+                    "name": f"mla_query_{kind}_m{bm}n{bn}w{warps}" + ("_amd" if amd and not ds else ""),
+                    "kernel": _mla_query_kernel, "signature": dict(sig),
+                    "constexprs": {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_D": 128, "BLOCK_P": 64,
+                                   "MXFP4": mxfp4, "DOT_SCALED": ds, "INTERP": False,
+                                   "PDL": False},  # sm_90 launches PDL=True: kimi_ops.kernels.pdl
+                    "num_warps": warps, "num_stages": 1, "targets": targets})
     return specs
 
 
