@@ -538,8 +538,8 @@ def native_e4m3fn(device: torch.device) -> bool:
 
 
 def _as_codes(x: torch.Tensor):
-    """(tensor to pass, BYTES) for an fp8 tensor: its own type where the backend has it, else its
-    uint8 codes with NATIVE's alternative (FN_BYTES / FNUZ_BYTES)."""
+    """(tensor to pass, BYTES) for an fp8 tensor: the tensor itself where the backend has its type
+    (NATIVE), else a uint8 view of its codes (FN_BYTES / FNUZ_BYTES)."""
     if x.dtype == torch.float8_e4m3fn:
         return (x, NATIVE) if native_e4m3fn(x.device) else (x.view(torch.uint8), FN_BYTES)
     assert x.dtype == torch.float8_e4m3fnuz, x.dtype
