@@ -486,7 +486,7 @@ def test_interp_decode_e4m3fn_bytes(kernel):
 import kimi_ops.kernels.attention as A
 A.native_e4m3fn = lambda device: False
 kv = torch.zeros(4, 576, dtype=torch.float8_e4m3fn)
-assert A._kv_mode(kv)[:2][1] == A.FN_BYTES and A._kv_mode(kv)[0].dtype == torch.uint8
+assert A._kv_mode(kv)[1] == A.FN_BYTES and A._kv_mode(kv)[0].dtype == torch.uint8
 t.check_decode([100, 0, 3, 70], 2, 12, 3, oob=4, gen=g)
 t.check_decode([40, 17], 8, 12, 2, gen=g)              # 96 rows (the first generation's m64)
 t.check_decode([100, 33], 1, 12, 2, gen=g, fp8_q=True)
