@@ -275,15 +275,18 @@ assert_attention_close(o, lse, *oracle_decode(case, q_scale), rtol=f.FP8Q_RTOL, 
 @pytest.mark.parametrize("target", ["sm90", "gfx950", "gfx942"])
 def test_fp8q_variants_cross_compile(target, tmp_path):
     """The split kernel with an e4m3fn q (CROSS_COMPILE_SPECS' *_q8) compiles for every target and
-    keeps its bf16 MMAs (the q is converted in registers)."""
+    keeps its 16-bit MMAs (the q is converted in registers): bf16 on AMD, f16 on NVIDIA (the
+    first generation's f16 dots)."""
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
     import cross_compile
 
     res = cross_compile.run(target, str(tmp_path), only=["splitkv_bf16_fn_m16_q8", "splitkv_bf16_fn_m64_q8"],
                             quiet=True)
     assert len(res) == 2, res
+    kind = ".f16.f16" if target == "sm90" else "bf16"
     for r in res:
-        assert any("bf16" in k for k in r["mma"]), (target, r["name"], r["mma"])
+        assert r["mma"] and all(kind in k and "e4m3" not in k and "fp8" not in k for k in r["mma"]), \
+            (target, r["name"], r["mma"])
 
 
 # --- GPU (the lead's H200 run) ------------------------------------------------------------------

@@ -104,23 +104,26 @@ def quantize_q(q, dtype=torch.float8_e4m3fn):
 
 
 def check_decode(lens, qlen, H, S, *, dtype=torch.float8_e4m3fn, oob=0, device="cpu", gen=None,
-                 kv_scale=0.5, kernels=None, fp8_q=False):
+                 kv_scale=0.5, kernels=None, fp8_q=False, scale=SCALE, q_mul=None):
     """``kernels``: the module whose mla_decode_splitkv / mla_merge run (default: the Triton
     backend's, :mod:`kimi_ops.kernels.triton_m1c`). ``fp8_q``: q quantized to fp8 with a
-    q_scale tensor (issue 28); the oracle takes the same fp8 q and q_scale."""
+    q_scale tensor (issue 28); the oracle takes the same fp8 q and q_scale. ``q_mul``: powers of
+    two (a float, or a tensor broadcast to q's [T, H, 1]) multiplied into the bf16 q, exactly."""
     if kernels is None:
         import kimi_ops.kernels.triton_m1c as kernels
     mla_decode_splitkv, mla_merge = kernels.mla_decode_splitkv, kernels.mla_merge
 
     q, kv, indptr, idx = make_inputs(lens, qlen, H, dtype=dtype, kv_scale=kv_scale, oob=oob,
                                      device=device, gen=gen)
+    if q_mul is not None:
+        q = q * torch.as_tensor(q_mul, dtype=torch.bfloat16, device=q.device)
     if fp8_q:
         q8, q_scale = quantize_q(q, torch.float8_e4m3fnuz if dtype == torch.float8_e4m3fnuz else torch.float8_e4m3fn)
-        o_part, lse_part = mla_decode_splitkv(q8, kv, indptr, idx, qlen, SCALE, kv_scale, S, q_scale=q_scale)
+        o_part, lse_part = mla_decode_splitkv(q8, kv, indptr, idx, qlen, scale, kv_scale, S, q_scale=q_scale)
         q = q8  # for the oracle, with SCALE * q_scale below
     else:
         q_scale = None
-        o_part, lse_part = mla_decode_splitkv(q, kv, indptr, idx, qlen, SCALE, kv_scale, S)
+        o_part, lse_part = mla_decode_splitkv(q, kv, indptr, idx, qlen, scale, kv_scale, S)
     T = q.shape[0]
     assert o_part.shape == (S, T, H, 512) and o_part.dtype == torch.bfloat16
     assert lse_part.shape == (S, T, H) and lse_part.dtype == torch.float32
@@ -131,7 +134,7 @@ def check_decode(lens, qlen, H, S, *, dtype=torch.float8_e4m3fn, oob=0, device="
     empty = torch.isneginf(lse_part)
     assert (o_part[empty] == 0).all(), "a split with no token must store o = 0"
     o, lse = mla_merge(o_part, lse_part)
-    ro, rl = oracle(q, kv, indptr, idx, qlen, SCALE * (1.0 if q_scale is None else float(q_scale)), kv_scale)
+    ro, rl = oracle(q, kv, indptr, idx, qlen, scale * (1.0 if q_scale is None else float(q_scale)), kv_scale)
     assert not torch.isnan(o).any() and not torch.isnan(lse).any()
     assert torch.equal(torch.isneginf(lse), torch.isneginf(rl)), "-inf pattern differs"
     fin = ~torch.isneginf(rl)
@@ -394,6 +397,45 @@ try:
 except ValueError as e:
     assert "q_scale" in str(e)
 """, mma="bf16")
+
+
+def test_f16_dots_where_taken(monkeypatch):
+    """The first generation's bf16 mode takes f16 dots on NVIDIA sm_89+ (cvt.rn.f16x2.e4m3x2) and in
+    the interpreter, not on AMD, not with KIMI_OPS_TRITON_F16=0; its fp8 mode never."""
+    import kimi_ops.kernels.attention as A
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert A._f16_dots("bf16", cpu) and not A._f16_dots("fp8", cpu)
+    monkeypatch.setattr(torch.version, "hip", None)
+    for cc, taken in (((8, 0), False), ((8, 6), False), ((8, 9), True), ((9, 0), True), ((10, 0), True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, cc=cc: cc)
+        assert A._f16_dots("bf16", gpu) == taken, cc
+    monkeypatch.setattr(torch.version, "hip", "6.4")
+    assert not A._f16_dots("bf16", gpu)
+    monkeypatch.setenv(A.F16_ENV, "0")
+    assert not A._f16_dots("bf16", cpu)
+
+
+@pytest.mark.parametrize("f16", ["1", "0"])
+def test_interp_first_generation_q_range(f16):
+    # NVIDIA's first generation, bf16 mode: with f16 dots a bf16 q is scaled a program by a power
+    # of two into f16's range: a block far above it (2^40: |q| ~ 2^42 > 65504) and far below it
+    # (2^-60: every element under f16's smallest subnormal), the scores kept the same by the
+    # scale; rows 2^-12 .. 2^12 apart within one program; qlen 8 (a 64-row block, no prefetch);
+    # negative and zero scales (the sign is folded into q)
+    _interp(f"""
+import os
+import kimi_ops.kernels.attention as A
+os.environ[A.F16_ENV] = "{f16}"
+for e in (40, -60):
+    t.check_decode([90, 5], 2, 12, 2, gen=g, kernels=A, q_mul=2.0**e, scale=t.SCALE * 2.0**-e)
+rows = 2.0 ** torch.randint(-12, 13, (2 * 2, 12, 1), generator=g).double()
+t.check_decode([90, 5], 2, 12, 2, gen=g, kernels=A, q_mul=rows)
+t.check_decode([70], 8, 12, 2, gen=g, kernels=A, q_mul=2.0**20, scale=t.SCALE * 2.0**-20)
+for sc, ks in ((-t.SCALE, 0.5), (t.SCALE, -0.5), (0.0, 0.5)):  # the scale's sign is folded into q
+    t.check_decode([90, 5], 2, 12, 2, gen=g, kernels=A, scale=sc, kv_scale=ks)
+t.check_decode([70], 8, 12, 2, gen=g, kernels=A, scale=-t.SCALE)
+""", mma="bf16", kernel="first")
 
 
 def fp8_dots_match_bf16_dots(lens, qlen, H, S, dtype, gen):

@@ -15,10 +15,17 @@ scores; tokens are gathered through ``kv_indices`` with a masked load, an index 
 Numerics (``MMA="fp8"``, the seeds' scheme): each query row is scaled by 2^k (k from the
 row's max exponent) and split into exact E4M3 ``hi + lo``; S = (Q_hi + Q_lo) K^T with fp8 x
 fp8 dots on the cache as stored; P = exp2(S - m) * 2^PLOG is split into E4M3 ``hi + lo`` and
-O += (P_hi + P_lo) V as fp8 x fp8 dots.  ``MMA="bf16"``: the K tile is converted to bf16
-(exact) and both products run as bf16 dots.  ``KV_BYTES``: a cache of an fp8 type the backend
-lacks (e4m3fnuz on NVIDIA, e4m3fn before sm_89) is read as bytes and decoded in the kernel by
-integer arithmetic (``fp8_value``; bf16 dots); ``Q_BYTES`` the same for an fp8 q.
+O += (P_hi + P_lo) V as fp8 x fp8 dots.  ``MMA="bf16"``: the K tile is converted to a 16-bit
+type (exact) and both products run as 16-bit dots: f16 on NVIDIA sm_89+ (``F16``: one
+cvt.rn.f16x2.e4m3x2 a byte pair; a bf16 q is scaled by a power of two, one a program, into f16's
+range and the factor's inverse folded into the score scale; P <= 1 rounds to f16), else bf16.
+``S_CHAINS`` sums S as several short MMA chains (a tensor core's chained accumulation
+truncates); with ``PREFETCH`` too (up to 32 rows a program) the next tile is carried as int32
+words (one register per 4 bytes, not one per byte) and S and O are split by byte of the word
+(``_word_bytes``: Q_b K_b^T summed, O_b = P V_b, channel 4 j + b).  ``KV_BYTES``: a cache of an
+fp8 type the backend lacks (e4m3fnuz on NVIDIA, e4m3fn before sm_89) is read as bytes and
+decoded in the kernel by integer arithmetic (``fp8_value``; bf16 dots); ``Q_BYTES`` the same for
+an fp8 q.
 
 fp8 query (issue 28, ``q_scale`` given): q is loaded as stored (e4m3fn, or e4m3fnuz read as
 bytes where the backend has no such type) and converted exactly to bf16 (every e4m3 value is a
@@ -71,11 +78,20 @@ def _to_bf16(x, INTERP: tl.constexpr):
 
 
 @triton.jit
-def _q_half(ptrs, row_ok, Q_FP8: tl.constexpr, Q_BYTES: tl.constexpr, DT16: tl.constexpr):
+def _q_half(ptrs, row_ok, Q_FP8: tl.constexpr, Q_BYTES: tl.constexpr):
+    # q's channels at ptrs [BLOCK_M, W], f32 (exact)
     x = tl.load(ptrs, mask=row_ok[:, None], other=0.0)
     if Q_FP8 and Q_BYTES:
         x = fp8_value(x, Q_BYTES == 2)
-    return x.to(tl.float32).to(DT16)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _to16(x, DT16: tl.constexpr, F16: tl.constexpr):
+    # f32 -> the dots' 16-bit type (RNE); in the interpreter (DT16 f32) f16 dots round through f16
+    if F16 and DT16 == tl.float32:
+        return x.to(tl.float16).to(tl.float32)
+    return x.to(DT16)
 
 
 @triton.jit
@@ -84,6 +100,104 @@ def _fp8_to16(x, BYTES: tl.constexpr, DT16: tl.constexpr):
     if BYTES:
         return fp8_value(x, BYTES == 2).to(DT16)
     return x.to(DT16)
+
+
+@triton.jit
+def _load_words(kv_ptr, idx, ok):
+    """A tile's cache rows ``idx`` [BN] (int64; rows not ``ok`` read as 0) as int32 words, 4 fp8
+    bytes each: the latent halves [BN, 64] twice and the rope channels [BN, 16]. Held as words, a
+    prefetched tile takes one register per 4 bytes (a tile of fp8 elements takes one per byte)."""
+    kvw = kv_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    rows = kvw + idx[:, None] * 144
+    lat = tl.arange(0, 64)[None, :]
+    return (tl.load(rows + lat, mask=ok[:, None], other=0),
+            tl.load(rows + 64 + lat, mask=ok[:, None], other=0),
+            tl.load(rows + 128 + tl.arange(0, 16)[None, :], mask=ok[:, None], other=0))
+
+
+@triton.jit
+def _word_byte(w, SHIFT: tl.constexpr, FP8: tl.constexpr, BYTES: tl.constexpr, DT16: tl.constexpr):
+    b = ((w >> SHIFT) & 0xFF).to(tl.uint8)
+    if not BYTES:
+        b = b.to(FP8, bitcast=True)
+    return _fp8_to16(b, BYTES, DT16)
+
+
+@triton.jit
+def _word_bytes(w, FP8: tl.constexpr, BYTES: tl.constexpr, DT16: tl.constexpr):
+    """[BN, W] int32 words of 4 fp8 bytes (little-endian) -> four [BN, W] DT16 tensors, exact: the
+    b-th holds byte b of each word (cache channel c0 + 4 j + b). Kept apart, not interleaved: the
+    products are split the same way (S = sum over b of Q_b K_b^T, O_b = P V_b), so no reshape
+    reorders the tile (Triton 3.6 then stages it for the dots with LDS.64 and register moves, not
+    ldmatrix). f16 on NVIDIA: two cvt.rn.f16x2.e4m3x2 a word, each on a 16-bit half (Triton's own
+    conversion extracts and re-pairs the bytes: ~3x the instructions)."""
+    if DT16 == tl.float16 and not BYTES:
+        # two words j, j + 1 a call: prmt pairs their bytes b (b0 b0' b1 b1' / b2 b2' b3 b3'), so
+        # each cvt yields the f16x2 (byte b of word j, of word j + 1) that output b holds
+        return tl.inline_asm_elementwise(
+            """{
+            .reg .b32 lo, hi;
+            .reg .b16 l0, l1, h0, h1;
+            prmt.b32 lo, $4, $5, 0x5140;
+            prmt.b32 hi, $4, $5, 0x7362;
+            mov.b32 {l0, l1}, lo;
+            mov.b32 {h0, h1}, hi;
+            cvt.rn.f16x2.e4m3x2 $0, l0;
+            cvt.rn.f16x2.e4m3x2 $1, l1;
+            cvt.rn.f16x2.e4m3x2 $2, h0;
+            cvt.rn.f16x2.e4m3x2 $3, h1;
+            }""", "=r,=r,=r,=r,r,r", [w], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+            is_pure=True, pack=2)
+    return (_word_byte(w, 0, FP8, BYTES, DT16), _word_byte(w, 8, FP8, BYTES, DT16),
+            _word_byte(w, 16, FP8, BYTES, DT16), _word_byte(w, 24, FP8, BYTES, DT16))
+
+
+@triton.jit
+def _q_bytes(q_ptr, flat_row, row_ok, C0: tl.constexpr, W: tl.constexpr, Q_FP8: tl.constexpr,
+             Q_BYTES: tl.constexpr):
+    # q's channels C0 + 4 j + b (j < W), b = 0..3: four [BLOCK_M, W] f32 tensors (exact), the
+    # channels of _word_bytes' four K tensors
+    ptrs = q_ptr + flat_row[:, None] * 576 + C0 + 4 * tl.arange(0, W)[None, :]
+    return (_q_half(ptrs, row_ok, Q_FP8, Q_BYTES), _q_half(ptrs + 1, row_ok, Q_FP8, Q_BYTES),
+            _q_half(ptrs + 2, row_ok, Q_FP8, Q_BYTES), _q_half(ptrs + 3, row_ok, Q_FP8, Q_BYTES))
+
+
+@triton.jit
+def _absmax4(x0, x1, x2, x3):
+    return tl.maximum(tl.maximum(tl.max(tl.abs(x0)), tl.max(tl.abs(x1))),
+                      tl.maximum(tl.max(tl.abs(x2)), tl.max(tl.abs(x3))))
+
+
+@triton.jit
+def _to16x4(x0, x1, x2, x3, mul, DT16: tl.constexpr, F16: tl.constexpr):
+    return (_to16(x0 * mul, DT16, F16), _to16(x1 * mul, DT16, F16), _to16(x2 * mul, DT16, F16),
+            _to16(x3 * mul, DT16, F16))
+
+
+@triton.jit
+def _qk4(q0, q1, q2, q3, k0, k1, k2, k3):
+    # sum over b of Q_b K_b^T: four short MMA chains added in f32
+    return (tl.dot(q0, tl.trans(k0)) + tl.dot(q1, tl.trans(k1))) + (tl.dot(q2, tl.trans(k2)) + tl.dot(q3, tl.trans(k3)))
+
+
+@triton.jit
+def _pv4(p, k0, k1, k2, k3, a0, a1, a2, a3):
+    # O_b += P V_b (V_b: K_b, the latent channels' bytes b)
+    return tl.dot(p, k0, a0), tl.dot(p, k1, a1), tl.dot(p, k2, a2), tl.dot(p, k3, a3)
+
+
+@triton.jit
+def _scale4(a0, a1, a2, a3, alpha):
+    return a0 * alpha[:, None], a1 * alpha[:, None], a2 * alpha[:, None], a3 * alpha[:, None]
+
+
+@triton.jit
+def _store4(o_rows, C0: tl.constexpr, W: tl.constexpr, a0, a1, a2, a3, inv, row_ok, INTERP: tl.constexpr):
+    ptrs = o_rows[:, None] + C0 + 4 * tl.arange(0, W)[None, :]
+    tl.store(ptrs, _to_bf16(a0 * inv[:, None], INTERP), mask=row_ok[:, None])
+    tl.store(ptrs + 1, _to_bf16(a1 * inv[:, None], INTERP), mask=row_ok[:, None])
+    tl.store(ptrs + 2, _to_bf16(a2 * inv[:, None], INTERP), mask=row_ok[:, None])
+    tl.store(ptrs + 3, _to_bf16(a3 * inv[:, None], INTERP), mask=row_ok[:, None])
 
 
 @triton.jit
@@ -133,6 +247,16 @@ def _program_rows(indptr_ptr, seq_lens_ptr, pid_m, pid_s, pid_r, H, qlen, num_sp
     hi = tl.minimum(lo + chunk, hi_rows)
     flat_row = pid_r.to(tl.int64) * rows_per_req + m_offs
     return start, flat_row, row_ok, lim, lo, hi
+
+
+@triton.jit
+def _row_pow2(amax, EXP: tl.constexpr):
+    """Per row, (2^k, 2^-k) with k such that amax * 2^k lies in [2^EXP, 2^(EXP+1)) (1, 1 where amax
+    is 0): scales a row exactly into a narrower format's range."""
+    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    k = tl.minimum(tl.maximum(EXP - e, -126), 126)
+    k = tl.where(amax > 0, k, 0)
+    return ((k + 127) << 23).to(tl.float32, bitcast=True), ((127 - k) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -188,11 +312,14 @@ def _split_kv_kernel(
     GLOBAL_LENS: tl.constexpr,  # seq_lens given: causal bounds in global (DCP) positions
     INTERP_STEPS: tl.constexpr,  # interpreter: a fixed trip count (Triton 3.6's cannot loop to a runtime bound)
     S_CHAINS: tl.constexpr = False,  # bf16: S as three independent products (256 + 256 + 64 channels)
+    F16: tl.constexpr = False,  # bf16 mode's dots in f16: K by one conversion, q scaled a row into range
 ):
     DC: tl.constexpr = 512
     DH: tl.constexpr = 256
     DP: tl.constexpr = 64
     D: tl.constexpr = 576
+    # the prefetched K tile held as int32 words and the products split by byte (_word_bytes)
+    WORDS: tl.constexpr = S_CHAINS and PREFETCH
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_r = tl.program_id(2)
@@ -232,19 +359,17 @@ def _split_kv_kernel(
     # the interpreter multiplies bf16 as integers (stored as uint16): f32 there
     if INTERP:
         DT16: tl.constexpr = tl.float32
+    elif F16:
+        DT16: tl.constexpr = tl.float16
     else:
         DT16: tl.constexpr = tl.bfloat16
     if MMA_FP8:
         qcf = qc.to(tl.float32)
         qpf = qp.to(tl.float32)
         amax = tl.maximum(tl.max(tl.abs(qcf), axis=1), tl.max(tl.abs(qpf), axis=1))
-        e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-        k = tl.minimum(tl.maximum(QEXP - e, -126), 126)
-        k = tl.where(amax > 0, k, 0)
-        qsc = ((k + 127) << 23).to(tl.float32, bitcast=True)  # 2^k
-        qinv = ((127 - k) << 23).to(tl.float32, bitcast=True)  # 2^-k
-        xc = qcf * qsc[:, None]
-        xp = qpf * qsc[:, None]
+        qsc, qinv = _row_pow2(amax, QEXP)
+        xc = qcf * (qsc * sgn)[:, None]  # the sign of the scale folded into q (exact)
+        xp = qpf * (qsc * sgn)[:, None]
         qc_hi = _to_fp8(xc, FP8, FNUZ, INTERP)
         qc_lo = _to_fp8(xc - qc_hi.to(tl.float32), FP8, FNUZ, INTERP)
         qp_hi = _to_fp8(xp, FP8, FNUZ, INTERP)
@@ -252,14 +377,38 @@ def _split_kv_kernel(
         row_c = qinv * ch  # exact: 2^-k
         row_cl = qinv * cl
     else:
-        qc = qc.to(DT16)
-        qp = qp.to(DT16)
-        if S_CHAINS:
-            qc0 = _q_half(q_ptr + flat_row[:, None] * D + offs_h[None, :], row_ok, Q_FP8, Q_BYTES, DT16)
-            qc1 = _q_half(q_ptr + flat_row[:, None] * D + DH + offs_h[None, :], row_ok, Q_FP8, Q_BYTES,
-                          DT16)
-        row_c = tl.zeros([BLOCK_M], dtype=tl.float32) + ch
-        row_cl = tl.zeros([BLOCK_M], dtype=tl.float32) + cl
+        # f16 dots with a bf16 q: the program's q scaled by 2^k into f16's range (max |q| in
+        # [2^14, 2^15)), exact for every element above 2^-24 of the max (an fp8 q is exact in f16
+        # as it is); 2^-k goes into the score scale. The scale's sign is folded into q (exact).
+        qsc = 1.0
+        qinv = 1.0
+        if WORDS:
+            # q in byte-strided channel groups, as the K tile's words hold them (_word_bytes)
+            qa0, qa1, qa2, qa3 = _q_bytes(q_ptr, flat_row, row_ok, 0, DH // 4, Q_FP8, Q_BYTES)
+            qb0, qb1, qb2, qb3 = _q_bytes(q_ptr, flat_row, row_ok, DH, DH // 4, Q_FP8, Q_BYTES)
+            qr0, qr1, qr2, qr3 = _q_bytes(q_ptr, flat_row, row_ok, DC, DP // 4, Q_FP8, Q_BYTES)
+            if F16 and not Q_FP8:
+                amax = tl.maximum(tl.maximum(_absmax4(qa0, qa1, qa2, qa3), _absmax4(qb0, qb1, qb2, qb3)),
+                                  _absmax4(qr0, qr1, qr2, qr3))
+                qsc, qinv = _row_pow2(amax, 14)
+            qa0, qa1, qa2, qa3 = _to16x4(qa0, qa1, qa2, qa3, qsc * sgn, DT16, F16)
+            qb0, qb1, qb2, qb3 = _to16x4(qb0, qb1, qb2, qb3, qsc * sgn, DT16, F16)
+            qr0, qr1, qr2, qr3 = _to16x4(qr0, qr1, qr2, qr3, qsc * sgn, DT16, F16)
+        else:
+            qcf = qc.to(tl.float32)
+            qpf = qp.to(tl.float32)
+            if F16 and not Q_FP8:
+                qsc, qinv = _row_pow2(tl.maximum(tl.max(tl.abs(qcf)), tl.max(tl.abs(qpf))), 14)
+            qmul = qsc * sgn
+            qc = _to16(qcf * qmul, DT16, F16)
+            qp = _to16(qpf * qmul, DT16, F16)
+            if S_CHAINS:
+                qc0 = _to16(_q_half(q_ptr + flat_row[:, None] * D + offs_h[None, :], row_ok, Q_FP8, Q_BYTES) * qmul,
+                            DT16, F16)
+                qc1 = _to16(_q_half(q_ptr + flat_row[:, None] * D + DH + offs_h[None, :], row_ok, Q_FP8, Q_BYTES)
+                            * qmul, DT16, F16)
+        row_c = tl.zeros([BLOCK_M], dtype=tl.float32) + qinv * ch
+        row_cl = tl.zeros([BLOCK_M], dtype=tl.float32) + qinv * cl
     # the softmax runs on raw dots d (max m in dot units), p = 2^((d - m) * c * log2 e): d - m is
     # exact near the max, and the lse m * c + ln l is formed once, its product's rounding error
     # recovered by an FMA (issue 29 item 4: (m_log2 + log2 l) * ln 2 rounded s * c * log2 e, the
@@ -268,7 +417,17 @@ def _split_kv_kernel(
 
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if S_CHAINS:
+    if WORDS:
+        # O by channel group: oa_b / ob_b [BLOCK_M, 64] hold the channels 4 j + b / 256 + 4 j + b
+        oa0 = tl.zeros([BLOCK_M, DH // 4], dtype=tl.float32)
+        oa1 = tl.zeros([BLOCK_M, DH // 4], dtype=tl.float32)
+        oa2 = tl.zeros([BLOCK_M, DH // 4], dtype=tl.float32)
+        oa3 = tl.zeros([BLOCK_M, DH // 4], dtype=tl.float32)
+        ob0 = tl.zeros([BLOCK_M, DH // 4], dtype=tl.float32)
+        ob1 = tl.zeros([BLOCK_M, DH // 4], dtype=tl.float32)
+        ob2 = tl.zeros([BLOCK_M, DH // 4], dtype=tl.float32)
+        ob3 = tl.zeros([BLOCK_M, DH // 4], dtype=tl.float32)
+    elif S_CHAINS:
         acc0 = tl.zeros([BLOCK_M, DH], dtype=tl.float32)
         acc1 = tl.zeros([BLOCK_M, DH], dtype=tl.float32)
     else:
@@ -281,12 +440,11 @@ def _split_kv_kernel(
         tok1 = lo + offs_n
         idx1 = tl.load(indices_ptr + start + tok1, mask=tok1 < hi, other=-1).to(tl.int64)
         ok1 = (tok1 < hi) & (idx1 >= 0) & (idx1 < N)
-        if S_CHAINS:
-            kc0_nx = tl.load(kv_ptr + idx1[:, None] * D + offs_h[None, :], mask=ok1[:, None], other=0.0)
-            kc1_nx = tl.load(kv_ptr + idx1[:, None] * D + DH + offs_h[None, :], mask=ok1[:, None], other=0.0)
+        if WORDS:
+            kc0_nx, kc1_nx, kp_nx = _load_words(kv_ptr, idx1, ok1)
         else:
             kc_nx = tl.load(kv_ptr + idx1[:, None] * D + offs_c[None, :], mask=ok1[:, None], other=0.0)
-        kp_nx = tl.load(kv_ptr + idx1[:, None] * D + DC + offs_p[None, :], mask=ok1[:, None], other=0.0)
+            kp_nx = tl.load(kv_ptr + idx1[:, None] * D + DC + offs_p[None, :], mask=ok1[:, None], other=0.0)
         tok2 = lo + BLOCK_N + offs_n
         idx_nx = tl.load(indices_ptr + start + tok2, mask=tok2 < hi, other=-1).to(tl.int64)
 
@@ -296,41 +454,38 @@ def _split_kv_kernel(
         tok = j0 + offs_n
         tok_ok = tok < hi
         if PREFETCH:
-            if S_CHAINS:
-                kc0 = kc0_nx
-                kc1 = kc1_nx
-            else:
-                kc = kc_nx
-            kp = kp_nx
             tokn = j0 + BLOCK_N + offs_n
             okn = (tokn < hi) & (idx_nx >= 0) & (idx_nx < N)
-            if S_CHAINS:
-                kc0_nx = tl.load(kv_ptr + idx_nx[:, None] * D + offs_h[None, :], mask=okn[:, None], other=0.0)
-                kc1_nx = tl.load(kv_ptr + idx_nx[:, None] * D + DH + offs_h[None, :], mask=okn[:, None],
-                                 other=0.0)
+            if WORDS:
+                kc0, kc1, kp = kc0_nx, kc1_nx, kp_nx
+                kc0_nx, kc1_nx, kp_nx = _load_words(kv_ptr, idx_nx, okn)
             else:
+                kc, kp = kc_nx, kp_nx
                 kc_nx = tl.load(kv_ptr + idx_nx[:, None] * D + offs_c[None, :], mask=okn[:, None], other=0.0)
-            kp_nx = tl.load(kv_ptr + idx_nx[:, None] * D + DC + offs_p[None, :], mask=okn[:, None],
-                            other=0.0)
+                kp_nx = tl.load(kv_ptr + idx_nx[:, None] * D + DC + offs_p[None, :], mask=okn[:, None],
+                                other=0.0)
             tokn2 = j0 + 2 * BLOCK_N + offs_n
             idx_nx = tl.load(indices_ptr + start + tokn2, mask=tokn2 < hi, other=-1).to(tl.int64)
         else:
             idx = tl.load(indices_ptr + start + tok, mask=tok_ok, other=-1).to(tl.int64)
             ld_ok = tok_ok & (idx >= 0) & (idx < N)
-            krow = kv_ptr + idx * D
             if S_CHAINS:
-                kc0 = tl.load(krow[:, None] + offs_h[None, :], mask=ld_ok[:, None], other=0.0)
-                kc1 = tl.load(krow[:, None] + DH + offs_h[None, :], mask=ld_ok[:, None], other=0.0)
+                kc0 = tl.load(kv_ptr + idx[:, None] * D + offs_h[None, :], mask=ld_ok[:, None], other=0.0)
+                kc1 = tl.load(kv_ptr + idx[:, None] * D + DH + offs_h[None, :], mask=ld_ok[:, None], other=0.0)
             else:
-                kc = tl.load(krow[:, None] + offs_c[None, :], mask=ld_ok[:, None], other=0.0)
-            kp = tl.load(krow[:, None] + DC + offs_p[None, :], mask=ld_ok[:, None], other=0.0)
-        if S_CHAINS:
-            # bf16 dots only (S_CHAINS is never set with MMA_FP8)
+                kc = tl.load(kv_ptr + idx[:, None] * D + offs_c[None, :], mask=ld_ok[:, None], other=0.0)
+            kp = tl.load(kv_ptr + idx[:, None] * D + DC + offs_p[None, :], mask=ld_ok[:, None], other=0.0)
+        if WORDS:
+            # words -> DT16 byte groups
+            ka0, ka1, ka2, ka3 = _word_bytes(kc0, FP8, KV_BYTES, DT16)
+            kb0, kb1, kb2, kb3 = _word_bytes(kc1, FP8, KV_BYTES, DT16)
+            kr0, kr1, kr2, kr3 = _word_bytes(kp, FP8, KV_BYTES, DT16)
+        elif S_CHAINS:
             kc0 = _fp8_to16(kc0, KV_BYTES, DT16)
             kc1 = _fp8_to16(kc1, KV_BYTES, DT16)
             kp = _fp8_to16(kp, KV_BYTES, DT16)
         elif KV_BYTES:
-            kc = _fp8_to16(kc, KV_BYTES, DT16)  # fp8 codes, decoded
+            kc = _fp8_to16(kc, KV_BYTES, DT16)  # e4m3fnuz bytes, decoded
             kp = _fp8_to16(kp, KV_BYTES, DT16)
 
         if MMA_FP8:
@@ -339,10 +494,15 @@ def _split_kv_kernel(
             s = tl.dot(qp_hi, tl.trans(kp), s)
             s = tl.dot(qp_lo, tl.trans(kp), s)
         else:
-            if S_CHAINS:
-                # three short MMA chains added in f32 (RNE): a tensor core's chained
-                # accumulation truncates, and one 36-step chain of dots ~1e5 biases the scores
-                # (and the lse) by up to ~1e-3 (issue 29 item 4)
+            # S_CHAINS: short MMA chains added in f32 (RNE): a tensor core's chained accumulation
+            # truncates, and one 36-step chain of dots ~1e5 biases the scores (and the lse) by up
+            # to ~1e-3 (issue 29 item 4)
+            if WORDS:
+                # twelve chains of 4 k-steps (1 for the rope channels)
+                s = _qk4(qa0, qa1, qa2, qa3, ka0, ka1, ka2, ka3) + _qk4(qb0, qb1, qb2, qb3, kb0, kb1, kb2, kb3)
+                s = s + _qk4(qr0, qr1, qr2, qr3, kr0, kr1, kr2, kr3)
+            elif S_CHAINS:
+                # three: 256 + 256 + 64 channels
                 s = tl.dot(qc0, tl.trans(kc0)) + tl.dot(qc1, tl.trans(kc1))
                 s = s + tl.dot(qp, tl.trans(kp))
             else:
@@ -351,28 +511,40 @@ def _split_kv_kernel(
                     kp = kp.to(DT16)
                 s = tl.dot(qc, tl.trans(kc))
                 s = tl.dot(qp, tl.trans(kp), s)
-        vis = tok_ok[None, :] & (tok[None, :] < lim[:, None])
-        s = tl.where(vis, s * sgn, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        # (a zero scale: -inf * 0 would be NaN, so masked scores and an empty start are selected)
-        alpha = tl.where(m_i == float("-inf"), 0.0, tl.exp2((m_i - m_safe) * row_scale))
-        p = tl.where(vis, tl.exp2((s - m_safe[:, None]) * row_scale[:, None]), 0.0)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if S_CHAINS:
-            pb = p.to(DT16)
-            acc0 = tl.dot(pb, kc0, acc0 * alpha[:, None])
-            acc1 = tl.dot(pb, kc1, acc1 * alpha[:, None])
-        elif MMA_FP8:
+        if MMA_FP8:
+            vis = tok_ok[None, :] & (tok[None, :] < lim[:, None])
+            s = tl.where(vis, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            # (a zero scale: -inf * 0 would be NaN, so masked scores and an empty start are selected)
+            alpha = tl.where(m_i == float("-inf"), 0.0, tl.exp2((m_i - m_safe) * row_scale))
+            p = tl.where(vis, tl.exp2((s - m_safe[:, None]) * row_scale[:, None]), 0.0)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
             acc = acc * alpha[:, None]
             ps = p * (2.0**PLOG)
             p_hi = _to_fp8(ps, FP8, FNUZ, INTERP)
             p_lo = _to_fp8(ps - p_hi.to(tl.float32), FP8, FNUZ, INTERP)
             acc = tl.dot(p_hi, kc, acc)
             acc = tl.dot(p_lo, kc, acc)
+            m_i = m_new
         else:
-            acc = tl.dot(p.to(DT16), kc, acc * alpha[:, None])
-        m_i = m_new
+            vis = tok_ok[None, :] & (tok[None, :] < lim[:, None])
+            s = tl.where(vis, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.where(m_i == float("-inf"), 0.0, tl.exp2((m_i - m_safe) * row_scale))
+            p = tl.where(vis, tl.exp2((s - m_safe[:, None]) * row_scale[:, None]), 0.0)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            pb = _to16(p, DT16, F16)
+            if WORDS:
+                oa0, oa1, oa2, oa3 = _pv4(pb, ka0, ka1, ka2, ka3, *_scale4(oa0, oa1, oa2, oa3, alpha))
+                ob0, ob1, ob2, ob3 = _pv4(pb, kb0, kb1, kb2, kb3, *_scale4(ob0, ob1, ob2, ob3, alpha))
+            elif S_CHAINS:
+                acc0 = tl.dot(pb, kc0, acc0 * alpha[:, None])
+                acc1 = tl.dot(pb, kc1, acc1 * alpha[:, None])
+            else:
+                acc = tl.dot(pb, kc, acc * alpha[:, None])
+            m_i = m_new
 
     if MMA_FP8:
         out_scale = kv_scale * (2.0**(-PLOG))
@@ -381,7 +553,11 @@ def _split_kv_kernel(
     inv = _row_inv(l_i, out_scale)
     lse = _row_lse(m_i, l_i, row_c, row_cl)
     out_row = (pid_s.to(tl.int64) * T) * H + flat_row
-    if S_CHAINS:
+    if WORDS:
+        o_rows = o_ptr + out_row * DC
+        _store4(o_rows, 0, DH // 4, oa0, oa1, oa2, oa3, inv, row_ok, INTERP)
+        _store4(o_rows, DH, DH // 4, ob0, ob1, ob2, ob3, inv, row_ok, INTERP)
+    elif S_CHAINS:
         o_rows = o_ptr + out_row[:, None] * DC
         tl.store(o_rows + offs_h[None, :], _to_bf16(acc0 * inv[:, None], INTERP), mask=row_ok[:, None])
         tl.store(o_rows + DH + offs_h[None, :], _to_bf16(acc1 * inv[:, None], INTERP), mask=row_ok[:, None])
@@ -485,6 +661,23 @@ S_CHAINS_ENV = "KIMI_OPS_TRITON_S_CHAINS"
 def _s_chains(mma: str) -> bool:
     """bf16: S as three independent MMA chains (``KIMI_OPS_TRITON_S_CHAINS=0`` turns it off)."""
     return mma == "bf16" and os.environ.get(S_CHAINS_ENV, "1") != "0"
+
+
+F16_ENV = "KIMI_OPS_TRITON_F16"
+
+
+def _f16_dots(mma: str, device: torch.device) -> bool:
+    """bf16 mode: the dots take f16 operands where the GPU converts e4m3 to f16 in one instruction
+    (NVIDIA sm_89 and later; ``KIMI_OPS_TRITON_F16=0``: bf16). A pair of e4m3 bytes becomes an
+    f16x2 in one cvt.rn.f16x2.e4m3x2, where bf16 takes two more conversions (f16 -> bf16, one value
+    an instruction, on the conversion pipe) and a pack; a bf16 q is scaled by a power of two into
+    f16's range (the kernel). AMD keeps bf16 (the second generation runs there; gfx950 converts fp8
+    to bf16 directly); the interpreter (CPU tensors) emulates the f16 roundings."""
+    if mma != "bf16" or os.environ.get(F16_ENV, "1") == "0":
+        return False
+    if device.type != "cuda":
+        return True
+    return torch.version.hip is None and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def _prefetch(mma: str, bm: int) -> bool:
@@ -614,7 +807,7 @@ def mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: floa
         Q_FP8=q_fp8, Q_BYTES=q_bytes, MMA_FP8=(mma == "fp8"), KV_BYTES=kv_bytes, FNUZ=fnuz, INTERP=interpreting(),
         BLOCK_M=bm, BLOCK_N=bn, PREFETCH=_prefetch(mma, bm), GLOBAL_LENS=seq_lens is not None,
         INTERP_STEPS=_interpreter_steps(kv_indptr, bn), S_CHAINS=_s_chains(mma),
-        num_warps=warps, num_stages=stages,
+        F16=_f16_dots(mma, q.device), num_warps=warps, num_stages=stages,
     )
     return o_part, lse_part
 
@@ -697,24 +890,29 @@ def _specs():
                 continue  # fp8 codes take bf16 dots
             kvt = {"fn": "*fp8e4nv", "fnuz": "*fp8e4b8", "u8fnuz": "*u8", "u8fn": "*u8"}[fmt]
             # u8fnuz: e4m3fnuz on NVIDIA; u8fn: e4m3fn on NVIDIA before sm_89 (native_e4m3fn)
-            targets = {"fn": ("gfx950", "gfx942", "sm90"), "fnuz": ("gfx942",),
-                       "u8fnuz": ("sm90", "sm80"), "u8fn": ("sm80",)}[fmt]
+            all_targets = {"fn": ("gfx950", "gfx942", "sm90"), "fnuz": ("gfx942",),
+                           "u8fnuz": ("sm90", "sm80"), "u8fn": ("sm80",)}[fmt]
             kv_bytes = {"u8fnuz": FNUZ_BYTES, "u8fn": FN_BYTES}.get(fmt, NATIVE)
-            sig = {"q_ptr": "*bf16", "kv_ptr": kvt, **sig_common}
-            cx = {"Q_FP8": False, "Q_BYTES": NATIVE, "MMA_FP8": mma == "fp8", "KV_BYTES": kv_bytes,
-                  "FNUZ": "fnuz" in fmt, "INTERP": False, "BLOCK_M": bm, "BLOCK_N": bn, "PREFETCH": _prefetch(mma, bm),
-                  "GLOBAL_LENS": False, "INTERP_STEPS": 0, "S_CHAINS": _s_chains(mma)}
-            for kk in cx:
-                sig[kk] = "constexpr"
-            specs.append(dict(name=f"splitkv_{mma}_{fmt}_m{bm}", kernel=_split_kv_kernel,
-                              signature=sig, constexprs=cx, num_warps=warps, num_stages=stages,
-                              targets=targets))
-            if fmt in ("fn", "u8fn") and mma == "bf16":
-                # the fp8 query (issue 28): e4m3fn (its codes on sm80), converted to bf16 in registers
-                specs.append(dict(name=f"splitkv_{mma}_{fmt}_m{bm}_q8", kernel=_split_kv_kernel,
-                                  signature={**sig, "q_ptr": "*fp8e4nv" if fmt == "fn" else "*u8"},
-                                  constexprs={**cx, "Q_FP8": True, "Q_BYTES": kv_bytes},
-                                  num_warps=warps, num_stages=stages, targets=targets))
+            for f16 in (False, True):  # the f16 dots are NVIDIA sm_89+'s (_f16_dots): sm90 here
+                targets = tuple(t for t in all_targets if (t == "sm90") == f16)
+                if not targets:
+                    continue
+                sig = {"q_ptr": "*bf16", "kv_ptr": kvt, **sig_common}
+                cx = {"Q_FP8": False, "Q_BYTES": NATIVE, "MMA_FP8": mma == "fp8", "KV_BYTES": kv_bytes,
+                      "FNUZ": "fnuz" in fmt, "INTERP": False, "BLOCK_M": bm, "BLOCK_N": bn,
+                      "PREFETCH": _prefetch(mma, bm), "GLOBAL_LENS": False, "INTERP_STEPS": 0,
+                      "S_CHAINS": _s_chains(mma), "F16": f16 and mma == "bf16"}
+                for kk in cx:
+                    sig[kk] = "constexpr"
+                specs.append(dict(name=f"splitkv_{mma}_{fmt}_m{bm}", kernel=_split_kv_kernel,
+                                  signature=sig, constexprs=cx, num_warps=warps, num_stages=stages,
+                                  targets=targets))
+                if fmt in ("fn", "u8fn") and mma == "bf16":
+                    # the fp8 query (issue 28): e4m3fn (its codes on sm80), converted exactly in registers
+                    specs.append(dict(name=f"splitkv_{mma}_{fmt}_m{bm}_q8", kernel=_split_kv_kernel,
+                                      signature={**sig, "q_ptr": "*fp8e4nv" if fmt == "fn" else "*u8"},
+                                      constexprs={**cx, "Q_FP8": True, "Q_BYTES": kv_bytes},
+                                      num_warps=warps, num_stages=stages, targets=targets))
     # every (BLOCK_S, BLOCK_C, num_warps) _merge_config can return
     merge_cfgs = sorted({_merge_config(S, TH) for S in (1, 2, 4, 8, 16, 32, 64, 65)
                          for TH in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)})
