@@ -511,40 +511,32 @@ def _split_kv_kernel(
                     kp = kp.to(DT16)
                 s = tl.dot(qc, tl.trans(kc))
                 s = tl.dot(qp, tl.trans(kp), s)
-        if MMA_FP8:
-            vis = tok_ok[None, :] & (tok[None, :] < lim[:, None])
-            s = tl.where(vis, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            # (a zero scale: -inf * 0 would be NaN, so masked scores and an empty start are selected)
-            alpha = tl.where(m_i == float("-inf"), 0.0, tl.exp2((m_i - m_safe) * row_scale))
-            p = tl.where(vis, tl.exp2((s - m_safe[:, None]) * row_scale[:, None]), 0.0)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
+        vis = tok_ok[None, :] & (tok[None, :] < lim[:, None])
+        s = tl.where(vis, s, float("-inf"))  # (the scale's sign is in q)
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        # (a zero scale: -inf * 0 would be NaN, so masked scores and an empty start are selected)
+        alpha = tl.where(m_i == float("-inf"), 0.0, tl.exp2((m_i - m_safe) * row_scale))
+        p = tl.where(vis, tl.exp2((s - m_safe[:, None]) * row_scale[:, None]), 0.0)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if WORDS:
+            pb = _to16(p, DT16, F16)
+            oa0, oa1, oa2, oa3 = _pv4(pb, ka0, ka1, ka2, ka3, *_scale4(oa0, oa1, oa2, oa3, alpha))
+            ob0, ob1, ob2, ob3 = _pv4(pb, kb0, kb1, kb2, kb3, *_scale4(ob0, ob1, ob2, ob3, alpha))
+        elif S_CHAINS:
+            pb = _to16(p, DT16, F16)
+            acc0 = tl.dot(pb, kc0, acc0 * alpha[:, None])
+            acc1 = tl.dot(pb, kc1, acc1 * alpha[:, None])
+        elif MMA_FP8:
             acc = acc * alpha[:, None]
             ps = p * (2.0**PLOG)
             p_hi = _to_fp8(ps, FP8, FNUZ, INTERP)
             p_lo = _to_fp8(ps - p_hi.to(tl.float32), FP8, FNUZ, INTERP)
             acc = tl.dot(p_hi, kc, acc)
             acc = tl.dot(p_lo, kc, acc)
-            m_i = m_new
         else:
-            vis = tok_ok[None, :] & (tok[None, :] < lim[:, None])
-            s = tl.where(vis, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.where(m_i == float("-inf"), 0.0, tl.exp2((m_i - m_safe) * row_scale))
-            p = tl.where(vis, tl.exp2((s - m_safe[:, None]) * row_scale[:, None]), 0.0)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            pb = _to16(p, DT16, F16)
-            if WORDS:
-                oa0, oa1, oa2, oa3 = _pv4(pb, ka0, ka1, ka2, ka3, *_scale4(oa0, oa1, oa2, oa3, alpha))
-                ob0, ob1, ob2, ob3 = _pv4(pb, kb0, kb1, kb2, kb3, *_scale4(ob0, ob1, ob2, ob3, alpha))
-            elif S_CHAINS:
-                acc0 = tl.dot(pb, kc0, acc0 * alpha[:, None])
-                acc1 = tl.dot(pb, kc1, acc1 * alpha[:, None])
-            else:
-                acc = tl.dot(pb, kc, acc * alpha[:, None])
-            m_i = m_new
+            acc = tl.dot(_to16(p, DT16, F16), kc, acc * alpha[:, None])
+        m_i = m_new
 
     if MMA_FP8:
         out_scale = kv_scale * (2.0**(-PLOG))
