@@ -313,13 +313,12 @@ def _split_kv_kernel(
     INTERP_STEPS: tl.constexpr,  # interpreter: a fixed trip count (Triton 3.6's cannot loop to a runtime bound)
     S_CHAINS: tl.constexpr = False,  # bf16: S as three independent products (256 + 256 + 64 channels)
     F16: tl.constexpr = False,  # bf16 mode's dots in f16: K by one conversion, q scaled a row into range
+    WORDS: tl.constexpr = False,  # (with S_CHAINS and PREFETCH) the prefetched tile as int32 words, S / O by byte
 ):
     DC: tl.constexpr = 512
     DH: tl.constexpr = 256
     DP: tl.constexpr = 64
     D: tl.constexpr = 576
-    # the prefetched K tile held as int32 words and the products split by byte (_word_bytes)
-    WORDS: tl.constexpr = S_CHAINS and PREFETCH
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_r = tl.program_id(2)
@@ -442,6 +441,10 @@ def _split_kv_kernel(
         ok1 = (tok1 < hi) & (idx1 >= 0) & (idx1 < N)
         if WORDS:
             kc0_nx, kc1_nx, kp_nx = _load_words(kv_ptr, idx1, ok1)
+        elif S_CHAINS:
+            kc0_nx = tl.load(kv_ptr + idx1[:, None] * D + offs_h[None, :], mask=ok1[:, None], other=0.0)
+            kc1_nx = tl.load(kv_ptr + idx1[:, None] * D + DH + offs_h[None, :], mask=ok1[:, None], other=0.0)
+            kp_nx = tl.load(kv_ptr + idx1[:, None] * D + DC + offs_p[None, :], mask=ok1[:, None], other=0.0)
         else:
             kc_nx = tl.load(kv_ptr + idx1[:, None] * D + offs_c[None, :], mask=ok1[:, None], other=0.0)
             kp_nx = tl.load(kv_ptr + idx1[:, None] * D + DC + offs_p[None, :], mask=ok1[:, None], other=0.0)
@@ -459,6 +462,12 @@ def _split_kv_kernel(
             if WORDS:
                 kc0, kc1, kp = kc0_nx, kc1_nx, kp_nx
                 kc0_nx, kc1_nx, kp_nx = _load_words(kv_ptr, idx_nx, okn)
+            elif S_CHAINS:
+                kc0, kc1, kp = kc0_nx, kc1_nx, kp_nx
+                kc0_nx = tl.load(kv_ptr + idx_nx[:, None] * D + offs_h[None, :], mask=okn[:, None], other=0.0)
+                kc1_nx = tl.load(kv_ptr + idx_nx[:, None] * D + DH + offs_h[None, :], mask=okn[:, None], other=0.0)
+                kp_nx = tl.load(kv_ptr + idx_nx[:, None] * D + DC + offs_p[None, :], mask=okn[:, None],
+                                other=0.0)
             else:
                 kc, kp = kc_nx, kp_nx
                 kc_nx = tl.load(kv_ptr + idx_nx[:, None] * D + offs_c[None, :], mask=okn[:, None], other=0.0)
@@ -672,6 +681,15 @@ def _f16_dots(mma: str, device: torch.device) -> bool:
     return torch.version.hip is None and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
+WORDS_ENV = "KIMI_OPS_TRITON_WORDS"
+
+
+def _words(mma: str, bm: int) -> bool:
+    """S_CHAINS with the prefetch: the tile carried as int32 words, S / O split by byte
+    (``KIMI_OPS_TRITON_WORDS=0``: one byte tile)."""
+    return _s_chains(mma) and _prefetch(mma, bm) and os.environ.get(WORDS_ENV, "1") != "0"
+
+
 def _prefetch(mma: str, bm: int) -> bool:
     return mma == "bf16" and bm <= 32
 
@@ -799,7 +817,7 @@ def mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: floa
         Q_FP8=q_fp8, Q_BYTES=q_bytes, MMA_FP8=(mma == "fp8"), KV_BYTES=kv_bytes, FNUZ=fnuz, INTERP=interpreting(),
         BLOCK_M=bm, BLOCK_N=bn, PREFETCH=_prefetch(mma, bm), GLOBAL_LENS=seq_lens is not None,
         INTERP_STEPS=_interpreter_steps(kv_indptr, bn), S_CHAINS=_s_chains(mma),
-        F16=_f16_dots(mma, q.device), num_warps=warps, num_stages=stages,
+        F16=_f16_dots(mma, q.device), WORDS=_words(mma, bm), num_warps=warps, num_stages=stages,
     )
     return o_part, lse_part
 
@@ -893,7 +911,7 @@ def _specs():
                 cx = {"Q_FP8": False, "Q_BYTES": NATIVE, "MMA_FP8": mma == "fp8", "KV_BYTES": kv_bytes,
                       "FNUZ": "fnuz" in fmt, "INTERP": False, "BLOCK_M": bm, "BLOCK_N": bn,
                       "PREFETCH": _prefetch(mma, bm), "GLOBAL_LENS": False, "INTERP_STEPS": 0,
-                      "S_CHAINS": _s_chains(mma), "F16": f16 and mma == "bf16"}
+                      "S_CHAINS": _s_chains(mma), "F16": f16 and mma == "bf16", "WORDS": _words(mma, bm)}
                 for kk in cx:
                     sig[kk] = "constexpr"
                 specs.append(dict(name=f"splitkv_{mma}_{fmt}_m{bm}", kernel=_split_kv_kernel,
