@@ -414,10 +414,16 @@ def test_f16_dots_where_taken(monkeypatch):
     assert not A._f16_dots("bf16", gpu)
     monkeypatch.setenv(A.F16_ENV, "0")
     assert not A._f16_dots("bf16", cpu)
+    # the words tile: opt-in, and only where the prefetch runs (up to 32 rows)
+    monkeypatch.delenv(A.WORDS_ENV, raising=False)
+    assert not A._words("bf16", 16)
+    monkeypatch.setenv(A.WORDS_ENV, "1")
+    assert A._words("bf16", 16) and A._words("bf16", 32) and not A._words("bf16", 64)
+    assert not A._words("fp8", 16)
 
 
-@pytest.mark.parametrize("f16", ["1", "0"])
-def test_interp_first_generation_q_range(f16):
+@pytest.mark.parametrize("f16,words", [("1", "0"), ("1", "1"), ("0", "0")])
+def test_interp_first_generation_q_range(f16, words):
     # NVIDIA's first generation, bf16 mode: with f16 dots a bf16 q is scaled a program by a power
     # of two into f16's range: a block far above it (2^40: |q| ~ 2^42 > 65504) and far below it
     # (2^-60: every element under f16's smallest subnormal), the scores kept the same by the
@@ -427,6 +433,7 @@ def test_interp_first_generation_q_range(f16):
 import os
 import kimi_ops.kernels.attention as A
 os.environ[A.F16_ENV] = "{f16}"
+os.environ[A.WORDS_ENV] = "{words}"   # the opt-in words tile (16 and 32 rows)
 for e in (40, -60):
     t.check_decode([90, 5], 2, 12, 2, gen=g, kernels=A, q_mul=2.0**e, scale=t.SCALE * 2.0**-e)
 rows = 2.0 ** torch.randint(-12, 13, (2 * 2, 12, 1), generator=g).double()

@@ -20,9 +20,9 @@ type (exact) and both products run as 16-bit dots: f16 on NVIDIA sm_89+ (``F16``
 cvt.rn.f16x2.e4m3x2 a byte pair; a bf16 q is scaled by a power of two, one a program, into f16's
 range and the factor's inverse folded into the score scale; P <= 1 rounds to f16), else bf16.
 ``S_CHAINS`` sums S as several short MMA chains (a tensor core's chained accumulation
-truncates); with ``PREFETCH`` too (up to 32 rows a program) the next tile is carried as int32
-words (one register per 4 bytes, not one per byte) and S and O are split by byte of the word
-(``_word_bytes``: Q_b K_b^T summed, O_b = P V_b, channel 4 j + b).  ``KV_BYTES``: a cache of an
+truncates); ``WORDS`` (opt-in, with ``PREFETCH``: up to 32 rows a program) carries the next
+tile as int32 words (one register per 4 bytes, not one per byte) and splits S and O by byte of
+the word (``_word_bytes``: Q_b K_b^T summed, O_b = P V_b, channel 4 j + b).  ``KV_BYTES``: a cache of an
 fp8 type the backend lacks (e4m3fnuz on NVIDIA, e4m3fn before sm_89) is read as bytes and
 decoded in the kernel by integer arithmetic (``fp8_value``; bf16 dots); ``Q_BYTES`` the same for
 an fp8 q.
@@ -685,9 +685,11 @@ WORDS_ENV = "KIMI_OPS_TRITON_WORDS"
 
 
 def _words(mma: str, bm: int) -> bool:
-    """S_CHAINS with the prefetch: the tile carried as int32 words, S / O split by byte
-    (``KIMI_OPS_TRITON_WORDS=0``: one byte tile)."""
-    return _s_chains(mma) and _prefetch(mma, bm) and os.environ.get(WORDS_ENV, "1") != "0"
+    """Opt-in (``KIMI_OPS_TRITON_WORDS=1``), S_CHAINS with the prefetch: the tile carried as int32
+    words, S / O split by byte. Measured on the H200 (2026-12-05, f16 dots both, docs/perf-history.md
+    "Session 27"): 14% faster than one byte tile at H12 B128 8k q1 (455 against 527 us), even at
+    B32, 11% slower at B8 and 34% slower at qlen 2 (32 rows): off by default."""
+    return _s_chains(mma) and _prefetch(mma, bm) and os.environ.get(WORDS_ENV, "0") == "1"
 
 
 def _prefetch(mma: str, bm: int) -> bool:
