@@ -22,16 +22,16 @@ range and the factor's inverse folded into the score scale; P <= 1 rounds to f16
 ``S_CHAINS`` sums S as several short MMA chains (a tensor core's chained accumulation
 truncates); ``WORDS`` (opt-in, with ``PREFETCH``: up to 32 rows a program) carries the next
 tile as int32 words (one register per 4 bytes, not one per byte) and splits S and O by byte of
-the word (``_word_bytes``: Q_b K_b^T summed, O_b = P V_b, channel 4 j + b).  ``KV_BYTES``: a cache of an
-fp8 type the backend lacks (e4m3fnuz on NVIDIA, e4m3fn before sm_89) is read as bytes and
-decoded in the kernel by integer arithmetic (``fp8_value``; bf16 dots); ``Q_BYTES`` the same for
-an fp8 q.
+the word (``_word_bytes``: Q_b K_b^T summed, O_b = P V_b, channel 4 j + b).  ``KV_BYTES``: a
+cache of an fp8 type the backend lacks (e4m3fnuz on NVIDIA, e4m3fn before sm_89) is read as
+bytes and decoded in the kernel by integer arithmetic (``fp8_value``; 16-bit dots); ``Q_BYTES``
+the same for an fp8 q.
 
 fp8 query (issue 28, ``q_scale`` given): q is loaded as stored (e4m3fn, or e4m3fnuz read as
-bytes where the backend has no such type) and converted exactly to bf16 (every e4m3 value is a
-bf16 value), then runs the bf16 (or fp8 hi + lo) path above unchanged; ``q_scale`` is loaded
-from its device pointer in the kernel and multiplied into the score scale
-(``scale * kv_scale * q_scale``), so no host sync and a CUDA graph replays a new scale.
+bytes where the backend has no such type) and converted exactly to the dots' 16-bit type (every
+e4m3 value is a bf16 and an f16 value), then runs the 16-bit (or fp8 hi + lo) path above
+unchanged; ``q_scale`` is loaded from its device pointer in the kernel and multiplied into the
+score scale (``scale * kv_scale * q_scale``), so no host sync and a CUDA graph replays a new scale.
 
 The second generation (:mod:`kimi_ops.kernels.triton_m1c`, token-major) takes its prologue,
 score scale, fp8 conversion and lse epilogue (``_program_rows``, ``_score_scale``,
