@@ -440,18 +440,24 @@ _CODES = r"""
 import sys
 sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
 import torch
-from kimi_ops.kernels import fp8_gemm
+from kimi_ops.kernels import attention, fp8_gemm
 from test_fp8_weights import gemm64, random_fp8
-fp8_gemm.native_e4m3fn = lambda device: False   # NVIDIA before sm_89: the weight as e4m3fn codes
-assert fp8_gemm._weight_arg(torch.zeros(2, 2, dtype=torch.float8_e4m3fn))[1]
-for m, n, k, bn, bk, cfg, gemv in [
-        (3, 200, 300, 128, 128, None, False),              # the tl.dot kernel, N and K tails
-        (1, 70, 416, 128, 128, (64, 64, 3, 4, 3, 1), True),   # the GEMV, split K, x ahead
-        (5, 40, 96, 16, 32, (32, 64, 3, 4, 1, 0), True),
+attention.native_e4m3fn = lambda device: False   # NVIDIA before sm_89: the weight as e4m3fn codes
+attention.native_fnuz = lambda: False            # NVIDIA: an e4m3fnuz weight as its codes
+assert attention._as_codes(torch.zeros(2, 2, dtype=torch.float8_e4m3fn))[1] == attention.FN_BYTES
+for m, n, k, bn, bk, cfg, gemv, fnuz in [
+        (3, 200, 300, 128, 128, None, False, False),              # the tl.dot kernel, N and K tails
+        (1, 70, 416, 128, 128, (64, 64, 3, 4, 3, 1), True, False),   # the GEMV, split K, x ahead
+        (5, 40, 96, 16, 32, (32, 64, 3, 4, 1, 0), True, False),
+        (2, 64, 256, 64, 128, None, False, True),                 # e4m3fnuz codes, both kernels
+        (2, 64, 256, 64, 128, None, True, True),
 ]:
     w, s = random_fp8(n, k, bn, bk, seed=m)
+    if fnuz:   # the same values (each is an e4m3fn value too: the reference decodes e4m3fn)
+        w = w.float().clamp(-240.0, 240.0).to(torch.float8_e4m3fn)
     x = torch.randn(m, k).to(torch.bfloat16)
-    y = fp8_gemm.gemm_a16w8_block(x, w, s, block_n=bn, block_k=bk, config=cfg, gemv=gemv)
+    wk = w.float().to(torch.float8_e4m3fnuz) if fnuz else w
+    y = fp8_gemm.gemm_a16w8_block(x, wk, s, block_n=bn, block_k=bk, config=cfg, gemv=gemv)
     ref = gemm64(x, w, s, bn, bk)
     err = ((y.double() - ref).abs() / (2.0 ** -8 * ref.abs() + 1e-5 * ref.abs().max())).max().item()
     assert err <= 1.0, (m, n, k, gemv, err)
@@ -460,8 +466,9 @@ print("OK")
 
 
 def test_gemm_e4m3fn_codes_under_the_interpreter():
-    """Where Triton has no e4m3fn (NVIDIA before sm_89) the weight reaches both kernels as its
-    uint8 codes, decoded by integer arithmetic (kimi_ops.kernels.cache.fp8_value): forced here."""
+    """Where Triton lacks the weight's fp8 type (e4m3fn before sm_89, e4m3fnuz on NVIDIA) the
+    weight reaches both kernels as its uint8 codes (attention._as_codes), decoded by integer
+    arithmetic (kimi_ops.kernels.cache.fp8_value): forced here."""
     code = _CODES.format(root=ROOT, tests=os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", KIMI_OPS_BACKEND="triton")
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)

@@ -96,7 +96,8 @@ def _to16(x, DT16: tl.constexpr, F16: tl.constexpr):
 
 @triton.jit
 def _fp8_to16(x, BYTES: tl.constexpr, DT16: tl.constexpr):
-    # an fp8 tile (or codes: BYTES 1 e4m3fn, 2 e4m3fnuz) -> DT16, exact (every e4m3 value is a bf16 value)
+    # an fp8 tile (or codes: BYTES 1 e4m3fn, 2 e4m3fnuz) -> DT16, exact (every e4m3 value is a bf16
+    # and an f16 value)
     if BYTES:
         return fp8_value(x, BYTES == 2).to(DT16)
     return x.to(DT16)
@@ -345,7 +346,7 @@ def _split_kv_kernel(
     ch, cl, sgn = _score_scale(c_hi, c_lo, q_scale_ptr, Q_FP8)
 
     if KV_BYTES:
-        FP8: tl.constexpr = tl.float8e4nv  # (unused: codes take bf16 dots)
+        FP8: tl.constexpr = tl.float8e4nv  # (unused: codes are decoded to the 16-bit dots' type)
     else:
         FP8: tl.constexpr = kv_ptr.dtype.element_ty
     if FNUZ:
@@ -494,7 +495,7 @@ def _split_kv_kernel(
             kc1 = _fp8_to16(kc1, KV_BYTES, DT16)
             kp = _fp8_to16(kp, KV_BYTES, DT16)
         elif KV_BYTES:
-            kc = _fp8_to16(kc, KV_BYTES, DT16)  # e4m3fnuz bytes, decoded
+            kc = _fp8_to16(kc, KV_BYTES, DT16)  # fp8 codes, decoded
             kp = _fp8_to16(kp, KV_BYTES, DT16)
 
         if MMA_FP8:

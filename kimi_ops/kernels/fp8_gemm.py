@@ -57,7 +57,7 @@ import triton
 import triton.language as tl
 
 from . import interpreting
-from .attention import native_e4m3fn
+from .attention import FN_BYTES, NATIVE, _as_codes
 from .cache import fp8_value
 from .mxfp4 import _to_bf16
 
@@ -82,7 +82,7 @@ def _gemm_a16w8_block_kernel(
     stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     K_TILES: tl.constexpr, TILES_PER_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr, INTERP: tl.constexpr,
-    W_BYTES: tl.constexpr = False,  # w is e4m3fn codes (uint8), decoded here (no e4m3fn type: sm_80)
+    W_BYTES: tl.constexpr = 0,  # 0: w as its fp8 type; 1 / 2: e4m3fn / e4m3fnuz codes (uint8), decoded
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -105,7 +105,7 @@ def _gemm_a16w8_block_kernel(
         w = tl.load(w_rows + kx[None, :] * stride_wk, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
         s = tl.load(s_rows + (k0 // block_k) * stride_sk, mask=mask_n & (kt < K_TILES), other=0.0)
         if W_BYTES:
-            w = fp8_value(w, False)
+            w = fp8_value(w, W_BYTES == 2)
         part = tl.dot(_operand(x, INTERP), tl.trans(_operand(w, INTERP)))
         acc += part * s[None, :]
     if SPLIT_K == 1:
@@ -143,7 +143,7 @@ def _gemv_a16w8_block_kernel(
     stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
     TILES_PER_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr, DEPTH: tl.constexpr, X_AHEAD: tl.constexpr,
-    INTERP: tl.constexpr, W_BYTES: tl.constexpr = False,
+    INTERP: tl.constexpr, W_BYTES: tl.constexpr = 0,
 ):
     """Small-M GEMM without tl.dot: one program per (BLOCK_N weight rows, K split), all M <= BLOCK_M
     x rows. Tensors are 4-D ``(ko, m, n, ki)``: K slot of VEC columns, x row, weight row, column
@@ -190,7 +190,7 @@ def _gemv_a16w8_block_kernel(
         ks = k0 + ko                                              # [BKO, 1, 1, 1]: slot starts
         s = tl.load(s_rows + (ks // block_k) * stride_sk, mask=mask_n & (ks < K), other=0.0)
         if W_BYTES:
-            wf = fp8_value(w0, False)
+            wf = fp8_value(w0, W_BYTES == 2)
         else:
             wf = w0.to(tl.float32)
         blk = tl.sum(xt * wf, axis=3, keep_dims=True)   # [BKO, BM, BN, 1]
@@ -409,17 +409,9 @@ def _reduce(partial: torch.Tensor, y: torch.Tensor, split: int) -> None:
                                                         INTERP=interpreting(), num_warps=4)
 
 
-def _weight_arg(w: torch.Tensor):
-    """(tensor to pass, W_BYTES): the e4m3fn weight as such, or its uint8 codes where Triton has no
-    e4m3fn (NVIDIA before sm_89; :func:`kimi_ops.kernels.attention.native_e4m3fn`)."""
-    if native_e4m3fn(w.device):
-        return w, False
-    return w.view(torch.uint8), True
-
-
 def _gemv(x, w, w_scale_inv, y, block_n, block_k, cfg):
     m, k = x.shape
-    w, w_bytes = _weight_arg(w)
+    w, w_bytes = _as_codes(w)  # codes where Triton lacks the weight's fp8 type
     n = w.shape[0]
     bn, bk, split, warps, depth, ahead = cfg
     vec = gemv_vec(block_k)
@@ -489,7 +481,7 @@ def gemm_a16w8_block(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor
     split, per_split = _split_plan(k_tiles, split)
     partial = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split)
-    w, w_bytes = _weight_arg(w)
+    w, w_bytes = _as_codes(w)
     _gemm_a16w8_block_kernel[grid](
         x, w, w_scale_inv, y, partial, m, n, k, block_n, block_k,
         *x.stride(), *w.stride(), *w_scale_inv.stride(),
@@ -561,7 +553,7 @@ def _specs():
         codes = target in TARGETS_WITHOUT_E4M3FN
         tsig = dict(sig, w_ptr="*u8" if codes else "*fp8e4nv")
         tgsig = dict(gsig, w_ptr=tsig["w_ptr"])
-        tunit = dict(unit, W_BYTES=codes)
+        tunit = dict(unit, W_BYTES=FN_BYTES if codes else NATIVE)
         dots, gemvs, splits = {}, {}, set()  # dicts: each distinct launch once, in order
         for n, k in KIMI_K3_SHAPES:
             for m in (5, 8, 16, 32, 64, 256):
