@@ -48,7 +48,7 @@ TORCH_LIBRARY_FRAGMENT(kimi_ops, m) {
       "Tensor? seq_lens, int qlen, float qk_scale_log2, float kv_scale, int num_splits, int dcp_rank, "
       "int dcp_world_size, int rows_per_cta, int stages, int balance_ctas, Tensor? q_scale=None) -> (Tensor, Tensor)");
   m.def("_mla_merge_sm90(Tensor o_part, Tensor lse_part) -> (Tensor, Tensor)");
-  m.def("_gemv_sm90(Tensor x, Tensor w, Tensor? w_scale_inv, int block_n) -> Tensor");
+  m.def("_gemv_sm90(Tensor x, Tensor w, Tensor? w_scale_inv, int block_n, bool constant_w=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kimi_ops, CUDA, m) {

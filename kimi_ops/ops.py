@@ -41,9 +41,10 @@ SCHEMAS: dict[str, str] = {
         "int? pad_heads=None) -> Tensor"
     ),
     "gemm_a16w8_block": (
-        "gemm_a16w8_block(Tensor x, Tensor w, Tensor w_scale_inv, *, int block_n=128, int block_k=128) -> Tensor"
+        "gemm_a16w8_block(Tensor x, Tensor w, Tensor w_scale_inv, *, int block_n=128, int block_k=128, "
+        "bool constant_w=False) -> Tensor"
     ),
-    "gemm_a16w16": "gemm_a16w16(Tensor x, Tensor w) -> Tensor",
+    "gemm_a16w16": "gemm_a16w16(Tensor x, Tensor w, *, bool constant_w=False) -> Tensor",
 }
 """One schema per op: the public contract, pinned by tests/test_schemas.py."""
 
@@ -263,15 +264,15 @@ def _check_gemm_a16w8_block_args(name, x, w, w_scale_inv, block_n, block_k):
                          f"{x.device}, {w.device}, {w_scale_inv.device}")
 
 
-def _gemm_fp8_fake(x, w, w_scale_inv, *, block_n=128, block_k=128):
+def _gemm_fp8_fake(x, w, w_scale_inv, *, block_n=128, block_k=128, constant_w=False):
     _check_gemm_a16w8_block_args("gemm_a16w8_block", x, w, w_scale_inv, block_n, block_k)
     return x.new_empty((x.shape[0], w.shape[0]))
 
 
-def _gemm_fp8_real(x, w, w_scale_inv, *, block_n=128, block_k=128):
+def _gemm_fp8_real(x, w, w_scale_inv, *, block_n=128, block_k=128, constant_w=False):
     _check_gemm_a16w8_block_args("gemm_a16w8_block", x, w, w_scale_inv, block_n, block_k)
     impl = dispatch.implementation("gemm_a16w8_block", x.device)
-    return impl(x, w, w_scale_inv, block_n=block_n, block_k=block_k)
+    return impl(x, w, w_scale_inv, block_n=block_n, block_k=block_k, constant_w=constant_w)
 
 
 _register("gemm_a16w8_block", fake=_gemm_fp8_fake, real=_gemm_fp8_real)
@@ -285,14 +286,14 @@ def _check_gemm_a16w16_args(x, w):
         raise ValueError(f"kimi_ops.gemm_a16w16: x and w must be on one device, got {x.device}, {w.device}")
 
 
-def _gemm_bf16_fake(x, w):
+def _gemm_bf16_fake(x, w, *, constant_w=False):
     _check_gemm_a16w16_args(x, w)
     return x.new_empty((x.shape[0], w.shape[0]))
 
 
-def _gemm_bf16_real(x, w):
+def _gemm_bf16_real(x, w, *, constant_w=False):
     _check_gemm_a16w16_args(x, w)
-    return dispatch.implementation("gemm_a16w16", x.device)(x, w)
+    return dispatch.implementation("gemm_a16w16", x.device)(x, w, constant_w=constant_w)
 
 
 _register("gemm_a16w16", fake=_gemm_bf16_fake, real=_gemm_bf16_real)
@@ -458,27 +459,34 @@ def quantize_query(q, *, q_scale=None, dtype=torch.float8_e4m3fn):
     return q8, q_scale
 
 
-def gemm_a16w8_block(x, w, w_scale_inv, *, block_n=128, block_k=128):
+def gemm_a16w8_block(x, w, w_scale_inv, *, block_n=128, block_k=128, constant_w=False):
     """bf16 activations times an fp8 block-scaled weight: ``y = x @ dequant(w)^T``.
 
     x [M, K] bf16 (any strides); w [N, K] ``float8_e4m3fn``; w_scale_inv [ceil(N / block_n),
     ceil(K / block_k)] float32 with ``dequant(w)[n, k] = w[n, k] * w_scale_inv[n // block_n,
     k // block_k]`` (DeepSeek-V3's / Kimi-K2's ``*.weight`` + ``*.weight_scale_inv``) -> y [M, N]
     bf16, float32 accumulation, no dequantized copy of w. See :mod:`kimi_ops.reference.fp8`.
+
+    ``constant_w=True`` promises that no kernel queued before this call on its stream writes w
+    or w_scale_inv (a model's weights): the sm_90 small-M kernel then launches with programmatic
+    dependent launch and streams w while the kernel before it finishes (``KIMI_OPS_PDL=0``
+    turns that off). The result is the same either way.
     """
-    return torch.ops.kimi_ops.gemm_a16w8_block(x, w, w_scale_inv, block_n=block_n, block_k=block_k)
+    return torch.ops.kimi_ops.gemm_a16w8_block(x, w, w_scale_inv, block_n=block_n, block_k=block_k,
+                                               constant_w=constant_w)
 
 
-def gemm_a16w16(x, w):
+def gemm_a16w16(x, w, *, constant_w=False):
     """A bf16 projection: ``y = x @ w^T``.
 
     x [M, K] bf16 (any strides); w [N, K] bf16 -> y [M, N] bf16, float32 accumulation. On sm_90
     with ``kimi_ops._C`` built, ``M <= 8`` runs a small-M tensor-core kernel that streams w
     (csrc/sm90/gemv.cuh; :mod:`kimi_ops.kernels.sm90_gemv` says what it takes); every other
     call, and every other device, runs torch's ``F.linear`` (cuBLAS). The decode layer's bf16
-    projections call it (:func:`kimi_ops.runtime.mla.project`).
+    projections call it (:func:`kimi_ops.runtime.mla.project`). ``constant_w``: as in
+    :func:`gemm_a16w8_block`.
     """
-    return torch.ops.kimi_ops.gemm_a16w16(x, w)
+    return torch.ops.kimi_ops.gemm_a16w16(x, w, constant_w=constant_w)
 
 
 __all__ = [

@@ -299,16 +299,19 @@ def test_gemm_errors():
 
 def test_gemm_schema_opcheck_and_compile():
     assert str(torch.ops.kimi_ops.gemm_a16w8_block.default._schema) == (
-        "kimi_ops::gemm_a16w8_block(Tensor x, Tensor w, Tensor w_scale_inv, *, int block_n=128, int block_k=128) "
-        "-> Tensor")
+        "kimi_ops::gemm_a16w8_block(Tensor x, Tensor w, Tensor w_scale_inv, *, int block_n=128, int block_k=128, "
+        "bool constant_w=False) -> Tensor")
     devices = ["cpu"] + (["cuda"] if HAS_CUDA else [])
     for dev in devices:
         w, s = random_fp8(192, 256, 128, 128, seed=3)
         w, s = w.to(dev), s.to(dev)
         x = torch.randn(5, 256).to(torch.bfloat16).to(dev)
         # test_schema's SchemaCheckMode cannot take fp8 tensors: the other three, and bytes by hand
-        torch.library.opcheck(torch.ops.kimi_ops.gemm_a16w8_block.default, (x, w, s), {"block_n": 128},
-                              test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
+        for kwargs in ({"block_n": 128}, {"block_n": 128, "constant_w": True}):
+            torch.library.opcheck(torch.ops.kimi_ops.gemm_a16w8_block.default, (x, w, s), kwargs,
+                                  test_utils=("test_autograd_registration", "test_faketensor",
+                                              "test_aot_dispatch_dynamic"))
+        assert torch.equal(kimi_ops.gemm_a16w8_block(x, w, s, constant_w=True), kimi_ops.gemm_a16w8_block(x, w, s))
         before = [t.clone().view(torch.uint8) if t.element_size() == 1 else t.clone() for t in (x, w, s)]
         kimi_ops.gemm_a16w8_block(x, w, s)
         after = [t.view(torch.uint8) if t.element_size() == 1 else t for t in (x, w, s)]

@@ -15,6 +15,7 @@ import torch
 
 import kimi_ops
 from conftest import requires_sm90
+from kimi_ops.reference.fp8 import quantize_fp8_blocks
 from test_fp8_weights import gemm64, random_fp8
 
 
@@ -25,7 +26,8 @@ def bound_ok(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def test_schema_errors_and_reference():
-    assert str(torch.ops.kimi_ops.gemm_a16w16.default._schema) == "kimi_ops::gemm_a16w16(Tensor x, Tensor w) -> Tensor"
+    assert (str(torch.ops.kimi_ops.gemm_a16w16.default._schema)
+            == "kimi_ops::gemm_a16w16(Tensor x, Tensor w, *, bool constant_w=False) -> Tensor")
     x = torch.randn(3, 96).to(torch.bfloat16)
     w = torch.randn(40, 96).to(torch.bfloat16)
     y = kimi_ops.gemm_a16w16(x, w)
@@ -43,6 +45,8 @@ def test_opcheck_and_compile():
     x = torch.randn(5, 64).to(torch.bfloat16)
     w = torch.randn(48, 64).to(torch.bfloat16)
     torch.library.opcheck(torch.ops.kimi_ops.gemm_a16w16.default, (x, w))
+    torch.library.opcheck(torch.ops.kimi_ops.gemm_a16w16.default, (x, w), {"constant_w": True})
+    assert torch.equal(kimi_ops.gemm_a16w16(x, w, constant_w=True), kimi_ops.gemm_a16w16(x, w))
 
     def fn(x, w):
         return torch.relu(kimi_ops.gemm_a16w16(x * 2, w)).float() * 0.5
@@ -179,3 +183,72 @@ def test_gpu_replays_in_a_cuda_graph():
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, kimi_ops.gemm_a16w16(x, w)) and not torch.equal(out, eager)
+
+
+@requires_sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gpu_pdl_chain(fp8):
+    """constant_w=True (programmatic dependent launch: the weight streams while the previous kernel
+    finishes): in a graph of such kernels where each GEMV's x is the previous kernel's output, the
+    results equal the same chain launched plainly, bit for bit."""
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    w1 = (torch.randn(2304, 1536, device="cuda", generator=gen) / 40).to(torch.bfloat16)
+    w2 = (torch.randn(7168, 2304, device="cuda", generator=gen) / 48).to(torch.bfloat16)
+    args1, args2 = (w1,), (w2,)
+    if fp8:
+        args1 = quantize_fp8_blocks(w1, 128, 128)
+        args2 = quantize_fp8_blocks(w2, 128, 128)
+    gemm = kimi_ops.gemm_a16w8_block if fp8 else kimi_ops.gemm_a16w16
+    x = torch.randn(3, 1536, device="cuda", generator=gen).to(torch.bfloat16)
+    torch.cuda.synchronize()  # the weights are written long before the chain (PDL reads them early)
+
+    def chain(pdl):  # x of each GEMV: the output of the kernel just before it (the second: a GEMV
+        h = gemm(torch.sigmoid(x), *args1, constant_w=pdl)  # that lets it launch early,
+        return gemm(h, *args2, constant_w=pdl)              # griddepcontrol.launch_dependents)
+
+    plain = chain(False)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        chain(True)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = chain(True)
+    for _ in range(3):
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, plain)
+    assert torch.equal(chain(True), plain)  # eager
+
+
+@requires_sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["every_code", "subnormal_codes", "x_range"])
+def test_gpu_fp8_every_code_exact(case):
+    """The fp8 weight's conversion is exact for every finite e4m3 code: a weight of all 254 finite
+    codes, one of e4m3's subnormals alone (|w| < 2^-6: flushed to zero anywhere, the outputs would
+    be zero), and x from 2^-40 to 2^40 with block scales from 2^-30 to 2^20; against float64."""
+    from kimi_ops.kernels import sm90_gemv
+    gen = torch.Generator().manual_seed(11)
+    n, k, m = 96, 1024, 3
+    if case == "subnormal_codes":
+        codes = torch.tensor([c for c in range(256) if c & 0x78 == 0], dtype=torch.uint8)
+    else:
+        codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    w = codes[torch.randint(len(codes), (n, k), generator=gen)].view(torch.float8_e4m3fn)
+    s = torch.rand(n // 16, k // 128, generator=gen) + 0.5
+    x = torch.randn(m, k, generator=gen)
+    if case == "x_range":
+        x = x * torch.exp2(torch.randint(-40, 41, (m, k), generator=gen).float())
+        s = s * torch.exp2(torch.randint(-30, 21, s.shape, generator=gen).float())
+    x = x.to(torch.bfloat16)
+    wd, sd, xd = w.cuda(), s.cuda(), x.cuda()
+    assert sm90_gemv.serves(xd, wd, sd, 16, 128)
+    _poison(m, n)
+    y = kimi_ops.gemm_a16w8_block(xd, wd, sd, block_n=16, block_k=128)
+    ref = gemm64(x, w, s, 16, 128)
+    assert ref.abs().min() > 0
+    print(f"{case}: max err / bound {bound_ok(y, ref):.3f}, |ref| {ref.abs().min():.2e} .. {ref.abs().max():.2e}")
+    assert bound_ok(y, ref) <= 1.0

@@ -30,10 +30,11 @@ def test_pdl_args_follow_the_switch(monkeypatch):
 
 @requires_cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("qlen,weights", [(1, "mxfp4"), (2, "bf16")])
+@pytest.mark.parametrize("qlen,weights", [(1, "mxfp4"), (2, "bf16"), (1, "fp8")])
 def test_gpu_pdl_decode_loop_bitwise_equals_plain_launches(monkeypatch, qlen, weights):
-    """A 40-step decode loop (cache writes, M1a, M1c + M1b, W_UV; requests of 0 to 1000 tokens)
-    captured in a CUDA graph with PDL and without: the same outputs and cache, bit for bit."""
+    """A 40-step decode loop (cache writes, M1a, M1c + M1b, W_UV, the projections on their
+    constant_w kernel; requests of 0 to 1000 tokens) captured in a CUDA graph with PDL and
+    without: the same outputs and cache, bit for bit."""
     from kimi_ops.runtime.graph import GraphedStep, decode_step, restore, snapshot
     from test_runtime import rel, run_loop
     from test_runtime_gpu import _gpu_loop_case

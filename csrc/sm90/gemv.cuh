@@ -18,15 +18,21 @@
 // (fp8) column chunk is permuted the same way in A and B, so lane (g, c) feeds the MMA straight
 // from its loads of W rows g, g + 8 and x row g at columns [k0 + 8c, +8) (bf16) or [k0 + 16c, +16)
 // (fp8): step s takes the lane's register pairs 2s and 2s + 1 as its columns (2c, 2c+1) and
-// (2c+8, 2c+9). fp8 bytes become bf16 exactly (cvt.rn.f16x2.e4m3x2, then f16 -> f32 -> bf16: every
-// e4m3 value is a normal f16 or zero); a k-block's sum is multiplied by its scale in f32
-// (DeepSeek-V3's promotion), so each MMA chain is one k-block long.
+// (2c+8, 2c+9). fp8 bytes become bf16 exactly, as value * 2^-120 (integer ops, no conversion
+// instruction), x is multiplied by 2^60 (exact for |x| < 2^67), and a k-block's sum by its scale
+// * 2^60 in f32 (DeepSeek-V3's promotion), so each MMA chain is one k-block long.
+// PDL (a launch with programmatic stream serialization, the op's constant_w): each warp's first
+// weight loads go out before griddepcontrol.wait, so W streams while the previous kernel on the
+// stream finishes; x (that kernel's output, perhaps) is read after it. Without the attribute the
+// wait returns at once.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <cstdint>
+
+#include "ptx.cuh"
 
 namespace kimi_ops::sm90 {
 namespace {
@@ -73,27 +79,30 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// two e4m3 bytes (the low 16 bits) -> bf16x2, exact
-__device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t two_bytes) {
-  uint32_t h2;
-  asm("{\n .reg .b16 a;\n cvt.u16.u32 a, %1;\n cvt.rn.f16x2.e4m3x2 %0, a;\n}\n" : "=r"(h2) : "r"(two_bytes));
-  const __half2 h = *reinterpret_cast<const __half2*>(&h2);
-  const __nv_bfloat162 b = __floats2bfloat162_rn(__low2float(h), __high2float(h));
-  return *reinterpret_cast<const uint32_t*>(&b);
+// 16 e4m3 bytes -> 8 bf16x2 words (word i = bytes 2i, 2i + 1) of value * 2^-120, exact, on the
+// integer pipe (3 instructions a word; cvt to f16 and on to bf16 took 4, two on the conversion
+// pipe): prmt puts each byte under its sign-replicated copy, the shift moves its 7 bits of
+// exponent and mantissa under bf16's (bias 127 - 7 = 120 off), the mask keeps them and one sign
+// bit. e4m3's subnormals become bf16 subnormals (the MMA keeps them: tests/test_gemv.py); e4m3fn's
+// NaN (0x7f / 0xff) becomes a finite 480 * 2^-120.
+__device__ __forceinline__ uint32_t prmt_sign(uint32_t w, uint32_t sel) {
+  uint32_t r;
+  asm("prmt.b32 %0, %1, 0, %2;\n" : "=r"(r) : "r"(w), "r"(sel));
+  return r;
 }
-
-// 16 e4m3 bytes -> 8 bf16x2 (pair i = bytes 2i, 2i + 1)
-__device__ __forceinline__ void e4m3x16_to_bf16(const uint4& v, uint32_t (&out)[8]) {
+__device__ __forceinline__ void e4m3x16_to_bf16_pow2(const uint4& v, uint32_t (&out)[8]) {
   const uint32_t words[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    out[2 * i] = e4m3x2_to_bf16x2(words[i] & 0xffffu);
-    out[2 * i + 1] = e4m3x2_to_bf16x2(words[i] >> 16);
+    out[2 * i] = (prmt_sign(words[i], 0x9180u) << 4) & 0x87F087F0u;      // bytes 0, 1
+    out[2 * i + 1] = (prmt_sign(words[i], 0xB3A2u) << 4) & 0x87F087F0u;  // bytes 2, 3
   }
 }
+constexpr float kXUp = 0x1p60f;  // fp8: x * 2^60 in bf16 (exact), so W * 2^-120 times it stays an
+                                 // f32 normal down to |w x| = 2^-66; k-block sums * scale * 2^60
 
 template <int WARPS, bool kFp8, int kUnroll>
-__global__ void __launch_bounds__(WARPS * 32) gemv_kernel(const GemvParams p) {
+__global__ void __launch_bounds__(WARPS * 32, 16 / WARPS) gemv_kernel(const GemvParams p) {
   __shared__ float red[WARPS][kGemvRows][kGemvMaxM];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, c = lane % 4;
@@ -114,39 +123,61 @@ __global__ void __launch_bounds__(WARPS * 32) gemv_kernel(const GemvParams p) {
   const float* scale_row = kFp8 ? p.scale + static_cast<int64_t>(n0 / p.block_n) * p.scale_stride : nullptr;
 
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  for (int kb = kb0; kb < kb1; kb += kUnroll) {
+  // steps of kUnroll k-blocks up to kb1 (the last one shorter); odd warps take the short one first,
+  // so that half the warps convert and multiply while the other half's loads are in flight
+  const int short_step = (kb1 - kb0) % kUnroll;
+  int lim = min(kb1, kb0 + ((warp & 1) && short_step ? short_step : kUnroll));  // this step's end
+  for (int kb = kb0; kb < kb1; kb = lim, lim = min(kb1, kb + kUnroll)) {
     // all of the step's loads first (kUnroll k-blocks: 16 bytes of W a load, 12 loads a lane in
-    // flight for fp8's three k-blocks, 16 for bf16's one), then its MMAs; a k-block past kb1 or a
-    // row past N loads zeros
+    // flight for fp8's three k-blocks, 16 for bf16's one), then its MMAs; a row past N loads zeros
     constexpr int kLoads = kUnroll * kChunks;
     uint4 a_lo[kLoads], a_hi[kLoads], xv[kLoads][kFp8 ? 2 : 1];
+    auto lane_k = [&](int i, bool& in_k) {  // the lane's first column of load i; whether it is in K
+      const int blk = kb + i / kChunks;
+      const int k = blk * kBlockK + (i % kChunks) * kChunkK + c * (kChunkK / 4);
+      in_k = blk < lim && k < p.K;  // (K % kChunkK == 0: a chunk is wholly in or out)
+      return k;
+    };
 #pragma unroll
     for (int i = 0; i < kLoads; ++i) {
-      const int blk = kb + i / kChunks;
-      const int k = blk * kBlockK + (i % kChunks) * kChunkK + c * (kChunkK / 4);  // the lane's first column
-      const bool in_k = blk < kb1 && k < p.K;  // (K % kChunkK == 0: a chunk is wholly in or out)
+      bool in_k;
+      const int k = lane_k(i, in_k);
       a_lo[i] = ld16_or_zero<true>(w_lo + static_cast<int64_t>(k) * kBytesPerCol, row_lo_ok && in_k);
       a_hi[i] = ld16_or_zero<true>(w_hi + static_cast<int64_t>(k) * kBytesPerCol, row_hi_ok && in_k);
+    }
+    // PDL: the first step's weight loads are in flight while the previous kernel finishes
+    if (kb == kb0) wait_prior_grid();
+#pragma unroll
+    for (int i = 0; i < kLoads; ++i) {
+      bool in_k;
+      const int k = lane_k(i, in_k);
 #pragma unroll
       for (int j = 0; j < (kFp8 ? 2 : 1); ++j) xv[i][j] = ld16_or_zero<false>(x_row + k + 8 * j, tok_ok && in_k);
     }
-    float sc[kUnroll];  // each k-block's scale (a k-block past kb1 summed zeros)
+    float sc[kUnroll];  // each k-block's scale
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) sc[u] = kFp8 && kb + u < kb1 ? scale_row[kb + u] : 1.f;
+    for (int u = 0; u < kUnroll; ++u) sc[u] = kFp8 && kb + u < lim ? scale_row[kb + u] * kXUp : 1.f;
     __syncwarp();  // orders the loads before the MMAs: ptxas otherwise sinks each load to its MMA
                    // (~3 of a lane's loads in flight instead of all; .nc loads move past it too)
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
+      if (kb + u >= lim) break;
       float part[2][4] = {};  // two MMA chains: k-steps alternate between them
 #pragma unroll
       for (int ch = 0; ch < kChunks; ++ch) {
         const int i = u * kChunks + ch;
         if constexpr (kFp8) {
-          uint32_t lo[8], hi[8];
-          e4m3x16_to_bf16(a_lo[i], lo);
-          e4m3x16_to_bf16(a_hi[i], hi);
-          const uint32_t xb[8] = {xv[i][0].x, xv[i][0].y, xv[i][0].z, xv[i][0].w,
+          uint32_t lo[8], hi[8], xb[8];
+          e4m3x16_to_bf16_pow2(a_lo[i], lo);
+          e4m3x16_to_bf16_pow2(a_hi[i], hi);
+          const uint32_t xr[8] = {xv[i][0].x, xv[i][0].y, xv[i][0].z, xv[i][0].w,
                                   xv[i][1].x, xv[i][1].y, xv[i][1].z, xv[i][1].w};
+          const __nv_bfloat162 up = __floats2bfloat162_rn(kXUp, kXUp);
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            const __nv_bfloat162 t = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&xr[j]), up);
+            xb[j] = *reinterpret_cast<const uint32_t*>(&t);
+          }
 #pragma unroll
           for (int s = 0; s < 4; ++s)
             mma_bf16(part[s % 2], lo[2 * s], hi[2 * s], lo[2 * s + 1], hi[2 * s + 1], xb[2 * s], xb[2 * s + 1]);
@@ -159,6 +190,8 @@ __global__ void __launch_bounds__(WARPS * 32) gemv_kernel(const GemvParams p) {
       for (int r = 0; r < 4; ++r) acc[r] = fmaf(part[0][r] + part[1][r], sc[u], acc[r]);
     }
   }
+  wait_prior_grid();  // (a warp with no k-block: nothing of this grid writes before the previous grid is done)
+  allow_next_grid();
   // acc: (row g, token 2c), (g, 2c + 1), (g + 8, 2c), (g + 8, 2c + 1)
   red[warp][g][2 * c] = acc[0];
   red[warp][g][2 * c + 1] = acc[1];

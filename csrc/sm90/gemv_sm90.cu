@@ -2,7 +2,9 @@
 // _gemv_sm90 (schema in csrc/registration.cpp, entry point in ops.h):
 //   x [M, K] bf16 (M <= 8; unit stride along K, rows 16-byte aligned), w [N, K] bf16 or fp8
 //   e4m3fn (contiguous, 16-byte aligned), w_scale_inv [ceil(N / block_n), ceil(K / 128)] f32 with
-//   an fp8 w (unit stride along K), else none -> y [M, N] bf16.
+//   an fp8 w (unit stride along K), else none; constant_w: w and w_scale_inv are not written by
+//   the kernels before this one on the stream (the launch may then start while they run)
+//   -> y [M, N] bf16.
 // The caller (kimi_ops/kernels/sm90_gemv.py) checks what the kernel needs and takes another path
 // where it does not hold; the checks here only guard the kernel.
 #include <ATen/ATen.h>
@@ -11,6 +13,8 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 #include "gemv.cuh"
 #include "ops.h"
@@ -18,18 +22,34 @@
 namespace kimi_ops::sm90 {
 namespace {
 
+// Programmatic dependent launch where the caller says w (and w_scale_inv) are not written by the
+// kernels before this one on the stream (constant_w: a model's weights), unless KIMI_OPS_PDL=0
+// (read at each launch; a CUDA graph keeps what its capture saw): the kernel then streams W while
+// the previous kernel finishes (gemv.cuh).
+bool pdl_allowed() {
+  const char* all = std::getenv("KIMI_OPS_PDL");
+  return !(all != nullptr && std::strcmp(all, "0") == 0);
+}
+
 template <int WARPS, bool kFp8, int kUnroll>
-void launch_gemv(const GemvParams& p, cudaStream_t stream) {
-  const dim3 grid((p.N + kGemvRows - 1) / kGemvRows);
-  gemv_kernel<WARPS, kFp8, kUnroll><<<grid, WARPS * 32, 0, stream>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+void launch_gemv(const GemvParams& p, bool pdl, cudaStream_t stream) {
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3((p.N + kGemvRows - 1) / kGemvRows);
+  config.blockDim = dim3(WARPS * 32);
+  config.stream = stream;
+  config.attrs = attr;
+  config.numAttrs = pdl ? 1 : 0;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, gemv_kernel<WARPS, kFp8, kUnroll>, p));
 }
 
 // The messages are literals: on the H200 image (torch 2.11, nvcc 13 with /opt/gcc) a failing
 // TORCH_CHECK whose message formats a number (c10::str's ostringstream) in an nvcc-compiled file
 // crashed the process instead of raising; a literal message raised (docs/perf-history.md, session 25).
 at::Tensor gemv_sm90(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& w_scale_inv,
-                     int64_t block_n) {
+                     int64_t block_n, bool constant_w) {
   TORCH_CHECK(x.is_cuda() && w.is_cuda() && x.device() == w.device(), "kimi_ops._C: x and w must be on one CUDA device");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "kimi_ops._C: x [M, K] and w [N, K] expected");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "kimi_ops._C: x must be bf16");
@@ -72,10 +92,11 @@ at::Tensor gemv_sm90(const at::Tensor& x, const at::Tensor& w, const std::option
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   // 8 warps where K has enough k-blocks for them (Kimi-K3's hidden 7168), else 4 (its ranks 1536)
   const bool wide = K >= 4096;
+  const bool pdl = constant_w && pdl_allowed();
   if (fp8)
-    wide ? launch_gemv<8, true, 3>(p, stream) : launch_gemv<4, true, 3>(p, stream);
+    wide ? launch_gemv<8, true, 3>(p, pdl, stream) : launch_gemv<4, true, 3>(p, pdl, stream);
   else
-    wide ? launch_gemv<8, false, 1>(p, stream) : launch_gemv<4, false, 1>(p, stream);
+    wide ? launch_gemv<8, false, 1>(p, pdl, stream) : launch_gemv<4, false, 1>(p, pdl, stream);
   return y;
 }
 

@@ -9,7 +9,8 @@
 //   _mla_merge_sm90           o_part [S, T, H, 512] bf16, lse_part [S, T, H] f32 -> o, lse
 // and by impl_sm90_gemv_ops, which gemv_sm90.cu defines:
 //   _gemv_sm90                x [M <= 8, K] bf16, w [N, K] bf16 or fp8 e4m3fn, w_scale_inv
-//                             [ceil(N / block_n), ceil(K / 128)] f32 with an fp8 w -> y [M, N] bf16
+//                             [ceil(N / block_n), ceil(K / 128)] f32 with an fp8 w, constant_w
+//                             (programmatic dependent launch) -> y [M, N] bf16
 // (CUDA tensors, contiguous; kimi_ops/kernels/sm90.py calls them.)
 #pragma once
 

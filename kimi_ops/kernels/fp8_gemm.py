@@ -437,8 +437,9 @@ def _gemv(x, w, w_scale_inv, y, block_n, block_k, cfg):
 
 def gemm_a16w8_block(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor, *, block_n: int = 128,
                      block_k: int = 128, config: tuple[int, ...] | None = None, gemv: bool | None = None,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
-    """``y = x @ dequant(w)^T`` -> bf16 ``[M, N]`` (inputs validated by the op layer).
+                     out: torch.Tensor | None = None, constant_w: bool = False) -> torch.Tensor:
+    """``y = x @ dequant(w)^T`` -> bf16 ``[M, N]`` (inputs validated by the op layer; the op's
+    ``constant_w`` is not used: these kernels wait for the previous one before any load).
 
     ``gemv``: True / False run the GEMV / the tl.dot kernel; None: :func:`use_gemv`. ``config``:
     the config of the kernel that runs: for the tl.dot kernel (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K,

@@ -9,8 +9,16 @@ the tokens as the MMA's N, and keeps all of a lane's 16-byte loads of a step in 
 (one 256-column k-block of a bf16 weight, three 128-column ones of an fp8 weight).
 
 Numerics: the products are exact in float32 (bf16 x bf16; an fp8 e4m3 weight becomes bf16
-exactly); sums in float32, one k-block at a time, the fp8 block scale applied to each k-block's
-sum (``gemm_a16w8_block``'s contract), one rounding to bf16.
+exactly, as its value times 2^-120, and x is multiplied by 2^60 to match: exact for |x| < 2^67);
+sums in float32, one k-block at a time, the fp8 block scale applied to each k-block's sum
+(``gemm_a16w8_block``'s contract), one rounding to bf16.
+
+``constant_w=True`` (the ops' keyword; the decode layer passes it for its weights): the kernel
+launches with programmatic dependent launch and issues its first weight loads before it waits
+for the previous kernel on the stream (x after the wait), so the weight streams while that kernel
+finishes. On the H200 this took 1.2-1.9 us off the compiled fp8 step at batch 1 and 8, 0.3-0.8
+us off the MXFP4 one (docs/perf-history.md, session 28). Only sound when nothing queued just
+before writes w; ``KIMI_OPS_PDL=0`` turns it off.
 
 What it takes (:func:`serves`; anything else runs the other backend's code: cuBLAS for bf16, the
 Triton kernels for fp8): ``1 <= M <= 8``; x bf16 with contiguous, 16-byte aligned rows; w
@@ -48,19 +56,19 @@ def serves(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor | None = 
             and block_n % 16 == 0 and w_scale_inv.stride(1) == 1)
 
 
-def gemm_a16w16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def gemm_a16w16(x: torch.Tensor, w: torch.Tensor, *, constant_w: bool = False) -> torch.Tensor:
     """``x [M, K] @ w [N, K]^T`` -> bf16 ``[M, N]``: the kernel where it serves, else the reference's
-    ``F.linear`` (inputs validated by the op layer)."""
+    ``F.linear`` (inputs validated by the op layer). ``constant_w``: the module's docstring."""
     if serves(x, w):
-        return _ops()._gemv_sm90(x, w, None, 0)
+        return _ops()._gemv_sm90(x, w, None, 0, constant_w)
     return _linear(x, w)
 
 
 def gemm_a16w8_block(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor, *, block_n: int = 128,
-                     block_k: int = 128) -> torch.Tensor:
+                     block_k: int = 128, constant_w: bool = False) -> torch.Tensor:
     """``x @ dequant(w)^T`` -> bf16 ``[M, N]``: the kernel where it serves, else the Triton
-    kernels (inputs validated by the op layer)."""
+    kernels (inputs validated by the op layer). ``constant_w``: the module's docstring."""
     if serves(x, w, w_scale_inv, block_n, block_k):
-        return _ops()._gemv_sm90(x, w, w_scale_inv, block_n)
+        return _ops()._gemv_sm90(x, w, w_scale_inv, block_n, constant_w)
     from . import fp8_gemm
     return fp8_gemm.gemm_a16w8_block(x, w, w_scale_inv, block_n=block_n, block_k=block_k)

@@ -53,7 +53,8 @@ def quantize_fp8_blocks(w: torch.Tensor, block_n: int = 128, block_k: int = 128,
 
 
 def gemm_a16w8_block(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor, *, block_n: int = 128,
-                     block_k: int = 128) -> torch.Tensor:
-    """``x [M, K]`` bf16 @ ``dequant(w [N, K], w_scale_inv)^T`` -> bf16 ``[M, N]`` (float32 math)."""
+                     block_k: int = 128, constant_w: bool = False) -> torch.Tensor:
+    """``x [M, K]`` bf16 @ ``dequant(w [N, K], w_scale_inv)^T`` -> bf16 ``[M, N]`` (float32 math;
+    ``constant_w``, a launch hint for the sm_90 kernel, changes nothing here)."""
     wd = dequantize_fp8_blocks(w, w_scale_inv, block_n, block_k, torch.float32)
     return (x.to(torch.float32) @ wd.T).to(torch.bfloat16)

@@ -101,11 +101,11 @@ def qkv_gate_weights(layer):
 def project(x: torch.Tensor, proj) -> torch.Tensor:
     """``x [T, in] @ W^T`` for one of the layer's projections: :func:`kimi_ops.gemm_a16w16` on a
     bf16 weight, or :func:`kimi_ops.gemm_a16w8_block` on an fp8 block-scaled one
-    (``proj.weight_scale_inv``)."""
+    (``proj.weight_scale_inv``); the weights are constants (``constant_w``)."""
     scale = getattr(proj, "weight_scale_inv", None)
     if scale is None:
-        return ops.gemm_a16w16(x, proj.weight)
-    return ops.gemm_a16w8_block(x, proj.weight, scale, block_n=proj.block_n, block_k=proj.block_k)
+        return ops.gemm_a16w16(x, proj.weight, constant_w=True)
+    return ops.gemm_a16w8_block(x, proj.weight, scale, block_n=proj.block_n, block_k=proj.block_k, constant_w=True)
 
 
 # --- pieces -----------------------------------------------------------------------------------
