@@ -16,7 +16,7 @@ sums in float32, one k-block at a time, the fp8 block scale applied to each k-bl
 ``constant_w=True`` (the ops' keyword; the decode layer passes it for its weights): the kernel
 launches with programmatic dependent launch and issues its first weight loads before it waits
 for the previous kernel on the stream (x after the wait), so the weight streams while that kernel
-finishes. On the H200 this took 1.2-1.9 us off the compiled fp8 step at batch 1 and 8, 0.3-0.8
+finishes. On the H200 this took 1.2-1.9 us off the compiled fp8 step at batch 1 and 8, 0.3-0.9
 us off the MXFP4 one (docs/perf-history.md, session 28). Only sound when nothing queued just
 before writes w; ``KIMI_OPS_PDL=0`` turns it off.
 
