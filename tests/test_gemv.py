@@ -5,8 +5,10 @@ small-M Hopper kernel of csrc/sm90/gemv.cuh (kimi_ops/kernels/sm90_gemv.py).
 CPU (CI): the op's schema, errors, opcheck and torch.compile over it, its reference against
 float64. GPU (skipped without CUDA; the kernel needs sm_90 and kimi_ops._C): both weight types at
 Kimi-K3 TP8's shapes and at ragged ones (N not a multiple of 16, a partial last k-block, block_n
-16 / 64 / 128, strided x), M = 1..8, against float64, into NaN-poisoned memory; the calls the
-kernel does not take (M > 8, K % 32, misaligned x) still correct.
+16 / 64 / 128, strided x), M = 1..8, against float64, into NaN-poisoned memory; every e4m3 code
+(subnormals included) and x over 80 binades; chains launched with ``constant_w`` (programmatic
+dependent launch) bit for bit against plain launches; the calls the kernel does not take (M > 8,
+K % 32, misaligned x) still correct.
 """
 from __future__ import annotations
 
@@ -227,9 +229,10 @@ def test_gpu_pdl_chain(fp8):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["every_code", "subnormal_codes", "x_range"])
 def test_gpu_fp8_every_code_exact(case):
-    """The fp8 weight's conversion is exact for every finite e4m3 code: a weight of all 254 finite
-    codes, one of e4m3's subnormals alone (|w| < 2^-6: flushed to zero anywhere, the outputs would
-    be zero), and x from 2^-40 to 2^40 with block scales from 2^-30 to 2^20; against float64."""
+    """The fp8 weight's conversion is exact for every finite e4m3 code: a weight drawn from all 254
+    finite codes; one of e4m3's subnormal codes only (|w| < 2^-6: were they flushed to zero anywhere,
+    the outputs would be zero); and x from 2^-40 to 2^40 with block scales from 2^-30 to 2^20;
+    against float64."""
     from kimi_ops.kernels import sm90_gemv
     gen = torch.Generator().manual_seed(11)
     n, k, m = 96, 1024, 3
