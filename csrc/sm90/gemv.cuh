@@ -28,7 +28,6 @@
 #pragma once
 
 #include <cuda_bf16.h>
-#include <cuda_fp16.h>
 
 #include <cstdint>
 
@@ -85,17 +84,12 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1
 // exponent and mantissa under bf16's (bias 127 - 7 = 120 off), the mask keeps them and one sign
 // bit. e4m3's subnormals become bf16 subnormals (the MMA keeps them: tests/test_gemv.py); e4m3fn's
 // NaN (0x7f / 0xff) becomes a finite 480 * 2^-120.
-__device__ __forceinline__ uint32_t prmt_sign(uint32_t w, uint32_t sel) {
-  uint32_t r;
-  asm("prmt.b32 %0, %1, 0, %2;\n" : "=r"(r) : "r"(w), "r"(sel));
-  return r;
-}
 __device__ __forceinline__ void e4m3x16_to_bf16_pow2(const uint4& v, uint32_t (&out)[8]) {
   const uint32_t words[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    out[2 * i] = (prmt_sign(words[i], 0x9180u) << 4) & 0x87F087F0u;      // bytes 0, 1
-    out[2 * i + 1] = (prmt_sign(words[i], 0xB3A2u) << 4) & 0x87F087F0u;  // bytes 2, 3
+    out[2 * i] = (prmt(words[i], 0u, 0x9180u) << 4) & 0x87F087F0u;      // bytes 0, 1
+    out[2 * i + 1] = (prmt(words[i], 0u, 0xB3A2u) << 4) & 0x87F087F0u;  // bytes 2, 3
   }
 }
 constexpr float kXUp = 0x1p60f;  // fp8: x * 2^60 in bf16 (exact), so W * 2^-120 times it stays an

@@ -181,7 +181,8 @@ __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&h);
 }
 
-// PTX prmt.b32 (default mode): result byte i is byte (selector nibble i) of {y, x} (x = bytes 0..3).
+// PTX prmt.b32 (default mode): result byte i is byte (selector nibble i & 7) of {y, x} (x = bytes
+// 0..3), or that byte's sign bit replicated where the nibble's bit 3 is set.
 __device__ __forceinline__ uint32_t prmt(uint32_t x, uint32_t y, uint32_t selector) {
   uint32_t d;
   asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(d) : "r"(x), "r"(y), "r"(selector));
