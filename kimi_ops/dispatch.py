@@ -158,8 +158,10 @@ def default_num_splits(num_requests: int, num_rows: int, num_heads: int, num_ind
     GPU tensors: the heuristic of the kernel that will run, with ``num_indices / num_requests``
     as a request's length (a fixed-capacity index buffer overestimates it, which only adds
     splits): :func:`kimi_ops.kernels.sm90.suggest_num_splits` for the ``cuda`` backend (one wave of
-    CTAs), :func:`kimi_ops.kernels.triton_m1c.suggest_num_splits` for Triton (about four
-    programs per multiprocessor, at least 256 tokens per split, at most 64).
+    CTAs), :func:`kimi_ops.kernels.triton_m1c.suggest_num_splits` for Triton (NVIDIA's first
+    generation: the tiles spread evenly over waves of one program a multiprocessor, at most 256
+    splits; AMD's second: about four programs a multiprocessor, at most 64; both at least 256
+    tokens a split).
     CPU tensors: 1 (the reference gains nothing from splitting).
     """
     if device.type != "cuda" or num_requests == 0:

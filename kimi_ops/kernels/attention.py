@@ -871,19 +871,34 @@ def mla_merge(o_part, lse_part):
     return o, lse
 
 
+MAX_SPLITS = 256  # suggest_num_splits' cap (the merge loops over chunks of MERGE_MAX_SPLITS)
+
+
 def suggest_num_splits(num_requests: int, qlen: int, num_heads: int, num_tokens: int,
                        num_sms: int = 132) -> int:
-    """A split count from shapes only (never device data): enough programs to fill the
-    device about twice, no split shorter than 256 tokens on average, at most 64."""
+    """A split count from shapes only (never device data): the one that spreads the requests'
+    BLOCK_N-token tiles most evenly over the multiprocessors, no split shorter than 256 tokens
+    on average, at most MAX_SPLITS.
+
+    Cost model (fitted on the H200, docs/perf-history.md "Session 29"): a program runs its
+    tiles at a fixed rate an SM, and a second program on the same SM only shares that rate (the
+    16-row config runs 2 an SM, each at half speed), so a call takes waves x (tiles a program +
+    1), waves = ceil(programs / SMs), the + 1 a program's start, its partials and their merge.
+    A split's chunk is ceil(n / S) rounded up to whole tiles (``_program_rows``), so a request
+    may use fewer than S splits. Ties go to fewer splits."""
     if num_requests <= 0:
         return 1
-    bm = _config(qlen * num_heads, _mma_mode())[0]
-    mblocks = -(-qlen * num_heads // bm)
-    base = num_requests * mblocks
-    want = max(1, -(-4 * num_sms // base))
+    bm, bn = _config(qlen * num_heads, _mma_mode())[:2]
+    base = num_requests * -(-qlen * num_heads // bm)  # programs a split
     avg = max(1, num_tokens // num_requests)
-    cap = max(1, avg // 256)
-    return int(max(1, min(want, cap, 64)))
+    cap = max(1, min(avg // 256, MAX_SPLITS))
+
+    def cost(splits):
+        chunk = -(-(-(-avg // splits)) // bn) * bn
+        used = -(-avg // chunk)
+        return -(-base * used // num_sms) * (chunk // bn + 1)
+
+    return min(range(1, cap + 1), key=lambda s: (cost(s), s))
 
 
 # ----------------------------------------------------------------------------------------------

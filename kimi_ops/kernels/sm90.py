@@ -162,8 +162,8 @@ def mla_decode(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: float, kv_sc
     ones, and a CUDA graph serves every mix of lengths. A request of one split writes o / lse
     directly; the others go through private partials [W, qlen, H, 512] (W =
     :func:`work_list_items`) and the merge. ``num_splits`` caps a request's splits (None:
-    one per 128 tokens of the average request, at most :func:`max_splits`; more only costs
-    partials memory).
+    :func:`_split_cap`'s one per 128 tokens of the average request, or per 64 at batch 1-2, at
+    most :func:`max_splits`; more only costs partials memory).
     With one split, more than 65535 work items, a non-e4m3fn cache or KIMI_OPS_SM90_WORK_LIST=0,
     the (split, request) grid runs instead, its empty splits' o unwritten."""
     num_requests = kv_indptr.shape[0] - 1
@@ -174,7 +174,8 @@ def mla_decode(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: float, kv_sc
         num_splits = triton_splits(num_requests, qlen, q.shape[1], kv_indices.shape[0],
                                    _multiprocessor_count(q.device))
     elif num_splits is None:
-        num_splits = (_split_cap(num_requests, kv_indices.shape[0]) if work_list_enabled() else
+        num_splits = (_split_cap(num_requests, kv_indices.shape[0], qlen, q.shape[1], _multiprocessor_count(q.device))
+                      if work_list_enabled() else
                       suggest_num_splits(num_requests, qlen, q.shape[1], kv_indices.shape[0],
                                          _multiprocessor_count(q.device)))
     balance = balance_ctas(q, kv_indptr, kv_indices, qlen) if num_requests > 0 else 0
@@ -203,14 +204,15 @@ def mla_merge(o_part, lse_part):
 def one_wave_splits(num_requests: int, qlen: int, num_heads: int, num_tokens: int, num_sms: int = 132) -> int:
     """Splits a request of average length takes so that the CTAs (requests x row groups x
     used splits) fill the device's CTA slots in waves at least 90% full (else the fullest), at
-    most one per 128 tokens and :func:`max_splits` in all. The kernel sizes every split to at
+    most :func:`_split_cap` (one per 128 tokens, or 64 where that still fits the device). The kernel sizes every split to at
     least (all tokens / (requests x this)), rounded up to whole 64-token tiles: a uniform batch
     uses ceil(n / that chunk) splits a request (the fullness is counted on those, after the
     rounding), a longer request proportionally more."""
     if num_requests <= 0:
         return 1
     return _one_wave_splits(num_requests, qlen, num_heads, num_sms, ring_stages(rows_per_cta(qlen * num_heads)),
-                            _split_cap(num_requests, num_tokens), max(1, num_tokens // num_requests))
+                            _split_cap(num_requests, num_tokens, qlen, num_heads, num_sms),
+                            max(1, num_tokens // num_requests))
 
 
 TILE_TOKENS = 64  # the kernels round a split's chunk up to whole 64-token tiles (csrc: split_chunk)
@@ -242,8 +244,14 @@ def max_splits() -> int:
     return _env_int(MAX_SPLITS_ENV, MAX_SPLITS, 1, 4096)
 
 
-def _split_cap(num_requests: int, num_tokens: int) -> int:
-    return int(max(1, min((num_tokens // num_requests) // 128, max_splits())))
+def _split_cap(num_requests: int, num_tokens: int, qlen: int, num_heads: int, num_sms: int) -> int:
+    """A request's most splits: one per 128 tokens, or per 64 (one tile) where 16-row CTAs of
+    64 tokens still fit one an SM (at batch 1 a CTA's second tile costs more than the merge of
+    twice the partials: H12 B1 8k 15.6 -> 14.6 us on the H200, docs/perf-history.md "Session
+    29"; at B2 8k, two an SM, 16.0 -> 17.4), at most :func:`max_splits`."""
+    avg = num_tokens // num_requests
+    one_tile = rows_per_cta(qlen * num_heads) == 16 and num_requests * (avg // TILE_TOKENS) <= num_sms
+    return int(max(1, min(avg // (TILE_TOKENS if one_tile else 2 * TILE_TOKENS), max_splits())))
 
 
 def _slots_and_ctas_per_split(num_requests: int, qlen: int, num_heads: int, num_sms: int, stages: int):
@@ -266,6 +274,6 @@ def suggest_num_splits(num_requests: int, qlen: int, num_heads: int, num_tokens:
     by_bytes = int(0.025 * (num_tokens // num_requests) * 576 // (qlen * num_heads * 1024))
     by_ctas = 2 * slots // ctas_per_split
     waves = balance_waves()
-    return int(min(_split_cap(num_requests, num_tokens),
+    return int(min(_split_cap(num_requests, num_tokens, qlen, num_heads, num_sms),
                    waves * one_wave_splits(num_requests, qlen, num_heads, num_tokens, num_sms)
                    + waves * min(by_bytes, by_ctas)))

@@ -368,8 +368,10 @@ def mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: floa
 
 def suggest_num_splits(num_requests: int, qlen: int, num_heads: int, num_tokens: int,
                        num_sms: int = 132, arch: str = "sm90") -> int:
-    """A split count from shapes only: about four programs a multiprocessor, no split shorter
-    than 256 tokens on average, at most 64."""
+    """A split count from shapes only. Where the first generation runs (NVIDIA): its rule
+    (:func:`kimi_ops.kernels.attention.suggest_num_splits`, fitted on the H200). Here (AMD, no
+    measurement yet): about four programs a multiprocessor, no split shorter than 256 tokens on
+    average, at most 64."""
     if num_requests <= 0:
         return 1
     if kernel_for(arch) == "first":
