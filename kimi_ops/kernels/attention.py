@@ -880,10 +880,11 @@ def suggest_num_splits(num_requests: int, qlen: int, num_heads: int, num_tokens:
     BLOCK_N-token tiles most evenly over the multiprocessors, no split shorter than 256 tokens
     on average, at most MAX_SPLITS.
 
-    Cost model (fitted on the H200, docs/perf-history.md "Session 29"): a program runs its
-    tiles at a fixed rate an SM, and a second program on the same SM only shares that rate (the
-    16-row config runs 2 an SM, each at half speed), so a call takes waves x (tiles a program +
-    1), waves = ceil(programs / SMs), the + 1 a program's start, its partials and their merge.
+    Cost model (fitted on the H200, docs/perf-history.md "Session 29"): an SM runs tiles at a
+    fixed rate however many programs it holds (a second program on an SM, resident beside the
+    first or in a later wave, adds its tiles to that SM's time), so a call takes waves x (tiles a
+    program + 1), waves = ceil(programs / SMs), the + 1 a program's start, its partials and their
+    merge.
     A split's chunk is ceil(n / S) rounded up to whole tiles (``_program_rows``), so a request
     may use fewer than S splits. Ties go to fewer splits."""
     if num_requests <= 0:
@@ -894,7 +895,8 @@ def suggest_num_splits(num_requests: int, qlen: int, num_heads: int, num_tokens:
     cap = max(1, min(avg // 256, MAX_SPLITS))
 
     def cost(splits):
-        chunk = -(-(-(-avg // splits)) // bn) * bn
+        per_split = -(-avg // splits)
+        chunk = -(-per_split // bn) * bn  # whole tiles
         used = -(-avg // chunk)
         return -(-base * used // num_sms) * (chunk // bn + 1)
 

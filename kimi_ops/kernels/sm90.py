@@ -204,8 +204,8 @@ def mla_merge(o_part, lse_part):
 def one_wave_splits(num_requests: int, qlen: int, num_heads: int, num_tokens: int, num_sms: int = 132) -> int:
     """Splits a request of average length takes so that the CTAs (requests x row groups x
     used splits) fill the device's CTA slots in waves at least 90% full (else the fullest), at
-    most :func:`_split_cap` (one per 128 tokens, or 64 where that still fits the device). The kernel sizes every split to at
-    least (all tokens / (requests x this)), rounded up to whole 64-token tiles: a uniform batch
+    most :func:`_split_cap`. The kernel sizes every split to at least (all tokens / (requests x
+    this)), rounded up to whole 64-token tiles: a uniform batch
     uses ceil(n / that chunk) splits a request (the fullness is counted on those, after the
     rounding), a longer request proportionally more."""
     if num_requests <= 0:
