@@ -47,9 +47,9 @@ def test_split_heuristic_fills_one_wave():
     assert one_wave_splits(8, 1, 12, 8 * 8192) == 32
     assert used_splits(8192, 30) == 26 and used_splits(8192, 32) == 32 and used_splits(100, 7) == 2  # chunk 64
     assert one_wave_splits(128, 8, 12, 128 * 8192) == 1        # already several waves
-    assert one_wave_splits(1, 1, 12, 100) == 1                 # too short to split
-    assert suggest_num_splits(1, 1, 12, 100) == 1
-    assert one_wave_splits(1, 1, 12, 200) == 2                 # one split a tile allowed; 2 used either way
+    assert one_wave_splits(1, 1, 12, 64) == 1                  # one tile: nothing to split
+    assert suggest_num_splits(1, 1, 12, 64) == 1
+    assert one_wave_splits(1, 1, 12, 200) == 4                 # one split a tile (64, 64, 64, 8)
     # headroom for longer-than-average requests costs <= 2.5% of the KV bytes in zeros
     for args in [(8, 1, 12, 8 * 8192), (64, 1, 96, 64 * 4096), (3, 4, 12, 3 * 1000), (32, 1, 12, 32 * 32768)]:
         s, base = suggest_num_splits(*args), one_wave_splits(*args)
@@ -451,8 +451,8 @@ def test_mla_decode_runs_the_work_list(recorded_sm90, monkeypatch):
     assert rec.decode_calls[-1] == dict(num_splits=4, rows=16, stages=2, balance=balance)
     assert not rec.split_calls and not rec.merge_calls
     kimi_ops.mla_decode(q, kv, indptr, idx, qlen=1, scale=SCALE, kv_scale=0.5)  # default: the cap
-    # 2 requests x 26 one-tile splits fit the 132 SMs: one split per 64 tokens
-    assert rec.decode_calls[-1]["num_splits"] == hopper._split_cap(2, idx.shape[0], 1, 12, 132) == 3400 // 2 // 64
+    # 2 requests x 27 one-tile splits fit the 132 SMs: one split a 64-token tile
+    assert rec.decode_calls[-1]["num_splits"] == hopper._split_cap(2, idx.shape[0], 1, 12, 132) == -(-3400 // 2 // 64)
     kimi_ops.mla_decode(q, kv, indptr, idx, qlen=1, scale=SCALE, kv_scale=0.5, num_splits=1)
     assert rec.split_calls[-1]["num_splits"] == 1 and not rec.merge_calls
     monkeypatch.setenv(hopper.WORK_LIST_ENV, "0")

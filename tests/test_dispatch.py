@@ -37,7 +37,8 @@ def test_num_splits_fills_the_gpu(monkeypatch):
     one_long = dispatch.default_num_splits(1, 1, 12, 65536, gpu)
     many_short = dispatch.default_num_splits(128, 128, 12, 128 * 1024, gpu)
     short = dispatch.default_num_splits(1, 1, 12, 300, gpu)
-    assert one_long == 128 and many_short == 1 and short == 1
+    assert one_long == 128 and many_short == 1 and short == 2
+    assert dispatch.default_num_splits(1, 1, 12, 8192, gpu) == 64       # 128-token splits: 14.2 us, 22.0 at 32
     # one wave of programs where the tiles divide evenly (the H200's fastest, session 29's sweep):
     # 32 x 4 and 8 x 16 programs of 16 rows; 64 requests x 2 row blocks of 96 heads
     assert dispatch.default_num_splits(32, 32, 12, 32 * 8192, gpu) == 4

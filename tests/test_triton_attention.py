@@ -414,12 +414,17 @@ def test_f16_dots_where_taken(monkeypatch):
     assert not A._f16_dots("bf16", gpu)
     monkeypatch.setenv(A.F16_ENV, "0")
     assert not A._f16_dots("bf16", cpu)
-    # the words tile: opt-in, and only where the prefetch runs (up to 32 rows)
+    # the words tile: by default for 16-row programs of WORDS_MIN_TILES tiles or more; forced on
+    # (up to 32 rows, where the prefetch runs) or off by the switch
     monkeypatch.delenv(A.WORDS_ENV, raising=False)
-    assert not A._words("bf16", 16)
+    assert not A._words("bf16", 16) and not A._words("bf16", 16, A.WORDS_MIN_TILES - 1)
+    assert A._words("bf16", 16, A.WORDS_MIN_TILES) and not A._words("bf16", 32, 1000)
+    assert A._tiles_a_program(32 * 8192, 32, 4, 64) == 32 and A._tiles_a_program(8192, 1, 64, 64) == 2
     monkeypatch.setenv(A.WORDS_ENV, "1")
     assert A._words("bf16", 16) and A._words("bf16", 32) and not A._words("bf16", 64)
     assert not A._words("fp8", 16)
+    monkeypatch.setenv(A.WORDS_ENV, "0")
+    assert not A._words("bf16", 16, 1000)
 
 
 @pytest.mark.parametrize("f16,words", [("1", "0"), ("1", "1"), ("0", "0")])

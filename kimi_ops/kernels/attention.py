@@ -685,12 +685,23 @@ def _f16_dots(mma: str, device: torch.device) -> bool:
 WORDS_ENV = "KIMI_OPS_TRITON_WORDS"
 
 
-def _words(mma: str, bm: int) -> bool:
-    """Opt-in (``KIMI_OPS_TRITON_WORDS=1``), S_CHAINS with the prefetch: the tile carried as int32
-    words, S / O split by byte. Measured on the H200 (2026-12-05, f16 dots both, docs/perf-history.md
-    "Session 27"): 14% faster than one byte tile at H12 B128 8k q1 (455 against 527 us), even at
-    B32, 11% slower at B8 and 34% slower at qlen 2 (32 rows): off by default."""
-    return _s_chains(mma) and _prefetch(mma, bm) and os.environ.get(WORDS_ENV, "0") == "1"
+WORDS_MIN_TILES = 8  # the words tile by default from this many BLOCK_N tiles a program (16 rows)
+
+
+def _words(mma: str, bm: int, tiles: int = 0) -> bool:
+    """The tile carried as int32 words, S / O split by byte (S_CHAINS with the prefetch). By
+    default for 16-row programs of at least WORDS_MIN_TILES tiles (``tiles``: a program's tiles
+    for a request of average length); ``KIMI_OPS_TRITON_WORDS=1`` / ``0`` forces it on (up to 32
+    rows) / off. Measured on the H200 (2026-12-05, f16 dots both, at session 29's split counts;
+    docs/perf-history.md "Session 29"): at 16 rows 16% faster with 128 tiles a program (H12 B128
+    8k q1 492.0 -> 415.3 us), 13% with 32 (B32 8k 133.4 -> 116.0), 6.5% with 13, 2% with 8, 10-11%
+    slower with 4 (B1 / B4 8k); at 32 rows (qlen 2) 3.5% slower with 32."""
+    if not (_s_chains(mma) and _prefetch(mma, bm)):
+        return False
+    env = os.environ.get(WORDS_ENV, "")
+    if env in ("0", "1"):
+        return env == "1"
+    return bm == 16 and tiles >= WORDS_MIN_TILES
 
 
 def _prefetch(mma: str, bm: int) -> bool:
@@ -774,6 +785,12 @@ def _launch_shape(q, kv_rows, kv_indptr, kv_indices, qlen: int, num_splits: int)
     return T, H, R
 
 
+def _tiles_a_program(num_tokens: int, num_requests: int, num_splits: int, block_n: int) -> int:
+    """BLOCK_N tiles in a split of a request of average length (``_program_rows``' chunk)."""
+    avg = num_tokens // max(num_requests, 1)
+    return -(-(-(-avg // num_splits)) // block_n)
+
+
 def _partials(S: int, T: int, H: int, device):
     """M1c's outputs, unwritten: (o_part [S, T, H, 512] bf16, lse_part [S, T, H] f32)."""
     return (torch.empty((S, T, H, KV_LORA_RANK), dtype=torch.bfloat16, device=device),
@@ -820,7 +837,8 @@ def mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: floa
         Q_FP8=q_fp8, Q_BYTES=q_bytes, MMA_FP8=(mma == "fp8"), KV_BYTES=kv_bytes, FNUZ=fnuz, INTERP=interpreting(),
         BLOCK_M=bm, BLOCK_N=bn, PREFETCH=_prefetch(mma, bm), GLOBAL_LENS=seq_lens is not None,
         INTERP_STEPS=_interpreter_steps(kv_indptr, bn), S_CHAINS=_s_chains(mma),
-        F16=_f16_dots(mma, q.device), WORDS=_words(mma, bm), num_warps=warps, num_stages=stages,
+        F16=_f16_dots(mma, q.device), WORDS=_words(mma, bm, _tiles_a_program(kv_indices.shape[0], R, S, bn)),
+        num_warps=warps, num_stages=stages,
     )
     return o_part, lse_part
 
@@ -877,7 +895,7 @@ MAX_SPLITS = 256  # suggest_num_splits' cap (the merge loops over chunks of MERG
 def suggest_num_splits(num_requests: int, qlen: int, num_heads: int, num_tokens: int,
                        num_sms: int = 132) -> int:
     """A split count from shapes only (never device data): the one that spreads the requests'
-    BLOCK_N-token tiles most evenly over the multiprocessors, no split shorter than 256 tokens
+    BLOCK_N-token tiles most evenly over the multiprocessors, no split shorter than 128 tokens
     on average, at most MAX_SPLITS.
 
     Cost model (fitted on the H200, docs/perf-history.md "Session 29"): an SM runs tiles at a
@@ -892,7 +910,7 @@ def suggest_num_splits(num_requests: int, qlen: int, num_heads: int, num_tokens:
     bm, bn = _config(qlen * num_heads, _mma_mode())[:2]
     base = num_requests * -(-qlen * num_heads // bm)  # programs a split
     avg = max(1, num_tokens // num_requests)
-    cap = max(1, min(avg // 256, MAX_SPLITS))
+    cap = max(1, min(avg // 128, MAX_SPLITS))  # 128: H12 B1 8k q1 14.2 us at 64 splits, 22.0 at 32
 
     def cost(splits):
         per_split = -(-avg // splits)
@@ -928,21 +946,24 @@ def _specs():
                 if not targets:
                     continue
                 sig = {"q_ptr": "*bf16", "kv_ptr": kvt, **sig_common}
-                cx = {"Q_FP8": False, "Q_BYTES": NATIVE, "MMA_FP8": mma == "fp8", "KV_BYTES": kv_bytes,
-                      "FNUZ": "fnuz" in fmt, "INTERP": False, "BLOCK_M": bm, "BLOCK_N": bn,
-                      "PREFETCH": _prefetch(mma, bm), "GLOBAL_LENS": False, "INTERP_STEPS": 0,
-                      "S_CHAINS": _s_chains(mma), "F16": f16 and mma == "bf16", "WORDS": _words(mma, bm)}
-                for kk in cx:
-                    sig[kk] = "constexpr"
-                specs.append(dict(name=f"splitkv_{mma}_{fmt}_m{bm}", kernel=_split_kv_kernel,
-                                  signature=sig, constexprs=cx, num_warps=warps, num_stages=stages,
-                                  targets=targets))
-                if fmt in ("fn", "u8fn") and mma == "bf16":
-                    # the fp8 query (issue 28): e4m3fn (its codes on sm80), converted exactly in registers
-                    specs.append(dict(name=f"splitkv_{mma}_{fmt}_m{bm}_q8", kernel=_split_kv_kernel,
-                                      signature={**sig, "q_ptr": "*fp8e4nv" if fmt == "fn" else "*u8"},
-                                      constexprs={**cx, "Q_FP8": True, "Q_BYTES": kv_bytes},
+                # the words tile where the launcher picks it for long splits (16 rows, sm90)
+                words_options = sorted({_words(mma, bm), f16 and _words(mma, bm, WORDS_MIN_TILES)})
+                for words in words_options:
+                    cx = {"Q_FP8": False, "Q_BYTES": NATIVE, "MMA_FP8": mma == "fp8", "KV_BYTES": kv_bytes,
+                          "FNUZ": "fnuz" in fmt, "INTERP": False, "BLOCK_M": bm, "BLOCK_N": bn,
+                          "PREFETCH": _prefetch(mma, bm), "GLOBAL_LENS": False, "INTERP_STEPS": 0,
+                          "S_CHAINS": _s_chains(mma), "F16": f16 and mma == "bf16", "WORDS": words}
+                    for kk in cx:
+                        sig[kk] = "constexpr"
+                    name = f"splitkv_{mma}_{fmt}_m{bm}" + ("_words" if words and len(words_options) > 1 else "")
+                    specs.append(dict(name=name, kernel=_split_kv_kernel, signature=sig, constexprs=cx,
                                       num_warps=warps, num_stages=stages, targets=targets))
+                    if fmt in ("fn", "u8fn") and mma == "bf16":
+                        # the fp8 query (issue 28): e4m3fn (its codes on sm80), converted exactly in registers
+                        specs.append(dict(name=f"{name}_q8", kernel=_split_kv_kernel,
+                                          signature={**sig, "q_ptr": "*fp8e4nv" if fmt == "fn" else "*u8"},
+                                          constexprs={**cx, "Q_FP8": True, "Q_BYTES": kv_bytes},
+                                          num_warps=warps, num_stages=stages, targets=targets))
     # every (BLOCK_S, BLOCK_C, num_warps) _merge_config can return
     merge_cfgs = sorted({_merge_config(S, TH) for S in (1, 2, 4, 8, 16, 32, 64, 65)
                          for TH in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)})

@@ -247,11 +247,13 @@ def max_splits() -> int:
 def _split_cap(num_requests: int, num_tokens: int, qlen: int, num_heads: int, num_sms: int) -> int:
     """A request's most splits: one per 128 tokens, or per 64 (one tile) where 16-row CTAs of
     64 tokens still fit one an SM (at batch 1 a CTA's second tile costs more than the merge of
-    twice the partials: H12 B1 8k 15.6 -> 14.6 us on the H200, docs/perf-history.md "Session
-    29"; at B2 8k, two an SM, 16.0 -> 17.4), at most :func:`max_splits`."""
+    twice the partials: H12 B1 512-8192 tokens 1.1-3.0 us faster on the H200, docs/perf-history.md
+    "Session 29"; at B2 8k, two an SM, 16.0 -> 17.4 slower), at most :func:`max_splits`."""
     avg = num_tokens // num_requests
-    one_tile = rows_per_cta(qlen * num_heads) == 16 and num_requests * (avg // TILE_TOKENS) <= num_sms
-    return int(max(1, min(avg // (TILE_TOKENS if one_tile else 2 * TILE_TOKENS), max_splits())))
+    tiles = -(-avg // TILE_TOKENS)
+    if rows_per_cta(qlen * num_heads) == 16 and num_requests * tiles <= num_sms:
+        return int(max(1, min(tiles, max_splits())))  # 200 tokens: 4 splits, 12.0 us (2 used: 14.1)
+    return int(max(1, min(avg // (2 * TILE_TOKENS), max_splits())))
 
 
 def _slots_and_ctas_per_split(num_requests: int, qlen: int, num_heads: int, num_sms: int, stages: int):
