@@ -159,9 +159,9 @@ def default_num_splits(num_requests: int, num_rows: int, num_heads: int, num_ind
     as a request's length (a fixed-capacity index buffer overestimates it, which only adds
     splits): :func:`kimi_ops.kernels.sm90.suggest_num_splits` for the ``cuda`` backend (one wave of
     CTAs), :func:`kimi_ops.kernels.triton_m1c.suggest_num_splits` for Triton (NVIDIA's first
-    generation: the tiles spread evenly over waves of one program a multiprocessor, at most 256
-    splits; AMD's second: about four programs a multiprocessor, at most 64; both at least 256
-    tokens a split).
+    generation: the tiles spread evenly over waves of one program a multiprocessor, splits of at
+    least 128 tokens, at most 256; AMD's second: about four programs a multiprocessor, splits of
+    at least 256 tokens, at most 64).
     CPU tensors: 1 (the reference gains nothing from splitting).
     """
     if device.type != "cuda" or num_requests == 0:

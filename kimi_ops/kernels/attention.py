@@ -787,8 +787,8 @@ def _launch_shape(q, kv_rows, kv_indptr, kv_indices, qlen: int, num_splits: int)
 
 def _tiles_a_program(num_tokens: int, num_requests: int, num_splits: int, block_n: int) -> int:
     """BLOCK_N tiles in a split of a request of average length (``_program_rows``' chunk)."""
-    avg = num_tokens // max(num_requests, 1)
-    return -(-(-(-avg // num_splits)) // block_n)
+    per_split = -(-(num_tokens // max(num_requests, 1)) // num_splits)
+    return -(-per_split // block_n)
 
 
 def _partials(S: int, T: int, H: int, device):

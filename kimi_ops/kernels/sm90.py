@@ -162,8 +162,8 @@ def mla_decode(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: float, kv_sc
     ones, and a CUDA graph serves every mix of lengths. A request of one split writes o / lse
     directly; the others go through private partials [W, qlen, H, 512] (W =
     :func:`work_list_items`) and the merge. ``num_splits`` caps a request's splits (None:
-    :func:`_split_cap`'s one per 128 tokens of the average request, or per 64 at batch 1-2, at
-    most :func:`max_splits`; more only costs partials memory).
+    :func:`_split_cap`'s one per 128 tokens of the average request, or one a 64-token tile where
+    those CTAs fit one an SM, at most :func:`max_splits`; more only costs partials memory).
     With one split, more than 65535 work items, a non-e4m3fn cache or KIMI_OPS_SM90_WORK_LIST=0,
     the (split, request) grid runs instead, its empty splits' o unwritten."""
     num_requests = kv_indptr.shape[0] - 1
