@@ -913,10 +913,9 @@ def suggest_num_splits(num_requests: int, qlen: int, num_heads: int, num_tokens:
     cap = max(1, min(avg // 128, MAX_SPLITS))  # 128: H12 B1 8k q1 14.2 us at 64 splits, 22.0 at 32
 
     def cost(splits):
-        per_split = -(-avg // splits)
-        chunk = -(-per_split // bn) * bn  # whole tiles
-        used = -(-avg // chunk)
-        return -(-base * used // num_sms) * (chunk // bn + 1)
+        tiles = _tiles_a_program(avg, 1, splits, bn)
+        used = -(-avg // (tiles * bn))
+        return -(-base * used // num_sms) * (tiles + 1)
 
     return min(range(1, cap + 1), key=lambda s: (cost(s), s))
 
