@@ -13,36 +13,18 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 
 #include "gemv.cuh"
+#include "launch.h"
 #include "ops.h"
 
 namespace kimi_ops::sm90 {
 namespace {
 
-// Programmatic dependent launch where the caller says w (and w_scale_inv) are not written by the
-// kernels before this one on the stream (constant_w: a model's weights), unless KIMI_OPS_PDL=0
-// (read at each launch; a CUDA graph keeps what its capture saw): the kernel then streams W while
-// the previous kernel finishes (gemv.cuh).
-bool pdl_allowed() {
-  const char* all = std::getenv("KIMI_OPS_PDL");
-  return !(all != nullptr && std::strcmp(all, "0") == 0);
-}
-
 template <int WARPS, bool kFp8, int kUnroll>
 void launch_gemv(const GemvParams& p, bool pdl, cudaStream_t stream) {
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3((p.N + kGemvRows - 1) / kGemvRows);
-  config.blockDim = dim3(WARPS * 32);
-  config.stream = stream;
-  config.attrs = attr;
-  config.numAttrs = pdl ? 1 : 0;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, gemv_kernel<WARPS, kFp8, kUnroll>, p));
+  const dim3 grid((p.N + kGemvRows - 1) / kGemvRows);
+  launch(gemv_kernel<WARPS, kFp8, kUnroll>, grid, WARPS * 32, 0, stream, p, pdl);
 }
 
 // The messages are literals: on the H200 image (torch 2.11, nvcc 13 with /opt/gcc) a failing
@@ -92,7 +74,10 @@ at::Tensor gemv_sm90(const at::Tensor& x, const at::Tensor& w, const std::option
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   // 8 warps where K has enough k-blocks for them (Kimi-K3's hidden 7168), else 4 (its ranks 1536)
   const bool wide = K >= 4096;
-  const bool pdl = constant_w && pdl_allowed();
+  // PDL where the caller says w (and w_scale_inv) are not written by the kernels before this one on
+  // the stream (constant_w: a model's weights): the kernel then streams W while the previous kernel
+  // finishes (gemv.cuh).
+  const bool pdl = constant_w && pdl_env_allows();
   if (fp8)
     wide ? launch_gemv<8, true, 3>(p, pdl, stream) : launch_gemv<4, true, 3>(p, pdl, stream);
   else

@@ -8,6 +8,7 @@
 //   decode_rows16.cuh       splitkv_kernel (16 rows a CTA)
 //   decode_token_major.cuh  splitkv_tm_kernel (32, 48, 64 rows a CTA)
 //   merge.cuh               merge_kernel, merge_rows_kernel
+//   launch.h                cudaLaunchKernelEx with PDL on request, the PDL switches (host)
 // The ops are registered in csrc/registration.cpp (entry points: ops.h). One translation unit:
 // the headers are included in this order, each kernel's code as it was in the single file.
 //
@@ -68,8 +69,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include <string>
 
 #include "copy.cuh"
@@ -79,6 +78,7 @@
 #include "fragments.cuh"
 #include "decode_rows16.cuh"
 #include "decode_token_major.cuh"
+#include "launch.h"
 #include "merge.cuh"
 #include "ops.h"
 
@@ -92,27 +92,7 @@ namespace {
 // qlen 2-8 and batch 128 and no faster elsewhere (docs/PERF.md, session 21), so by default they
 // launch plainly, where the two instructions are no-ops. Read at each launch; a CUDA graph keeps
 // what its capture saw. (The Triton kernels around them take PDL by default: kimi_ops/kernels/pdl.py.)
-bool pdl_enabled() {
-  const char* all = std::getenv("KIMI_OPS_PDL");
-  const char* sm90 = std::getenv("KIMI_OPS_SM90_PDL");
-  return !(all != nullptr && std::strcmp(all, "0") == 0) && sm90 != nullptr && std::strcmp(sm90, "1") == 0;
-}
-
-template <typename Params>
-void launch(void (*kernel)(const Params), dim3 grid, unsigned threads, size_t smem, cudaStream_t stream,
-            const Params& params) {
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t config{};
-  config.gridDim = grid;
-  config.blockDim = dim3(threads);
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  config.attrs = attr;
-  config.numAttrs = pdl_enabled() ? 1 : 0;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, params));
-}
+bool pdl_enabled() { return pdl_env_allows() && env_equals("KIMI_OPS_SM90_PDL", "1"); }
 
 // Each failing check's message is one std::string (or a literal), which TORCH_CHECK passes on as
 // is: c10::str formats two or more arguments through an ostringstream, and on the H200 image
@@ -138,7 +118,7 @@ void launch_kernel(Kernel* kernel, int threads, const SplitKVParams& params, dim
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     if (device < 64) configured[device] = true;
   }
-  launch(kernel, grid, threads, smem, stream, params);
+  launch(kernel, grid, threads, smem, stream, params, pdl_enabled());
 }
 
 // the fp8-query instance where params.q_scale is set
@@ -244,7 +224,7 @@ void launch_merge(MergeParams params) {
   if (params.splits_hint <= kMergeFewSplits) {
     const unsigned ctas = static_cast<unsigned>((params.rows + kMergeWarpRows - 1) / kMergeWarpRows);
     auto kernel = params.splits_hint <= 4 ? merge_rows_kernel<4> : merge_rows_kernel<8>;
-    launch(kernel, dim3(ctas), 32 * kMergeWarpRows, 0, stream, params);
+    launch(kernel, dim3(ctas), 32 * kMergeWarpRows, 0, stream, params, pdl_enabled());
     return;
   }
   int device = 0, sms = 0;
@@ -256,7 +236,7 @@ void launch_merge(MergeParams params) {
     col_blocks *= 2;
   params.cols = kLatent / col_blocks;
   const dim3 grid(static_cast<unsigned>(params.rows), static_cast<unsigned>(col_blocks));
-  launch(merge_kernel, grid, kMergeThreads, 0, stream, params);
+  launch(merge_kernel, grid, kMergeThreads, 0, stream, params, pdl_enabled());
 }
 
 }  // namespace
