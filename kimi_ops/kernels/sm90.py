@@ -250,10 +250,9 @@ def _split_cap(num_requests: int, num_tokens: int, qlen: int, num_heads: int, nu
     twice the partials: H12 B1 512-8192 tokens 1.1-3.0 us faster on the H200, docs/perf-history.md
     "Session 29"; at B2 8k, two an SM, 16.0 -> 17.4 slower), at most :func:`max_splits`."""
     avg = num_tokens // num_requests
-    tiles = -(-avg // TILE_TOKENS)
-    if rows_per_cta(qlen * num_heads) == 16 and num_requests * tiles <= num_sms:
-        return int(max(1, min(tiles, max_splits())))  # 200 tokens: 4 splits, 12.0 us (2 used: 14.1)
-    return int(max(1, min(avg // (2 * TILE_TOKENS), max_splits())))
+    tiles = -(-avg // TILE_TOKENS)  # rounded up: 200 tokens take 4 splits, 12.0 us (2 used: 14.1)
+    one_a_tile = rows_per_cta(qlen * num_heads) == 16 and num_requests * tiles <= num_sms
+    return int(max(1, min(tiles if one_a_tile else avg // (2 * TILE_TOKENS), max_splits())))
 
 
 def _slots_and_ctas_per_split(num_requests: int, qlen: int, num_heads: int, num_sms: int, stages: int):
