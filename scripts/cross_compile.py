@@ -59,11 +59,15 @@ def load_specs(only=None):
     return specs
 
 
-def _attrs(kernel, signature):
-    # pointers 16-byte aligned, as torch allocations are: lets the compiler vectorize loads
+def _attrs(kernel, signature, divisible=()):
+    # pointers 16-byte aligned, as torch allocations are: lets the compiler vectorize loads; and
+    # the integer arguments in ``divisible`` multiples of 16, as Triton's JIT specializes an int
+    # whose value is one at launch (without it a masked load of a K tail may not vectorize, and
+    # Hopper's loop pipeliner leaves such a loop unpipelined: the sm90 compile is then not the one
+    # that runs)
     attrs = {}
     for i, name in enumerate(kernel.arg_names):
-        if signature.get(name, "").startswith("*"):
+        if signature.get(name, "").startswith("*") or name in divisible:
             attrs[(i,)] = [["tt.divisibility", 16]]
     return attrs
 
@@ -79,7 +83,8 @@ def compile_spec(spec, target_name):
     if missing:
         raise ValueError(f"{spec['name']}: signature lacks {missing}")
     src = ASTSource(fn=kernel, signature={a: sig[a] for a in kernel.arg_names},
-                    constexprs=spec.get("constexprs", {}), attrs=_attrs(kernel, sig))
+                    constexprs=spec.get("constexprs", {}),
+                    attrs=_attrs(kernel, sig, spec.get("divisible_16", ())))
     target = GPUTarget(*TARGETS[target_name])
     opts = {"num_warps": spec.get("num_warps", 4), "num_stages": spec.get("num_stages", 2)}
     if target_name.startswith("gfx"):

@@ -102,6 +102,21 @@ def test_launcher_configs_are_the_specs():
             assert (c.block_m, c.block_n, c.vsplit, c.num_warps, c.num_stages) in cx, (arch, rows, c)
 
 
+def test_specs_specialize_as_the_launch_does():
+    # an integer argument a spec calls divisible_16 is compiled as Triton's JIT specializes a
+    # multiple of 16 at launch (tt.divisibility 16), and each such argument is one at the shapes
+    import cross_compile as cc
+    import kimi_ops.kernels.fp8_gemm as G
+
+    spec = next(s for s in G.CROSS_COMPILE_SPECS if s["name"].startswith("gemm_a16w8_block_m"))
+    attrs = cc._attrs(spec["kernel"], spec["signature"], spec["divisible_16"])
+    names = spec["kernel"].arg_names
+    assert {names[i] for (i,) in attrs} == {n for n in names if spec["signature"][n].startswith("*")} | set(
+        G.DIVISIBLE_16)
+    for n, k in G.KIMI_K3_SHAPES:   # N, K; block_n = block_k = 128; contiguous rows: strides K
+        assert n % 16 == 0 and k % 16 == 0
+
+
 @pytest.mark.parametrize("target", ["gfx950", pytest.param("gfx942", marks=needs_fnuz_triton)])
 def test_amd_no_spills(target, tmp_path):
     """Every Triton variant the launchers can pick on ``target`` (_launcher_specs): 0 VGPR spills

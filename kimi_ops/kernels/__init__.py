@@ -4,7 +4,9 @@ Each kernels module may expose ``CROSS_COMPILE_SPECS``: a list of dicts naming e
 host launcher can launch (keys: ``name``, ``kernel`` (the ``triton.jit`` function),
 ``signature`` ({arg: triton type string such as ``"*bf16"``, ``"i32"``, ``"fp32"``,
 or ``"constexpr"``}), ``constexprs`` ({arg: value}), ``num_warps``, ``num_stages``,
-optional ``targets`` (subset of ``{"gfx950", "gfx942", "sm90", "sm80"}``; absent: all)), so that
+optional ``targets`` (subset of ``{"gfx950", "gfx942", "sm90", "sm80"}``; absent: all), optional
+``divisible_16`` (the integer arguments that are multiples of 16 at the shapes the variant runs:
+Triton's JIT specializes those at launch, and the compile differs)), so that
 ``scripts/cross_compile.py`` compiles them all for gfx950 / gfx942 / sm90 / sm80 without a GPU.
 Modules are listed in ``CROSS_COMPILE_MODULES`` below (missing ones are skipped).
 """

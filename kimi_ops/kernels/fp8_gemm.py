@@ -274,20 +274,27 @@ def gemm_config(m: int, n: int, k: int, block_k: int = 128, sms: int = 132,
     (``SPLIT_K x M x N x 4`` bytes) at most half the weight's. BLOCK_K = 128 (or the largest power
     of two dividing ``block_k``). ``KIMI_OPS_FP8_GEMM_CONFIG`` overrides all of it.
 
-    AMD (not timed there; scripts/cross_compile.py, 2026-12-04, Triton 3.6 and 3.8): the 32 x 64
-    tile of M <= 4 and 17..32 takes 318-482 VGPRs + 62-226 AGPRs, 1 wave a SIMD, on gfx950 and
-    gfx942 at every stage count (8 warps: 22-152 VGPRs spilled), the 64 x 128 tile spills 44-46
-    on gfx950 with Triton 3.6, and 16-row tiles at 8 stages run 1 wave there: AMD runs 32 x 32 and
-    64 x 64 at 8 warps and at most 4 stages (172-254 VGPRs, 2 waves, both Tritons).
+    AMD (not timed there; scripts/cross_compile.py, Triton 3.6 and 3.8, gfx950 and gfx942): the
+    32 x 64 tile of M <= 4 and 17..32 takes 318-482 VGPRs + 62-226 AGPRs, 1 wave a SIMD (8 warps:
+    22-152 VGPRs spilled), the 64 x 128 tile spills on gfx950 with Triton 3.6 (2026-12-04). Compiled
+    as the launch specializes it (N, K and the row strides multiples of 16: ``DIVISIBLE_16``;
+    2026-12-05), Triton 3.6's gfx950 code is erratic in the tile, warps and stages: over 14-tile
+    K splits 32 x 32 at 8 warps spills 790-802 VGPRs at 2-4 stages and 64 x 64 at 8 warps 799 at
+    2 and 4 (none at 3); over one 12-tile split both spill 520-635 at 1-3 stages, and 64 x 64 at 4
+    warps 250 at 2-3; 16 x 32 at 4 warps takes 284 VGPRs (1 wave). AMD therefore runs 16 x 16 at
+    8 warps (5..16 rows), 32 x 32 at 4 warps (17..32, and M <= 4 when forced off the GEMV) and
+    64 x 64 at 8 warps (33..64), all at 3 stages, and 64 x 64 at 4 warps and 1 stage beyond 64
+    rows (prefill sizes): 0 spills and >= 2 waves a SIMD on both targets with both Tritons
+    (tests/test_cross_compile.py checks the installed Triton's).
     """
     bk = max_block_k(block_k)
     k_tiles = max(1, triton.cdiv(k, bk))
     cap = _pow2_floor(max(1, k_tiles // 2))
     m = max(1, m)
     if m <= 4 or 17 <= m <= 32:
-        return (32, 32, bk, min(4, cap), 8, 4) if amd else (32, 64, bk, min(4, cap), 4, 6)
+        return (32, 32, bk, min(4, cap), 4, 3) if amd else (32, 64, bk, min(4, cap), 4, 6)
     if 33 <= m <= 64:
-        return 64, 64 if amd else 128, bk, min(4, cap), 8, 4
+        return 64, 64 if amd else 128, bk, min(4, cap), 8, 3 if amd else 4
     bm = min(64, max(16, triton.next_power_of_2(m)))
     bn = min(128, max(16, triton.next_power_of_2(4 * min(m, bm))))
     tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm)
@@ -296,7 +303,11 @@ def gemm_config(m: int, n: int, k: int, block_k: int = 128, sms: int = 132,
     stage_bytes = bm * bk * 2 + bn * bk
     stages = 8 if stage_bytes <= 8192 else 6 if stage_bytes < 16384 else 4
     if amd:
-        bn, stages = (min(bn, 64) if bm == 64 else bn), min(stages, 4)
+        if bm == 16:
+            bn, warps, stages = 16, 8, 3
+        else:
+            bm, bn, warps, stages = 64, 64, 4, 1
+        return bm, bn, bk, max(1, split), warps, stages
     return bm, bn, bk, max(1, split), (8 if m > 64 else 4), stages
 
 
@@ -517,6 +528,10 @@ rule. sm80 (no e4m3fn in Triton) takes the weight as uint8 codes (W_BYTES)."""
 
 TARGETS_WITHOUT_E4M3FN = ("sm80",)
 
+DIVISIBLE_16 = ("N", "K", "block_n", "block_k", "stride_xm", "stride_wn")
+"""The GEMMs' integer arguments that are multiples of 16 at Kimi-K3's shapes (and so specialized by
+Triton's JIT at launch; M and the scales' row stride, ceil(K / 128), are not)."""
+
 
 def _gemv_launch(m: int, n: int, k: int, block_k: int = 128, sms: int = 132):
     """(BLOCK_M, BLOCK_N, BLOCK_K, VEC, TILES_PER_SPLIT, SPLIT_K, num_warps, DEPTH, X_AHEAD) the GEMV
@@ -570,14 +585,14 @@ def _specs():
                 "kernel": _gemm_a16w8_block_kernel, "signature": dict(tsig),
                 "constexprs": {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "K_TILES": k_tiles,
                                "TILES_PER_SPLIT": per, "SPLIT_K": split, **tunit},
-                "num_warps": warps, "num_stages": stages, "targets": (target,)})
+                "num_warps": warps, "num_stages": stages, "targets": (target,), "divisible_16": DIVISIBLE_16})
         for name, (bm, bn, bk, vec, per, split, warps, depth, ahead) in gemvs.items():
             splits.add(split)
             specs.append({
                 "name": name, "kernel": _gemv_a16w8_block_kernel, "signature": dict(tgsig),
                 "constexprs": {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "VEC": vec, "TILES_PER_SPLIT": per,
                                "SPLIT_K": split, "DEPTH": depth, "X_AHEAD": bool(ahead), **tunit},
-                "num_warps": warps, "num_stages": 1, "targets": (target,)})
+                "num_warps": warps, "num_stages": 1, "targets": (target,), "divisible_16": DIVISIBLE_16})
         for split in sorted(splits - {1}):
             specs.append({
                 "name": f"gemm_a16w8_reduce_s{split}", "kernel": _reduce_splits_kernel,

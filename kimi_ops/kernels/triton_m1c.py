@@ -417,7 +417,8 @@ def _specs():
                                            f"_v{cfg.vsplit}",
                                       kernel=_splitkv_tm_kernel, signature=sig, constexprs=cx,
                                       num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                                      amd_options=dict(cfg.amd_options), targets=(arch,)))
+                                      amd_options=dict(cfg.amd_options), targets=(arch,),
+                                      divisible_16=("H", "N")))
     return specs
 
 
