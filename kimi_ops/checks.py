@@ -243,6 +243,33 @@ def check_bmm_args(op: str, x, w_packed, w_scale) -> None:
     check_same_device(op, x=x, w_packed=w_packed)
 
 
+def check_v_up_proj_args(op: str, o, w_uv, w_uv_scale, gate) -> None:
+    """o [T, H, L] bf16 (L contiguous); w_uv bf16 [H, v, L] or MXFP4 [H, v, L/2]; gate [T, H * v] bf16."""
+    check_tensor(op, "o", o, ndim=3, dtypes=(torch.bfloat16,), what="a [T, H, L] bfloat16 tensor")
+    if o.shape[2] > 1 and o.stride(2) != 1:
+        fail(op, "o", "a tensor contiguous along its last dim", f"strides {tuple(o.stride())}")
+    heads, latent = o.shape[1], o.shape[2]
+    if w_uv_scale is None:
+        check_tensor(op, "w_uv", w_uv, ndim=3, dtypes=(torch.bfloat16,),
+                     what="a bf16 [H, v, L] tensor (or uint8 MXFP4 with w_uv_scale)")
+        if w_uv.shape[0] != heads or w_uv.shape[2] != latent:
+            fail(op, "w_uv", f"a bf16 [{heads}, v, {latent}] tensor (o's H, L)", _describe(w_uv))
+    else:
+        check_tensor(op, "w_uv", w_uv, ndim=3, dtypes=(torch.uint8,),
+                     what="an MXFP4 uint8 [H, v, L/2] tensor (with w_uv_scale given)")
+        check_mxfp4_weight(op, w_uv, w_uv_scale, packed_name="w_uv", scale_name="w_uv_scale")
+        if w_uv.shape[0] != heads or w_uv.shape[2] * 2 != latent:
+            fail(op, "w_uv", f"an MXFP4 uint8 [{heads}, v, {latent // 2}] tensor (o's H, L/2)", _describe(w_uv))
+    if gate is not None:
+        rows = (o.shape[0], heads * w_uv.shape[1])
+        check_tensor(op, "gate", gate, ndim=2, dtypes=(torch.bfloat16,), what=f"a bfloat16 {list(rows)} tensor")
+        if tuple(gate.shape) != rows:
+            fail(op, "gate", f"a bfloat16 {list(rows)} tensor ([T, H * v])", _describe(gate))
+        if gate.shape[1] > 1 and gate.stride(1) != 1:
+            fail(op, "gate", "a tensor contiguous along its last dim", f"strides {tuple(gate.stride())}")
+    check_same_device(op, o=o, w_uv=w_uv, w_uv_scale=w_uv_scale, gate=gate)
+
+
 def check_query_args(op: str, q_nope, q_pe, w_uk, w_uk_scale, pad_heads) -> None:
     """q_nope [T, H, D], q_pe [T, H, P] bf16; w_uk bf16 [H, D, 512] or MXFP4 [H, 512, D/2]."""
     check_tensor(op, "q_nope", q_nope, ndim=3, dtypes=(torch.bfloat16,), what="a [T, H, D] bfloat16 tensor")

@@ -64,6 +64,10 @@ IMPLEMENTATIONS: dict[str, dict[str, str]] = {
         "triton": "kimi_ops.kernels.fp8_gemm:gemm_a16w8_block",
         "cuda": "kimi_ops.kernels.sm90_gemv:gemm_a16w8_block",
     },
+    "mla_v_up_proj": {
+        "reference": "kimi_ops.reference.mxfp4:mla_v_up_proj",
+        "triton": "kimi_ops.kernels.up_proj:v_up_proj",
+    },
     "gemm_a16w16": {
         "reference": "kimi_ops.reference.linear:gemm_a16w16",
         "cuda": "kimi_ops.kernels.sm90_gemv:gemm_a16w16",

@@ -45,6 +45,7 @@ SCHEMAS: dict[str, str] = {
         "bool constant_w=False) -> Tensor"
     ),
     "gemm_a16w16": "gemm_a16w16(Tensor x, Tensor w, *, bool constant_w=False) -> Tensor",
+    "mla_v_up_proj": "mla_v_up_proj(Tensor o, Tensor w_uv, Tensor? w_uv_scale=None, Tensor? gate=None) -> Tensor",
 }
 """One schema per op: the public contract, pinned by tests/test_schemas.py."""
 
@@ -235,6 +236,21 @@ def _query_real(q_nope, q_pe, w_uk, w_uk_scale=None, *, pad_heads=None):
 _register("mla_query", fake=_query_fake, real=_query_real)
 
 
+def _v_up_proj_fake(o, w_uv, w_uv_scale=None, gate=None):
+    checks.check_v_up_proj_args("mla_v_up_proj", o, w_uv, w_uv_scale, gate)
+    return o.new_empty((o.shape[0], o.shape[1] * w_uv.shape[1]))
+
+
+def _v_up_proj_real(o, w_uv, w_uv_scale=None, gate=None):
+    checks.check_v_up_proj_args("mla_v_up_proj", o, w_uv, w_uv_scale, gate)
+    if w_uv_scale is not None:
+        w_uv_scale = w_uv_scale.view(torch.uint8)
+    return dispatch.implementation("mla_v_up_proj", o.device)(o, w_uv, w_uv_scale, gate)
+
+
+_register("mla_v_up_proj", fake=_v_up_proj_fake, real=_v_up_proj_real)
+
+
 # --- fp8 block-scaled GEMM ---------------------------------------------------------------------
 
 FP8_WEIGHT_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
@@ -397,6 +413,18 @@ def bmm_a16wfp4(x, w_packed, w_scale):
     return torch.ops.kimi_ops.bmm_a16wfp4(x, w_packed, w_scale)
 
 
+def mla_v_up_proj(o, w_uv, w_uv_scale=None, gate=None):
+    """The layer's W_UV up-projection and output gate (the seeds' ``post``): o_proj's input
+    ``out [T, H * v]`` bf16, ``out[t, h*v + j] = (W_UV[h] @ o[t, h])[j] * gate[t, h*v + j]``.
+
+    o [T, H, 512] bf16 (the merged attention output; the last dim contiguous); ``w_uv`` bf16
+    [H, v, 512], or MXFP4 packed along the 512 axis (uint8 [H, v, 256] with ``w_uv_scale``
+    [H, v, 16] uint8 / float8_e8m0fnu); ``gate`` bf16 [T, H * v] (last dim contiguous) or None.
+    float32 accumulation, the gate applied to the float32 sum, one rounding to bf16.
+    """
+    return torch.ops.kimi_ops.mla_v_up_proj(o, w_uv, w_uv_scale, gate)
+
+
 def mla_query(q_nope, q_pe, w_uk, w_uk_scale=None, *, pad_heads=None, out_dtype=None, q_scale=None):
     """M1a: the absorbed query ``q [T, H', 576] = [q_nope[t, h] @ W_UK[h] | q_pe[t, h]]``.
 
@@ -492,5 +520,5 @@ def gemm_a16w16(x, w, *, constant_w=False):
 __all__ = [
     "mla_decode_splitkv", "mla_merge", "mla_decode", "mla_cache_write",
     "mxfp4_quantize", "mxfp4_dequantize", "bmm_a16wfp4", "mla_query", "quantize_query", "query_scale",
-    "gemm_a16w8_block", "gemm_a16w16",
+    "gemm_a16w8_block", "gemm_a16w16", "mla_v_up_proj",
 ]

@@ -91,8 +91,8 @@ div getitem sub .remainder add ge .remainder eq and_ .clamp_min div div .clamp g
 .remainder add where .to .to .clamp_min .copy_ .copy_ .copy_ .copy_ kimi_ops.gemm_a16w16 .split
 getitem getitem .split getitem getitem getitem .float .pow .mean add rsqrt mul .float mul .to .float
 .pow .mean add rsqrt mul .float mul .to kimi_ops.gemm_a16w16 .view .split getitem getitem
-kimi_ops.mla_query kimi_ops.mla_cache_write sigmoid kimi_ops.mla_decode getitem .transpose
-kimi_ops.bmm_a16wfp4 .transpose .reshape mul kimi_ops.gemm_a16w16""")
+kimi_ops.mla_query kimi_ops.mla_cache_write sigmoid kimi_ops.mla_decode getitem
+kimi_ops.mla_v_up_proj kimi_ops.gemm_a16w16""")
         self.assertExpectedInline(heavy_ops(aten[0]), """\
 aten.cumsum.default
 aten.searchsorted.Tensor
@@ -105,8 +105,7 @@ kimi_ops.gemm_a16w16.default
 kimi_ops.mla_query.default
 auto_functionalized_v2
 kimi_ops.mla_decode.default
-kimi_ops.bmm_a16wfp4.default
-aten.clone.default
+kimi_ops.mla_v_up_proj.default
 kimi_ops.gemm_a16w16.default""")
 
     def test_deepseek_step_with_rope_and_bf16_is_one_graph(self):
@@ -125,8 +124,7 @@ kimi_ops.gemm_a16w16.default
 kimi_ops.mla_query.default
 auto_functionalized_v2
 kimi_ops.mla_decode.default
-aten.bmm.default
-aten.clone.default
+kimi_ops.mla_v_up_proj.default
 kimi_ops.gemm_a16w16.default""")
 
 

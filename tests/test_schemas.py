@@ -22,6 +22,7 @@ class TestSchemas(expecttest.TestCase):
         self.assertExpectedInline(schema("mxfp4_dequantize"), """kimi_ops::mxfp4_dequantize(Tensor w_packed, Tensor w_scale, *, ScalarType? dtype=None) -> Tensor""")
         self.assertExpectedInline(schema("bmm_a16wfp4"), """kimi_ops::bmm_a16wfp4(Tensor x, Tensor w_packed, Tensor w_scale) -> Tensor""")
         self.assertExpectedInline(schema("mla_query"), """kimi_ops::mla_query(Tensor q_nope, Tensor q_pe, Tensor w_uk, Tensor? w_uk_scale=None, *, int? pad_heads=None) -> Tensor""")
+        self.assertExpectedInline(schema("mla_v_up_proj"), """kimi_ops::mla_v_up_proj(Tensor o, Tensor w_uv, Tensor? w_uv_scale=None, Tensor? gate=None) -> Tensor""")
 
     def test_only_declared_mutation(self):
         mutable = {name: [a.name for a in getattr(torch.ops.kimi_ops, name).default._schema.arguments

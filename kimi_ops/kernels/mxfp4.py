@@ -178,14 +178,16 @@ def _to_bf16(x, INTERP: tl.constexpr):
 
 @triton.jit
 def _bmm_a16wfp4_kernel(
-    x_ptr, w_ptr, s_ptr, y_ptr,
+    x_ptr, w_ptr, s_ptr, y_ptr, g_ptr,
     M, N, K,
     stride_xb, stride_xm, stride_xk,
     stride_wb, stride_wn, stride_wk,
     stride_sb, stride_sn, stride_sk,
     stride_yb, stride_ym, stride_yn,
+    stride_gb, stride_gm, stride_gn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     K_TILES: tl.constexpr, DOT_SCALED: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr = False,
+    GATE: tl.constexpr = False,
 ):
     wait_prior_grid(PDL)
     pid_m = tl.program_id(0)
@@ -217,8 +219,22 @@ def _bmm_a16wfp4_kernel(
         else:
             w = _dot_operand(_mxfp4_decode(wp, ws, BLOCK_N, BLOCK_K), INTERP)
             acc = tl.dot(_dot_operand(x, INTERP), tl.trans(w), acc)
-    y = y_ptr + b * stride_yb + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
-    tl.store(y, _to_bf16(acc, INTERP), mask=mask_m[:, None] & mask_n[None, :])
+    _store_y(acc, y_ptr, g_ptr, b, offs_m, offs_n, M, N, stride_yb, stride_ym, stride_yn,
+             stride_gb, stride_gm, stride_gn, GATE, INTERP)
+
+
+@triton.jit
+def _store_y(acc, y_ptr, g_ptr, b, offs_m, offs_n, M, N, stride_yb, stride_ym, stride_yn,
+             stride_gb, stride_gm, stride_gn, GATE: tl.constexpr, INTERP: tl.constexpr):
+    """The bmm kernels' epilogue: acc [BM, BN] f32 (batch b, rows offs_m, columns offs_n) to y as
+    bf16, times the gate g at the same (b, m, n) first when GATE (one rounding)."""
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    if GATE:
+        g = tl.load(g_ptr + b * stride_gb + offs_m[:, None] * stride_gm + offs_n[None, :] * stride_gn,
+                    mask=mask, other=0.0)
+        acc = acc * g.to(tl.float32)
+    tl.store(y_ptr + b * stride_yb + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn,
+             _to_bf16(acc, INTERP), mask=mask)
 
 
 @triton.jit
@@ -238,10 +254,11 @@ def _gemv_x_row(x_row, kp, mask, stride_xk, X_PAIRS: tl.constexpr):
 
 @triton.jit
 def _gemv_chunk(part, x_b, w_rows, s_rows, k0, m3, n3, M, N, K, stride_xm, stride_xk, stride_wk, stride_sk,
-                BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, X_PAIRS: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, X_PAIRS: tl.constexpr, W_BF16: tl.constexpr):
     """part [BM, BN, BK/2] + the products of K chunk [k0, k0 + BLOCK_K), elementwise: x's even and odd
     columns [BM, 1, BK/2] against the even / odd decode [1, BN, BK/2] (low nibbles: K elements
-    2j, high: 2j + 1), broadcast. x is loaded row by row ([1, 1, BK/2] tiles put in place with
+    2j, high: 2j + 1), broadcast. W_BF16: a bf16 weight instead (rows contiguous along K and 4-byte
+    aligned), its (even, odd) pairs read as uint32 like x's. x is loaded row by row ([1, 1, BK/2] tiles put in place with
     where): a tile with fewer elements than the CTA has threads is a "cheap" load to Triton's
     layout passes, which then load it straight in the product's layout (each thread its own K
     strip, repeated over N) instead of converting a [BM, 1, BK/2] tile through shared memory."""
@@ -253,24 +270,31 @@ def _gemv_chunk(part, x_b, w_rows, s_rows, k0, m3, n3, M, N, K, stride_xm, strid
         re, ro = _gemv_x_row(x_b + mi * stride_xm, kp, mask_k & (mi < M), stride_xk, X_PAIRS)
         xe = tl.where(m3 == mi, re, xe)
         xo = tl.where(m3 == mi, ro, xo)
-    we, wo = _load_mxfp4_even_odd(w_rows, s_rows, kp, (n3 < N) & mask_k, stride_wk, stride_sk)
+    if W_BF16:
+        we, wo = _gemv_x_row(w_rows, kp, (n3 < N) & mask_k, 1, True)
+    else:
+        we, wo = _load_mxfp4_even_odd(w_rows, s_rows, kp, (n3 < N) & mask_k, stride_wk, stride_sk)
     return part + xe * we + xo * wo
 
 
 @triton.jit
 def _bmm_a16wfp4_gemv_kernel(
-    x_ptr, w_ptr, s_ptr, y_ptr,
+    x_ptr, w_ptr, s_ptr, y_ptr, g_ptr,
     M, N, K,
     stride_xb, stride_xm, stride_xk,
     stride_wb, stride_wn, stride_wk,
     stride_sb, stride_sn, stride_sk,
     stride_yb, stride_ym, stride_yn,
+    stride_gb, stride_gm, stride_gn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     K_TILES: tl.constexpr, X_PAIRS: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr = False,
+    W_BF16: tl.constexpr = False, GATE: tl.constexpr = False,
 ):
     """Small-M bmm without tl.dot: one program per (N block, batch) for all M <= BLOCK_M rows.
     Products are summed elementwise into part [BM, BN, BK/2] over the K chunks (FMAs in each
-    thread's registers) and reduced over K once at the end."""
+    thread's registers) and reduced over K once at the end. W_BF16: w is bf16 ``[B, N, K]`` (K
+    contiguous; s_ptr unused). GATE: y = (x @ w^T) * g elementwise before the one rounding to bf16
+    (g bf16, y's shape, its own strides; :mod:`kimi_ops.kernels.up_proj`)."""
     wait_prior_grid(PDL)
     pid_n = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -287,14 +311,14 @@ def _bmm_a16wfp4_gemv_kernel(
         # chunks' loads may issue before earlier chunks' math (ptxas does so in part: gemv_config)
         for kt in tl.static_range(K_TILES):
             part = _gemv_chunk(part, x_b, w_rows, s_rows, kt * BLOCK_K, m3, n3, M, N, K,
-                               stride_xm, stride_xk, stride_wk, stride_sk, BLOCK_M, BLOCK_K, X_PAIRS)
+                               stride_xm, stride_xk, stride_wk, stride_sk, BLOCK_M, BLOCK_K, X_PAIRS, W_BF16)
     else:
         for kt in range(K_TILES):
             part = _gemv_chunk(part, x_b, w_rows, s_rows, kt * BLOCK_K, m3, n3, M, N, K,
-                               stride_xm, stride_xk, stride_wk, stride_sk, BLOCK_M, BLOCK_K, X_PAIRS)
+                               stride_xm, stride_xk, stride_wk, stride_sk, BLOCK_M, BLOCK_K, X_PAIRS, W_BF16)
     acc = tl.sum(part, axis=2)
-    y = y_ptr + b * stride_yb + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
-    tl.store(y, _to_bf16(acc, INTERP), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+    _store_y(acc, y_ptr, g_ptr, b, offs_m, offs_n, M, N, stride_yb, stride_ym, stride_yn,
+             stride_gb, stride_gm, stride_gn, GATE, INTERP)
 
 
 def _is_gfx950(device: torch.device) -> bool:
@@ -411,7 +435,8 @@ def gemv_x_pairs(x: torch.Tensor) -> bool:
 
 def bmm_a16wfp4(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,
                 *, config: tuple[int, ...] | None = None,
-                dot_scaled: bool | None = None, gemv: bool | None = None) -> torch.Tensor:
+                dot_scaled: bool | None = None, gemv: bool | None = None,
+                out: torch.Tensor | None = None, gate: torch.Tensor | None = None) -> torch.Tensor:
     """``y[b] = x[b] @ dequant(w)[b]^T`` -> bf16 ``[B, M, N]`` (inputs validated by the op layer).
 
     ``dot_scaled`` overrides the host's choice of multiply (benchmarks, tests). When the
@@ -424,31 +449,22 @@ def bmm_a16wfp4(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,
     num_stages) for the tl.dot kernel (default :func:`bmm_config`), (BLOCK_M, BLOCK_N, BLOCK_K,
     num_warps) for the GEMV kernel (default :func:`gemv_config`; BLOCK_M >= M, a power of two).
     A config of the other kernel's length raises ValueError (a sweep never times the wrong kernel).
+
+    ``out``: a bf16 ``[B, M, N]`` tensor (any strides, e.g. a transposed view) to write y into
+    (returned); ``gate``: bf16 ``[B, M, N]`` (any strides), y = (x @ w^T) * gate with one rounding
+    (:func:`kimi_ops.kernels.up_proj.v_up_proj`).
     """
     batch, m, k = x.shape
     n = w_packed.shape[1]
     w_scale = w_scale.view(torch.uint8)
-    y = torch.empty((batch, m, n), dtype=torch.bfloat16, device=x.device)
+    y = torch.empty((batch, m, n), dtype=torch.bfloat16, device=x.device) if out is None else out
     if batch == 0 or m == 0 or n == 0:
         return y
     if k == 0:
         return y.zero_()
     ds = use_dot_scaled(x.device) if dot_scaled is None else dot_scaled
     if not ds and use_gemv(m, n, k, gemv):
-        if config is not None and len(config) != 4:
-            raise ValueError(f"the GEMV kernel runs (M = {m}): config must be (BLOCK_M, BLOCK_N, "
-                             f"BLOCK_K, num_warps), got {config}")
-        bm, bn, bk, warps = config or gemv_config(m, n, k)
-        if bm < m or bm & (bm - 1):
-            raise ValueError(f"GEMV BLOCK_M must be a power of two >= M = {m}, got {bm}")
-        bk = min(bk, max(32, triton.next_power_of_2(k)))
-        _bmm_a16wfp4_gemv_kernel[(triton.cdiv(n, bn), batch)](
-            x, w_packed, w_scale, y, m, n, k,
-            *x.stride(), *w_packed.stride(), *w_scale.stride(), *y.stride(),
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, K_TILES=triton.cdiv(k, bk), X_PAIRS=gemv_x_pairs(x),
-            INTERP=interpreting(), **pdl_args(x.device), num_warps=warps, num_stages=1,
-        )
-        return y
+        return launch_gemv(x, w_packed, w_scale, y, gate, config)
     if config is not None and len(config) != 5:
         raise ValueError(f"the tl.dot kernel runs: config must be (BLOCK_M, BLOCK_N, BLOCK_K, "
                          f"num_warps, num_stages), got {config}")
@@ -458,10 +474,43 @@ def bmm_a16wfp4(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,
     bk = min(bk, max(32, triton.next_power_of_2(k)))
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), batch)
     _bmm_a16wfp4_kernel[grid](
-        x, w_packed, w_scale, y, m, n, k,
-        *x.stride(), *w_packed.stride(), *w_scale.stride(), *y.stride(),
+        x, w_packed, w_scale, y, y if gate is None else gate, m, n, k,
+        *x.stride(), *w_packed.stride(), *w_scale.stride(), *y.stride(), *_gate_strides(gate),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, K_TILES=triton.cdiv(k, bk), DOT_SCALED=ds,
         INTERP=interpreting(), **pdl_args(x.device), num_warps=warps, num_stages=stages,
+        GATE=gate is not None,
+    )
+    return y
+
+
+def _gate_strides(gate: torch.Tensor | None) -> tuple[int, int, int]:
+    return (0, 0, 0) if gate is None else gate.stride()
+
+
+def launch_gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None, y: torch.Tensor,
+                gate: torch.Tensor | None = None, config: tuple[int, ...] | None = None) -> torch.Tensor:
+    """The GEMV kernel on ``x [B, M <= GEMV_MAX_M, K]`` bf16 (any strides) and an MXFP4 weight
+    (``w`` packed ``[B, N, K/2]`` uint8 + ``w_scale`` ``[B, N, K/32]`` uint8) or a bf16 one (``w
+    [B, N, K]``, K contiguous, rows 4-byte aligned; ``w_scale`` None) into ``y [B, M, N]`` bf16 (any
+    strides), times ``gate`` (y's shape, any strides) when given; returns y. ``config``:
+    (BLOCK_M, BLOCK_N, BLOCK_K, num_warps), default :func:`gemv_config`."""
+    batch, m, k = x.shape
+    n = w.shape[1]
+    if config is not None and len(config) != 4:
+        raise ValueError(f"the GEMV kernel runs (M = {m}): config must be (BLOCK_M, BLOCK_N, "
+                         f"BLOCK_K, num_warps), got {config}")
+    bm, bn, bk, warps = config or gemv_config(m, n, k)
+    if bm < m or bm & (bm - 1):
+        raise ValueError(f"GEMV BLOCK_M must be a power of two >= M = {m}, got {bm}")
+    bk = min(bk, max(32, triton.next_power_of_2(k)))
+    w_bf16 = w_scale is None
+    scale, s_strides = (w, (0, 0, 0)) if w_bf16 else (w_scale, w_scale.stride())
+    _bmm_a16wfp4_gemv_kernel[(triton.cdiv(n, bn), batch)](
+        x, w, scale, y, y if gate is None else gate, m, n, k,
+        *x.stride(), *w.stride(), *s_strides, *y.stride(), *_gate_strides(gate),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, K_TILES=triton.cdiv(k, bk), X_PAIRS=gemv_x_pairs(x),
+        INTERP=interpreting(), **pdl_args(x.device), num_warps=warps, num_stages=1,
+        W_BF16=w_bf16, GATE=gate is not None,
     )
     return y
 
@@ -470,12 +519,12 @@ def bmm_a16wfp4(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,
 # cross-compilation registry (scripts/cross_compile.py; format in kimi_ops/kernels/__init__.py)
 
 def _specs():
-    sig = {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "y_ptr": "*bf16",
+    sig = {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "y_ptr": "*bf16", "g_ptr": "*bf16",
            "M": "i32", "N": "i32", "K": "i32"}
-    for name in ("x", "w", "s", "y"):
-        for dim in ("b", "m" if name in ("x", "y") else "n", "k" if name != "y" else "n"):
+    for name in ("x", "w", "s", "y", "g"):
+        for dim in ("b", "m" if name in ("x", "y", "g") else "n", "k" if name in ("x", "w", "s") else "n"):
             sig[f"stride_{name}{dim}"] = "i32"
-    for kk in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "K_TILES", "DOT_SCALED", "INTERP", "PDL"):
+    for kk in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "K_TILES", "DOT_SCALED", "INTERP", "PDL", "GATE"):
         sig[kk] = "constexpr"
     specs = []
     # PDL False: sm_90 launches PDL=True (kimi_ops.kernels.pdl: two griddepcontrol instructions more)
@@ -483,21 +532,23 @@ def _specs():
     seen = set()
     # the decode path (also M <= 8 with gemv=False, and ROCm's gfx942 at every M) and gfx950's
     # dot_scaled path
-    for n, k in ((512, 128), (128, 512)):
+    # W_UV's (N 128, K 512) also with the gate (kimi_ops.kernels.up_proj, M > GEMV_MAX_M: "_gate")
+    for (n, k), gates in (((512, 128), (False,)), ((128, 512), (False, True))):
         for m in (1, 32, 64, 512):   # every config bmm_config returns for these shapes
             for ds, kind, amd, targets in mxfp4_paths("decode", "dotscaled"):
                 bm, bn, bk, warps, stages = bmm_config(m, n, k, amd=amd)
-                key = (bm, bn, bk, -(-k // bk), warps, stages, ds, amd)
-                if key in seen:
-                    continue
-                seen.add(key)
-                specs.append({
-                    "name": f"bmm_a16wfp4_{kind}_m{bm}n{bn}k{bk}t{-(-k // bk)}w{warps}s{stages}"
-                            + ("_amd" if amd and not ds else ""),
-                    "kernel": _bmm_a16wfp4_kernel, "signature": dict(sig),
-                    "constexprs": {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "K_TILES": -(-k // bk),
-                                   "DOT_SCALED": ds, "INTERP": False, "PDL": False},
-                    "num_warps": warps, "num_stages": stages, "targets": targets})
+                for gate in gates:
+                    key = (bm, bn, bk, -(-k // bk), warps, stages, ds, amd, gate)
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                    specs.append({
+                        "name": f"bmm_a16wfp4_{kind}_m{bm}n{bn}k{bk}t{-(-k // bk)}w{warps}s{stages}"
+                                + ("_amd" if amd and not ds else "") + ("_gate" if gate else ""),
+                        "kernel": _bmm_a16wfp4_kernel, "signature": dict(sig),
+                        "constexprs": {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "K_TILES": -(-k // bk),
+                                       "DOT_SCALED": ds, "INTERP": False, "PDL": False, "GATE": gate},
+                        "num_warps": warps, "num_stages": stages, "targets": targets})
     # the dot-free GEMV kernel (the default at M = 1, and at M <= 8 when K >= 512: gemv_wins; gemv=True
     # or KIMI_OPS_MXFP4_GEMV=1 at any M <= 8): every config gemv_config returns
     # for these shapes at M 1 .. GEMV_MAX_M (BLOCK_M 1, 2, 4, 8), with x read as uint32 pairs (the
@@ -506,22 +557,29 @@ def _specs():
     # constant) and one divisible by 16, and the GEMV's layouts depend on that (contiguous, aligned
     # weight rows: vectorized loads, each thread a K strip), so its PTX at run time differs from
     # this generic compile (fewer shuffles, one shared-memory round trip instead of 3-17).
+    # kimi_ops.kernels.up_proj's W_UV (M <= GEMV_MAX_M, x pairs): with the gate, MXFP4 ("_gate") or
+    # bf16 ("_bf16_gate", w_ptr / s_ptr bf16) weights.
     gsig = {a: t for a, t in sig.items() if a != "DOT_SCALED"}
-    gsig["X_PAIRS"] = "constexpr"
+    gsig["X_PAIRS"] = gsig["W_BF16"] = "constexpr"
     gseen = set()
-    for n, k in ((512, 128), (128, 512)):
+    for (n, k), forms in (((512, 128), ((True, False, False), (False, False, False))),
+                        ((128, 512), ((True, False, False), (False, False, False), (True, False, True),
+                                      (True, True, True)))):
         for m in range(1, GEMV_MAX_M + 1):
             bm, bn, bk, warps = gemv_config(m, n, k)
-            for pairs in (True, False):
-                key = (bm, bn, bk, -(-k // bk), warps, pairs)
+            for pairs, w_bf16, gate in forms:
+                key = (bm, bn, bk, -(-k // bk), warps, pairs, w_bf16, gate)
                 if key in gseen:
                     continue
                 gseen.add(key)
                 specs.append({
-                    "name": f"bmm_a16wfp4_gemv_m{bm}n{bn}k{bk}t{-(-k // bk)}w{warps}" + ("" if pairs else "_xs"),
-                    "kernel": _bmm_a16wfp4_gemv_kernel, "signature": dict(gsig),
+                    "name": f"bmm_a16wfp4_gemv_m{bm}n{bn}k{bk}t{-(-k // bk)}w{warps}" + ("" if pairs else "_xs")
+                            + ("_bf16" if w_bf16 else "") + ("_gate" if gate else ""),
+                    "kernel": _bmm_a16wfp4_gemv_kernel,
+                    "signature": {**gsig, **({"w_ptr": "*bf16", "s_ptr": "*bf16"} if w_bf16 else {})},
                     "constexprs": {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "K_TILES": -(-k // bk),
-                                   "X_PAIRS": pairs, "INTERP": False, "PDL": False},
+                                   "X_PAIRS": pairs, "INTERP": False, "PDL": False, "W_BF16": w_bf16,
+                                   "GATE": gate},
                     "num_warps": warps, "num_stages": 1, "targets": ("gfx950", "gfx942", "sm90")})
     return specs
 

@@ -7,8 +7,8 @@
   (:func:`kimi_ops.mla_cache_write`), the output gate ``sigmoid(g_proj)``.
 * :func:`attend`: the attention over the latent cache (M1c + M1b, :func:`kimi_ops.mla_decode`;
   AITER's ``mla_decode_fwd`` where the layer asks for it on ROCm, :mod:`.aiter_fallback`).
-* :func:`post`: the W_UV up-projection (MXFP4 :func:`kimi_ops.bmm_a16wfp4` or a bf16 bmm)
-  times the gate: o_proj's input ``[T, H * v]`` bf16.
+* :func:`post`: the W_UV up-projection (MXFP4 or bf16) times the gate, one op
+  (:func:`kimi_ops.mla_v_up_proj`): o_proj's input ``[T, H * v]`` bf16.
 
 ``layer(module, hidden, kv_cache, md) = post(attend(pre(...)))``. Pure decode only
 (every query row a decode row). Every function is torch ops and kimi_ops custom ops
@@ -214,15 +214,10 @@ def m1c_inputs(layer, q, kv_cache: torch.Tensor, md, num_splits: int | None = No
 
 
 def post(layer, o: torch.Tensor, lse: torch.Tensor, md, gate: torch.Tensor | None):
-    """o_proj's input ``[T, H * v]`` bf16: W_UV applied to each head's latent output, times the gate."""
+    """o_proj's input ``[T, H * v]`` bf16: W_UV applied to each head's latent output, times the
+    gate (:func:`kimi_ops.mla_v_up_proj`: one kernel, the gate on the float32 product)."""
     latent, _ = dcp.combine(o, lse, layer.dcp_group, layer.dcp_combine)  # DCP: W * H -> H heads
-    x = latent.transpose(0, 1)                             # [H, T, 512], a view
-    if layer.W_UV_scale is not None:
-        core = ops.bmm_a16wfp4(x, layer.W_UV, layer.W_UV_scale)      # [H, T, v]
-    else:
-        core = torch.bmm(x, layer.W_UV.transpose(1, 2))
-    core = core.transpose(0, 1).reshape(o.shape[0], -1)   # [T, H * v]
-    return core * gate if gate is not None else core
+    return ops.mla_v_up_proj(latent, layer.W_UV, layer.W_UV_scale, gate)
 
 
 def layer(module, hidden: torch.Tensor, kv_cache: torch.Tensor, md) -> torch.Tensor:
