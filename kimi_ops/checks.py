@@ -243,6 +243,33 @@ def check_bmm_args(op: str, x, w_packed, w_scale) -> None:
     check_same_device(op, x=x, w_packed=w_packed)
 
 
+def check_norm_cache_write_args(op: str, q_c, kv_c, k_pe, q_norm_weight, kv_norm_weight, g, eps) -> None:
+    """q_c [T, Q], kv_c [T, 512], k_pe [T, 64], g [T, G] bf16 with unit last stride; the norm
+    weights [Q] / [512] bf16 / f16 / f32 contiguous; eps finite and >= 0."""
+    check_tensor(op, "q_c", q_c, ndim=2, dtypes=(torch.bfloat16,), what="a [T, Q] bfloat16 tensor")
+    tokens = q_c.shape[0]
+    for name, x, cols in (("kv_c", kv_c, KV_LORA_RANK), ("k_pe", k_pe, ROPE_DIM), ("g", g, None)):
+        if x is None:
+            continue
+        shape = f"[{tokens}, {cols if cols else 'G'}]"
+        check_tensor(op, name, x, ndim=2, dtypes=(torch.bfloat16,), what=f"a {shape} bfloat16 tensor")
+        if x.shape[0] != tokens or (cols is not None and x.shape[1] != cols):
+            fail(op, name, f"a {shape} bfloat16 tensor (q_c's T)", _describe(x))
+    for name, x in (("q_c", q_c), ("kv_c", kv_c), ("k_pe", k_pe), ("g", g)):
+        if x is not None and x.shape[1] > 1 and x.stride(1) != 1:
+            fail(op, name, "a tensor contiguous along its last dim", f"strides {tuple(x.stride())}")
+    floats = (torch.bfloat16, torch.float16, torch.float32)
+    for name, w, n in (("q_norm_weight", q_norm_weight, q_c.shape[1]), ("kv_norm_weight", kv_norm_weight,
+                                                                        KV_LORA_RANK)):
+        check_tensor(op, name, w, ndim=1, dtypes=floats, what=f"a contiguous [{n}] bf16/f16/f32 tensor")
+        if w.shape[0] != n or not w.is_contiguous():
+            fail(op, name, f"a contiguous [{n}] bf16/f16/f32 tensor", _describe(w))
+    if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps >= 0):
+        fail(op, "eps", "a finite float >= 0", eps)
+    check_same_device(op, q_c=q_c, kv_c=kv_c, k_pe=k_pe, g=g, q_norm_weight=q_norm_weight,
+                      kv_norm_weight=kv_norm_weight)
+
+
 def check_v_up_proj_args(op: str, o, w_uv, w_uv_scale, gate) -> None:
     """o [T, H, L] bf16 (L contiguous); w_uv bf16 [H, v, L] or MXFP4 [H, v, L/2]; gate [T, H * v] bf16."""
     check_tensor(op, "o", o, ndim=3, dtypes=(torch.bfloat16,), what="a [T, H, L] bfloat16 tensor")

@@ -49,6 +49,10 @@ IMPLEMENTATIONS: dict[str, dict[str, str]] = {
         "reference": "kimi_ops.reference.attention:mla_cache_write",
         "triton": "kimi_ops.kernels.cache:mla_cache_write",
     },
+    "mla_norm_cache_write": {
+        "reference": "kimi_ops.reference.attention:mla_norm_cache_write",
+        "triton": "kimi_ops.kernels.pre_norm:mla_norm_cache_write",
+    },
     "mxfp4_quantize": {"reference": "kimi_ops.reference.mxfp4:mxfp4_quantize"},
     "mxfp4_dequantize": {"reference": "kimi_ops.reference.mxfp4:mxfp4_dequantize"},
     "bmm_a16wfp4": {

@@ -45,6 +45,11 @@ SCHEMAS: dict[str, str] = {
         "bool constant_w=False) -> Tensor"
     ),
     "gemm_a16w16": "gemm_a16w16(Tensor x, Tensor w, *, bool constant_w=False) -> Tensor",
+    "mla_norm_cache_write": (
+        "mla_norm_cache_write(Tensor q_c, Tensor kv_c, Tensor k_pe, Tensor q_norm_weight, Tensor kv_norm_weight, "
+        "Tensor(a!) kv_cache, Tensor slot_mapping, Tensor? g=None, *, float eps, float kv_scale) "
+        "-> (Tensor q_c_normed, Tensor gate)"
+    ),
     "mla_v_up_proj": "mla_v_up_proj(Tensor o, Tensor w_uv, Tensor? w_uv_scale=None, Tensor? gate=None) -> Tensor",
 }
 """One schema per op: the public contract, pinned by tests/test_schemas.py."""
@@ -167,6 +172,33 @@ def _cache_write_real(kv_c, k_pe, kv_cache, slot_mapping, kv_scale):
 
 
 _register("mla_cache_write", fake=_cache_write_fake, real=_cache_write_real)
+
+
+def _norm_cache_write_checks(q_c, kv_c, k_pe, q_norm_weight, kv_norm_weight, kv_cache, slot_mapping, g, eps,
+                             kv_scale):
+    name = "mla_norm_cache_write"
+    checks.check_norm_cache_write_args(name, q_c, kv_c, k_pe, q_norm_weight, kv_norm_weight, g, eps)
+    checks.check_cache_write_args(name, kv_c, k_pe, kv_cache, slot_mapping)
+    checks.check_cache_write_contract(name, slot_mapping, kv_scale)
+
+
+def _norm_cache_write_fake(q_c, kv_c, k_pe, q_norm_weight, kv_norm_weight, kv_cache, slot_mapping, g=None, *,
+                           eps, kv_scale):
+    _norm_cache_write_checks(q_c, kv_c, k_pe, q_norm_weight, kv_norm_weight, kv_cache, slot_mapping, g, eps,
+                             kv_scale)
+    return q_c.new_empty(q_c.shape), q_c.new_empty((q_c.shape[0], 0 if g is None else g.shape[1]))
+
+
+def _norm_cache_write_real(q_c, kv_c, k_pe, q_norm_weight, kv_norm_weight, kv_cache, slot_mapping, g=None, *,
+                           eps, kv_scale):
+    _norm_cache_write_checks(q_c, kv_c, k_pe, q_norm_weight, kv_norm_weight, kv_cache, slot_mapping, g, eps,
+                             kv_scale)
+    return dispatch.implementation("mla_norm_cache_write", kv_cache.device)(
+        q_c, kv_c, k_pe, q_norm_weight, kv_norm_weight, _flat_rows(kv_cache), slot_mapping, g,
+        eps=eps, kv_scale=kv_scale)
+
+
+_register("mla_norm_cache_write", fake=_norm_cache_write_fake, real=_norm_cache_write_real)
 
 
 # --- MXFP4 --------------------------------------------------------------------------------------
@@ -413,6 +445,23 @@ def bmm_a16wfp4(x, w_packed, w_scale):
     return torch.ops.kimi_ops.bmm_a16wfp4(x, w_packed, w_scale)
 
 
+def mla_norm_cache_write(q_c, kv_c, k_pe, q_norm_weight, kv_norm_weight, kv_cache, slot_mapping, g=None, *,
+                         eps, kv_scale):
+    """The layer's pre step between the qkv_a GEMM and q_b, in one op: the q and kv RMSNorms,
+    this step's KV rows into the cache and the output gate's sigmoid.
+
+    q_c [T, Q], kv_c [T, 512], k_pe [T, 64], g [T, G] or None: bf16, unit stride along the last
+    dim (e.g. column slices of the qkv_a GEMM's output); q_norm_weight [Q], kv_norm_weight [512]
+    (bf16 / f16 / f32); kv_cache and slot_mapping as in :func:`mla_cache_write`. Returns
+    ``(q_c_normed [T, Q] bf16, gate [T, G] bf16)`` (gate ``[T, 0]`` without g) and writes
+    ``fp8(cat(rms_norm(kv_c), k_pe) / kv_scale)`` (the normed kv_c rounded to bf16 first) at
+    each token's slot, the bytes :func:`mla_cache_write` writes for the normed kv_c. RMSNorm:
+    float32 ``x * rsqrt(mean(x^2) + eps) * weight``, one rounding.
+    """
+    return torch.ops.kimi_ops.mla_norm_cache_write(q_c, kv_c, k_pe, q_norm_weight, kv_norm_weight, kv_cache,
+                                                   slot_mapping, g, eps=eps, kv_scale=kv_scale)
+
+
 def mla_v_up_proj(o, w_uv, w_uv_scale=None, gate=None):
     """The layer's W_UV up-projection and output gate (the seeds' ``post``): o_proj's input
     ``out [T, H * v]`` bf16, ``out[t, h*v + j] = (W_UV[h] @ o[t, h])[j] * gate[t, h*v + j]``.
@@ -520,5 +569,5 @@ def gemm_a16w16(x, w, *, constant_w=False):
 __all__ = [
     "mla_decode_splitkv", "mla_merge", "mla_decode", "mla_cache_write",
     "mxfp4_quantize", "mxfp4_dequantize", "bmm_a16wfp4", "mla_query", "quantize_query", "query_scale",
-    "gemm_a16w8_block", "gemm_a16w16", "mla_v_up_proj",
+    "gemm_a16w8_block", "gemm_a16w16", "mla_v_up_proj", "mla_norm_cache_write",
 ]
