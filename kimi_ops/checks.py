@@ -243,6 +243,26 @@ def check_bmm_args(op: str, x, w_packed, w_scale) -> None:
     check_same_device(op, x=x, w_packed=w_packed)
 
 
+def check_head_weight(op: str, name: str, w, scale_name: str, scale, whose: str, *, bf16_dims, mxfp4_dims) -> None:
+    """A per-head weight (W_UK, W_UV): bf16 of ``bf16_dims``, or with ``scale`` MXFP4 uint8 of
+    ``mxfp4_dims``; each dims a tuple of (letter, size), size None where any size goes, the
+    others ``whose`` dims (an odd D gives D/2 = x.5, which no shape matches)."""
+    dims = bf16_dims if scale is None else mxfp4_dims
+    letters = "[" + ", ".join(letter for letter, _ in dims) + "]"
+    kind = "a bf16" if scale is None else "an MXFP4 uint8"
+    what = (f"a bf16 {letters} tensor (or uint8 MXFP4 with {scale_name})" if scale is None
+            else f"an MXFP4 uint8 {letters} tensor (with {scale_name} given)")
+    check_tensor(op, name, w, ndim=len(dims), dtypes=(torch.bfloat16 if scale is None else torch.uint8,), what=what)
+    if scale is not None:
+        check_mxfp4_weight(op, w, scale, packed_name=name, scale_name=scale_name)
+    if any(size is not None and w.shape[i] != size for i, (_, size) in enumerate(dims)):
+        shown = [letter if size is None else str(int(size)) if float(size).is_integer() else str(size)
+                 for letter, size in dims]
+        want = "[" + ", ".join(shown) + "]"
+        fixed = ", ".join(letter for letter, size in dims if size is not None)
+        fail(op, name, f"{kind} {want} tensor ({whose} {fixed})", _describe(w))
+
+
 def check_norm_cache_write_args(op: str, q_c, kv_c, k_pe, q_norm_weight, kv_norm_weight, g, eps) -> None:
     """q_c [T, Q], kv_c [T, 512], k_pe [T, 64], g [T, G] bf16 with unit last stride; the norm
     weights [Q] / [512] bf16 / f16 / f32 contiguous; eps finite and >= 0."""
@@ -276,17 +296,9 @@ def check_v_up_proj_args(op: str, o, w_uv, w_uv_scale, gate) -> None:
     if o.shape[2] > 1 and o.stride(2) != 1:
         fail(op, "o", "a tensor contiguous along its last dim", f"strides {tuple(o.stride())}")
     heads, latent = o.shape[1], o.shape[2]
-    if w_uv_scale is None:
-        check_tensor(op, "w_uv", w_uv, ndim=3, dtypes=(torch.bfloat16,),
-                     what="a bf16 [H, v, L] tensor (or uint8 MXFP4 with w_uv_scale)")
-        if w_uv.shape[0] != heads or w_uv.shape[2] != latent:
-            fail(op, "w_uv", f"a bf16 [{heads}, v, {latent}] tensor (o's H, L)", _describe(w_uv))
-    else:
-        check_tensor(op, "w_uv", w_uv, ndim=3, dtypes=(torch.uint8,),
-                     what="an MXFP4 uint8 [H, v, L/2] tensor (with w_uv_scale given)")
-        check_mxfp4_weight(op, w_uv, w_uv_scale, packed_name="w_uv", scale_name="w_uv_scale")
-        if w_uv.shape[0] != heads or w_uv.shape[2] * 2 != latent:
-            fail(op, "w_uv", f"an MXFP4 uint8 [{heads}, v, {latent // 2}] tensor (o's H, L/2)", _describe(w_uv))
+    check_head_weight(op, "w_uv", w_uv, "w_uv_scale", w_uv_scale, "o's",
+                      bf16_dims=(("H", heads), ("v", None), ("L", latent)),
+                      mxfp4_dims=(("H", heads), ("v", None), ("L/2", latent / 2)))
     if gate is not None:
         rows = (o.shape[0], heads * w_uv.shape[1])
         check_tensor(op, "gate", gate, ndim=2, dtypes=(torch.bfloat16,), what=f"a bfloat16 {list(rows)} tensor")
@@ -304,18 +316,9 @@ def check_query_args(op: str, q_nope, q_pe, w_uk, w_uk_scale, pad_heads) -> None
     if tuple(q_pe.shape[:2]) != tuple(q_nope.shape[:2]):
         fail(op, "q_pe", f"[T, H, P] with [T, H] = {tuple(q_nope.shape[:2])} (q_nope's)", _describe(q_pe))
     heads, nope = q_nope.shape[1], q_nope.shape[2]
-    if w_uk_scale is None:
-        check_tensor(op, "w_uk", w_uk, ndim=3, dtypes=(torch.bfloat16,),
-                     what="a bf16 [H, D, L] tensor (or uint8 MXFP4 with w_uk_scale)")
-        if w_uk.shape[0] != heads or w_uk.shape[1] != nope:
-            fail(op, "w_uk", f"a bf16 [{heads}, {nope}, L] tensor (q_nope's H, D)", _describe(w_uk))
-    else:
-        check_tensor(op, "w_uk", w_uk, ndim=3, dtypes=(torch.uint8,),
-                     what="an MXFP4 uint8 [H, L, D/2] tensor (with w_uk_scale given)")
-        check_mxfp4_weight(op, w_uk, w_uk_scale, packed_name="w_uk", scale_name="w_uk_scale")
-        if w_uk.shape[0] != heads or w_uk.shape[2] * 2 != nope:
-            fail(op, "w_uk", f"an MXFP4 uint8 [{heads}, L, {nope // 2}] tensor (q_nope's H, D/2)",
-                 _describe(w_uk))
+    check_head_weight(op, "w_uk", w_uk, "w_uk_scale", w_uk_scale, "q_nope's",
+                      bf16_dims=(("H", heads), ("D", nope), ("L", None)),
+                      mxfp4_dims=(("H", heads), ("L", None), ("D/2", nope / 2)))
     if pad_heads is not None and (not isinstance(pad_heads, int) or pad_heads < heads):
         fail(op, "pad_heads", f"None or an int >= H = {heads}", pad_heads)
     check_same_device(op, q_nope=q_nope, q_pe=q_pe, w_uk=w_uk, w_uk_scale=w_uk_scale)
