@@ -257,11 +257,12 @@ def _gemv_chunk(part, x_b, w_rows, s_rows, k0, m3, n3, M, N, K, stride_xm, strid
                 BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, X_PAIRS: tl.constexpr, W_BF16: tl.constexpr):
     """part [BM, BN, BK/2] + the products of K chunk [k0, k0 + BLOCK_K), elementwise: x's even and odd
     columns [BM, 1, BK/2] against the even / odd decode [1, BN, BK/2] (low nibbles: K elements
-    2j, high: 2j + 1), broadcast. W_BF16: a bf16 weight instead (rows contiguous along K and 4-byte
-    aligned), its (even, odd) pairs read as uint32 like x's. x is loaded row by row ([1, 1, BK/2] tiles put in place with
+    2j, high: 2j + 1), broadcast. x is loaded row by row ([1, 1, BK/2] tiles put in place with
     where): a tile with fewer elements than the CTA has threads is a "cheap" load to Triton's
     layout passes, which then load it straight in the product's layout (each thread its own K
-    strip, repeated over N) instead of converting a [BM, 1, BK/2] tile through shared memory."""
+    strip, repeated over N) instead of converting a [BM, 1, BK/2] tile through shared memory.
+    W_BF16: a bf16 weight instead (rows contiguous along K, 4-byte aligned), its (even, odd) pairs
+    read as uint32 like x's."""
     kp = k0 // 2 + tl.arange(0, BLOCK_K // 2)[None, None, :]     # [1, 1, BK/2] packed columns
     mask_k = kp < K // 2                                          # K % 32 == 0: 2 kp < K iff kp < K/2
     xe = tl.zeros((BLOCK_M, 1, BLOCK_K // 2), dtype=tl.float32)
@@ -563,8 +564,8 @@ def _specs():
     gsig["X_PAIRS"] = gsig["W_BF16"] = "constexpr"
     gseen = set()
     for (n, k), forms in (((512, 128), ((True, False, False), (False, False, False))),
-                        ((128, 512), ((True, False, False), (False, False, False), (True, False, True),
-                                      (True, True, True)))):
+                          ((128, 512), ((True, False, False), (False, False, False), (True, False, True),
+                                        (True, True, True)))):
         for m in range(1, GEMV_MAX_M + 1):
             bm, bn, bk, warps = gemv_config(m, n, k)
             for pairs, w_bf16, gate in forms:
