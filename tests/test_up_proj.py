@@ -114,8 +114,14 @@ for mxfp4 in (False, True):
 t.check_up_proj(9, 2, mxfp4=True, gate=True, strided=True, seed=4)
 t.check_up_proj(9, 2, mxfp4=False, gate=True, strided=True, seed=5)
 t.check_up_proj(17, 1, mxfp4=False, gate=False, seed=6)
+import os, triton
+if tuple(int(v) for v in triton.__version__.split(".")[:2]) >= (3, 7):   # 3.6's interpreter: no dot_scaled
+    os.environ["KIMI_OPS_MXFP4_DOT_SCALED"] = "1"                       # gfx950's path, gated
+    t.check_up_proj(3, 2, mxfp4=True, gate=True, strided=True, seed=9)
+    t.check_up_proj(12, 1, mxfp4=True, gate=True, seed=10)
+    del os.environ["KIMI_OPS_MXFP4_DOT_SCALED"]
 # the op layer, dispatched to Triton on CPU tensors
-import os, kimi_ops
+import kimi_ops
 os.environ["KIMI_OPS_BACKEND"] = "triton"
 o, w, s, g = t.make_inputs(2, 2, mxfp4=True, seed=7)
 got = kimi_ops.mla_v_up_proj(o, w, s, g)
