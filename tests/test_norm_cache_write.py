@@ -57,17 +57,17 @@ def oracle(q_c, kv_c, k_pe, g, qw, kvw, kv_scale):
     return norm(q_c, qw), (None if g is None else torch.sigmoid(g.cpu().double())), rows
 
 
-def check(t, *, impl="triton", kv_scale=0.05, **kw):
+def check(t, *, impl="triton", kv_scale=0.05, constant_w=False, **kw):
     q_c, kv_c, k_pe, g, qw, kvw, cache, slots = make_inputs(t, **kw)
     before = cache.view(-1, 576).cpu().clone()
     if impl == "triton":
         from kimi_ops.kernels import pre_norm
 
         qn, gate = pre_norm.mla_norm_cache_write(q_c, kv_c, k_pe, qw, kvw, cache.view(-1, 576), slots, g,
-                                                 eps=EPS, kv_scale=kv_scale)
+                                                 eps=EPS, kv_scale=kv_scale, constant_w=constant_w)
     else:
         qn, gate = kimi_ops.mla_norm_cache_write(q_c, kv_c, k_pe, qw, kvw, cache, slots, g, eps=EPS,
-                                                 kv_scale=kv_scale)
+                                                 kv_scale=kv_scale, constant_w=constant_w)
     want_q, want_g, want_rows = oracle(q_c, kv_c, k_pe, g, qw, kvw, kv_scale)
     assert qn.shape == q_c.shape and qn.dtype == torch.bfloat16 and qn.is_contiguous()
     assert (qn.cpu().double() - want_q).abs().max() <= 2 ** -8 * want_q.abs().max()
@@ -150,6 +150,8 @@ for dt in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
     t.check(5, cache_dtype=dt, seed=1)                                   # -1 and out-of-range slots
 t.check(1, gcols=0, slots_dtype=torch.int32, seed=2)                     # no gate: grid (T, 2)
 t.check(3, q=96, gcols=40, kv_scale=3.0, seed=3)                         # Q and G not powers of two
+t.check(3, q=96, gcols=40, constant_w=True, seed=5)                      # the norm weights before the wait
+t.check(2, gcols=0, constant_w=True, seed=6)
 # the op layer, dispatched to Triton on CPU tensors, a paged cache: the reference's outputs
 import os, kimi_ops
 os.environ["KIMI_OPS_BACKEND"] = "triton"
@@ -182,6 +184,8 @@ def test_cross_compile_specs():
 @pytest.mark.parametrize("t", [1, 8, 64])
 def test_gpu(cache_dtype, slots_dtype, t):
     check(t, cache_dtype=cache_dtype, slots_dtype=slots_dtype, num_rows=128, paged=(t == 8), device="cuda", seed=t)
+    check(t, cache_dtype=cache_dtype, slots_dtype=slots_dtype, num_rows=128, device="cuda", constant_w=True,
+          seed=t + 1)
 
 
 @requires_cuda

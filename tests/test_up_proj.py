@@ -54,18 +54,18 @@ def oracle(o, w_uv, w_uv_scale, gate):
 
 
 def check_up_proj(t, h, *, mxfp4=False, gate=True, strided=False, v=128, latent=512, impl="triton",
-                  device="cpu", seed=0):
+                  device="cpu", constant_w=False, seed=0):
     o, w_uv, w_uv_scale, gt = make_inputs(t, h, v=v, latent=latent, mxfp4=mxfp4, gate=gate,
                                           strided=strided, seed=seed, device=device)
     if impl == "triton":
         from kimi_ops.kernels import up_proj
 
-        out = up_proj.v_up_proj(o, w_uv, w_uv_scale, gt)
+        out = up_proj.v_up_proj(o, w_uv, w_uv_scale, gt, constant_w=constant_w)
     else:
         out = ref.mla_v_up_proj(o, w_uv, w_uv_scale, gt)
     assert out.shape == (t, h * v) and out.dtype == torch.bfloat16 and out.is_contiguous()
     err = rel_err(out, oracle(o, w_uv, w_uv_scale, gt))
-    assert err < 4e-3, (t, h, mxfp4, gate, strided, impl, err)
+    assert err < 4e-3, (t, h, mxfp4, gate, strided, impl, constant_w, err)
     return err
 
 
@@ -110,6 +110,10 @@ for mxfp4 in (False, True):
     t.check_up_proj(1, 2, mxfp4=mxfp4, gate=True, seed=1)
     t.check_up_proj(3, 2, mxfp4=mxfp4, gate=False, strided=True, seed=2)
     t.check_up_proj(8, 1, mxfp4=mxfp4, gate=True, strided=True, v=48, seed=3)   # N tail of the 16-row blocks
+    # constant_w: the weight tile loaded before the wait (one K chunk: K = 512; K = 1024 two chunks)
+    t.check_up_proj(1, 2, mxfp4=mxfp4, gate=True, constant_w=True, seed=11)
+    t.check_up_proj(5, 1, mxfp4=mxfp4, gate=False, strided=True, v=48, constant_w=True, seed=12)
+    t.check_up_proj(2, 1, mxfp4=mxfp4, gate=True, latent=1024, v=32, constant_w=True, seed=13)
 # above 8 rows: the MXFP4 tl.dot kernel with the gate epilogue; bf16: torch.bmm + mul into the output
 t.check_up_proj(9, 2, mxfp4=True, gate=True, strided=True, seed=4)
 t.check_up_proj(9, 2, mxfp4=False, gate=True, strided=True, seed=5)
@@ -165,9 +169,11 @@ def test_cross_compile_specs_cover_up_proj():
 @pytest.mark.parametrize("t", [1, 2, 8, 9, 64])
 @pytest.mark.parametrize("mxfp4", [False, True], ids=["bf16", "mxfp4"])
 @pytest.mark.parametrize("gate", [False, True], ids=["nogate", "gate"])
-def test_gpu_up_proj_grid(t, mxfp4, gate):
+@pytest.mark.parametrize("constant_w", [False, True], ids=["", "wfirst"])
+def test_gpu_up_proj_grid(t, mxfp4, gate, constant_w):
     torch.empty(64 << 20, dtype=torch.bfloat16, device="cuda").fill_(float("nan"))   # poison freed blocks
-    check_up_proj(t, 12, mxfp4=mxfp4, gate=gate, strided=(t % 2 == 0), device="cuda", seed=t)
+    check_up_proj(t, 12, mxfp4=mxfp4, gate=gate, strided=(t % 2 == 0), device="cuda", constant_w=constant_w,
+                  seed=t)
 
 
 @requires_cuda

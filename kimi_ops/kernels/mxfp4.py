@@ -56,7 +56,7 @@ import triton
 import triton.language as tl
 
 from . import interpreting, mxfp4_paths
-from .pdl import pdl_args, wait_prior_grid
+from .pdl import pdl_args, wait_prior_grid, weights_first
 
 
 @triton.jit
@@ -253,28 +253,44 @@ def _gemv_x_row(x_row, kp, mask, stride_xk, X_PAIRS: tl.constexpr):
 
 
 @triton.jit
-def _gemv_chunk(part, x_b, w_rows, s_rows, k0, m3, n3, M, N, K, stride_xm, stride_xk, stride_wk, stride_sk,
-                BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, X_PAIRS: tl.constexpr, W_BF16: tl.constexpr):
-    """part [BM, BN, BK/2] + the products of K chunk [k0, k0 + BLOCK_K), elementwise: x's even and odd
-    columns [BM, 1, BK/2] against the even / odd decode [1, BN, BK/2] (low nibbles: K elements
-    2j, high: 2j + 1), broadcast. x is loaded row by row ([1, 1, BK/2] tiles put in place with
-    where): a tile with fewer elements than the CTA has threads is a "cheap" load to Triton's
-    layout passes, which then load it straight in the product's layout (each thread its own K
-    strip, repeated over N) instead of converting a [BM, 1, BK/2] tile through shared memory.
-    W_BF16: a bf16 weight instead (rows contiguous along K, 4-byte aligned), its (even, odd) pairs
-    read as uint32 like x's."""
-    kp = k0 // 2 + tl.arange(0, BLOCK_K // 2)[None, None, :]     # [1, 1, BK/2] packed columns
-    mask_k = kp < K // 2                                          # K % 32 == 0: 2 kp < K iff kp < K/2
+def _gemv_x_tile(x_b, kp, mask_k, m3, M, stride_xm, stride_xk, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                 X_PAIRS: tl.constexpr):
+    """x's even and odd columns at packed K positions kp [1, 1, BK/2] for rows 0 .. BLOCK_M - 1 of
+    x_b (masked past M) -> (xe, xo) float32 [BM, 1, BK/2]. Loaded row by row ([1, 1, BK/2] tiles put
+    in place with where): a tile with fewer elements than the CTA has threads is a "cheap" load to
+    Triton's layout passes, which then load it straight in the product's layout (each thread its
+    own K strip, repeated over N) instead of converting a [BM, 1, BK/2] tile through shared memory."""
     xe = tl.zeros((BLOCK_M, 1, BLOCK_K // 2), dtype=tl.float32)
     xo = tl.zeros((BLOCK_M, 1, BLOCK_K // 2), dtype=tl.float32)
     for mi in tl.static_range(BLOCK_M):
         re, ro = _gemv_x_row(x_b + mi * stride_xm, kp, mask_k & (mi < M), stride_xk, X_PAIRS)
         xe = tl.where(m3 == mi, re, xe)
         xo = tl.where(m3 == mi, ro, xo)
+    return xe, xo
+
+
+@triton.jit
+def _gemv_w_tile(w_rows, s_rows, kp, mask, stride_wk, stride_sk, W_BF16: tl.constexpr):
+    """The weight's even / odd K elements at packed positions kp [1, 1, BK/2] of the rows w_rows
+    [1, BN, 1] (masked: 0) -> (we, wo) float32 [1, BN, BK/2]: an MXFP4 weight decoded (low nibbles:
+    K elements 2j, high: 2j + 1), or with W_BF16 a bf16 weight (rows contiguous along K, 4-byte
+    aligned) read as uint32 pairs like x's."""
     if W_BF16:
-        we, wo = _gemv_x_row(w_rows, kp, (n3 < N) & mask_k, 1, True)
+        return _gemv_x_row(w_rows, kp, mask, 1, True)
     else:
-        we, wo = _load_mxfp4_even_odd(w_rows, s_rows, kp, (n3 < N) & mask_k, stride_wk, stride_sk)
+        return _load_mxfp4_even_odd(w_rows, s_rows, kp, mask, stride_wk, stride_sk)
+
+
+@triton.jit
+def _gemv_chunk(part, x_b, w_rows, s_rows, k0, m3, n3, M, N, K, stride_xm, stride_xk, stride_wk, stride_sk,
+                BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, X_PAIRS: tl.constexpr, W_BF16: tl.constexpr):
+    """part [BM, BN, BK/2] + the products of K chunk [k0, k0 + BLOCK_K), elementwise: x's even and odd
+    columns [BM, 1, BK/2] (:func:`_gemv_x_tile`) against the weight's [1, BN, BK/2]
+    (:func:`_gemv_w_tile`), broadcast."""
+    kp = k0 // 2 + tl.arange(0, BLOCK_K // 2)[None, None, :]     # [1, 1, BK/2] packed columns
+    mask_k = kp < K // 2                                          # K % 32 == 0: 2 kp < K iff kp < K/2
+    xe, xo = _gemv_x_tile(x_b, kp, mask_k, m3, M, stride_xm, stride_xk, BLOCK_M, BLOCK_K, X_PAIRS)
+    we, wo = _gemv_w_tile(w_rows, s_rows, kp, (n3 < N) & mask_k, stride_wk, stride_sk, W_BF16)
     return part + xe * we + xo * wo
 
 
@@ -289,14 +305,15 @@ def _bmm_a16wfp4_gemv_kernel(
     stride_gb, stride_gm, stride_gn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     K_TILES: tl.constexpr, X_PAIRS: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr = False,
-    W_BF16: tl.constexpr = False, GATE: tl.constexpr = False,
+    W_BF16: tl.constexpr = False, GATE: tl.constexpr = False, W_FIRST: tl.constexpr = False,
 ):
     """Small-M bmm without tl.dot: one program per (N block, batch) for all M <= BLOCK_M rows.
     Products are summed elementwise into part [BM, BN, BK/2] over the K chunks (FMAs in each
     thread's registers) and reduced over K once at the end. W_BF16: w is bf16 ``[B, N, K]`` (K
     contiguous; s_ptr unused). GATE: y = (x @ w^T) * g elementwise before the one rounding to bf16
-    (g bf16, y's shape, its own strides; :mod:`kimi_ops.kernels.up_proj`)."""
-    wait_prior_grid(PDL)
+    (g bf16, y's shape, its own strides; :mod:`kimi_ops.kernels.up_proj`). W_FIRST (one K chunk,
+    w a constant of the caller's: ``constant_w``): the weight tile is loaded and decoded before the
+    PDL wait, so its memory round trip overlaps the previous kernel's tail; x after it."""
     pid_n = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     offs_m = tl.arange(0, BLOCK_M)
@@ -306,18 +323,28 @@ def _bmm_a16wfp4_gemv_kernel(
     x_b = x_ptr + b * stride_xb
     w_rows = w_ptr + b * stride_wb + n3 * stride_wn
     s_rows = s_ptr + b * stride_sb + n3 * stride_sn
-    part = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // 2), dtype=tl.float32)
-    if K_TILES <= 8:
-        # unrolled (Kimi-K3's K = 128, 512: 1-4 chunks), no barrier between chunks, so later
-        # chunks' loads may issue before earlier chunks' math (ptxas does so in part: gemv_config)
-        for kt in tl.static_range(K_TILES):
-            part = _gemv_chunk(part, x_b, w_rows, s_rows, kt * BLOCK_K, m3, n3, M, N, K,
-                               stride_xm, stride_xk, stride_wk, stride_sk, BLOCK_M, BLOCK_K, X_PAIRS, W_BF16)
+    if W_FIRST:
+        tl.static_assert(K_TILES == 1, "W_FIRST holds one K chunk of the weight")
+        kp = tl.arange(0, BLOCK_K // 2)[None, None, :]
+        mask_k = kp < K // 2
+        we, wo = _gemv_w_tile(w_rows, s_rows, kp, (n3 < N) & mask_k, stride_wk, stride_sk, W_BF16)
+        wait_prior_grid(PDL)
+        xe, xo = _gemv_x_tile(x_b, kp, mask_k, m3, M, stride_xm, stride_xk, BLOCK_M, BLOCK_K, X_PAIRS)
+        acc = tl.sum(xe * we + xo * wo, axis=2)
     else:
-        for kt in range(K_TILES):
-            part = _gemv_chunk(part, x_b, w_rows, s_rows, kt * BLOCK_K, m3, n3, M, N, K,
-                               stride_xm, stride_xk, stride_wk, stride_sk, BLOCK_M, BLOCK_K, X_PAIRS, W_BF16)
-    acc = tl.sum(part, axis=2)
+        wait_prior_grid(PDL)
+        part = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // 2), dtype=tl.float32)
+        if K_TILES <= 8:
+            # unrolled (Kimi-K3's K = 128, 512: 1-4 chunks), no barrier between chunks, so later
+            # chunks' loads may issue before earlier chunks' math (ptxas does so in part: gemv_config)
+            for kt in tl.static_range(K_TILES):
+                part = _gemv_chunk(part, x_b, w_rows, s_rows, kt * BLOCK_K, m3, n3, M, N, K,
+                                   stride_xm, stride_xk, stride_wk, stride_sk, BLOCK_M, BLOCK_K, X_PAIRS, W_BF16)
+        else:
+            for kt in range(K_TILES):
+                part = _gemv_chunk(part, x_b, w_rows, s_rows, kt * BLOCK_K, m3, n3, M, N, K,
+                                   stride_xm, stride_xk, stride_wk, stride_sk, BLOCK_M, BLOCK_K, X_PAIRS, W_BF16)
+        acc = tl.sum(part, axis=2)
     _store_y(acc, y_ptr, g_ptr, b, offs_m, offs_n, M, N, stride_yb, stride_ym, stride_yn,
              stride_gb, stride_gm, stride_gn, GATE, INTERP)
 
@@ -437,7 +464,8 @@ def gemv_x_pairs(x: torch.Tensor) -> bool:
 def bmm_a16wfp4(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,
                 *, config: tuple[int, ...] | None = None,
                 dot_scaled: bool | None = None, gemv: bool | None = None,
-                out: torch.Tensor | None = None, gate: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None, gate: torch.Tensor | None = None,
+                constant_w: bool = False) -> torch.Tensor:
     """``y[b] = x[b] @ dequant(w)[b]^T`` -> bf16 ``[B, M, N]`` (inputs validated by the op layer).
 
     ``dot_scaled`` overrides the host's choice of multiply (benchmarks, tests). When the
@@ -453,7 +481,8 @@ def bmm_a16wfp4(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,
 
     ``out``: a bf16 ``[B, M, N]`` tensor (any strides, e.g. a transposed view) to write y into
     (returned); ``gate``: bf16 ``[B, M, N]`` (any strides), y = (x @ w^T) * gate with one rounding
-    (:func:`kimi_ops.kernels.up_proj.v_up_proj`).
+    (:func:`kimi_ops.kernels.up_proj.v_up_proj`); ``constant_w``: as in :func:`launch_gemv` (the
+    GEMV kernel only).
     """
     batch, m, k = x.shape
     n = w_packed.shape[1]
@@ -465,7 +494,7 @@ def bmm_a16wfp4(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,
         return y.zero_()
     ds = use_dot_scaled(x.device) if dot_scaled is None else dot_scaled
     if not ds and use_gemv(m, n, k, gemv):
-        return launch_gemv(x, w_packed, w_scale, y, gate, config)
+        return launch_gemv(x, w_packed, w_scale, y, gate, config, constant_w)
     if config is not None and len(config) != 5:
         raise ValueError(f"the tl.dot kernel runs: config must be (BLOCK_M, BLOCK_N, BLOCK_K, "
                          f"num_warps, num_stages), got {config}")
@@ -489,12 +518,15 @@ def _gate_strides(gate: torch.Tensor | None) -> tuple[int, int, int]:
 
 
 def launch_gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None, y: torch.Tensor,
-                gate: torch.Tensor | None = None, config: tuple[int, ...] | None = None) -> torch.Tensor:
+                gate: torch.Tensor | None = None, config: tuple[int, ...] | None = None,
+                constant_w: bool = False) -> torch.Tensor:
     """The GEMV kernel on ``x [B, M <= GEMV_MAX_M, K]`` bf16 (any strides) and an MXFP4 weight
     (``w`` packed ``[B, N, K/2]`` uint8 + ``w_scale`` ``[B, N, K/32]`` uint8) or a bf16 one (``w
     [B, N, K]``, K contiguous, rows 4-byte aligned; ``w_scale`` None) into ``y [B, M, N]`` bf16 (any
     strides), times ``gate`` (y's shape, any strides) when given; returns y. ``config``:
-    (BLOCK_M, BLOCK_N, BLOCK_K, num_warps), default :func:`gemv_config`."""
+    (BLOCK_M, BLOCK_N, BLOCK_K, num_warps), default :func:`gemv_config`. ``constant_w``: nothing
+    queued before on the stream writes w (a model's weight): with PDL and one K chunk the kernel
+    loads its weight tile before it waits for the previous kernel (W_FIRST)."""
     batch, m, k = x.shape
     n = w.shape[1]
     if config is not None and len(config) != 4:
@@ -506,12 +538,14 @@ def launch_gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None, 
     bk = min(bk, max(32, triton.next_power_of_2(k)))
     w_bf16 = w_scale is None
     scale, s_strides = (w, (0, 0, 0)) if w_bf16 else (w_scale, w_scale.stride())
+    pdl = pdl_args(x.device)
+    k_tiles = triton.cdiv(k, bk)
     _bmm_a16wfp4_gemv_kernel[(triton.cdiv(n, bn), batch)](
         x, w, scale, y, y if gate is None else gate, m, n, k,
         *x.stride(), *w.stride(), *s_strides, *y.stride(), *_gate_strides(gate),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, K_TILES=triton.cdiv(k, bk), X_PAIRS=gemv_x_pairs(x),
-        INTERP=interpreting(), **pdl_args(x.device), num_warps=warps, num_stages=1,
-        W_BF16=w_bf16, GATE=gate is not None,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, K_TILES=k_tiles, X_PAIRS=gemv_x_pairs(x),
+        INTERP=interpreting(), **pdl, num_warps=warps, num_stages=1,
+        W_BF16=w_bf16, GATE=gate is not None, W_FIRST=weights_first(constant_w, pdl) and k_tiles == 1,
     )
     return y
 
@@ -561,7 +595,7 @@ def _specs():
     # kimi_ops.kernels.up_proj's W_UV (M <= GEMV_MAX_M, x pairs): with the gate, MXFP4 ("_gate") or
     # bf16 ("_bf16_gate", w_ptr / s_ptr bf16) weights.
     gsig = {a: t for a, t in sig.items() if a != "DOT_SCALED"}
-    gsig["X_PAIRS"] = gsig["W_BF16"] = "constexpr"
+    gsig["X_PAIRS"] = gsig["W_BF16"] = gsig["W_FIRST"] = "constexpr"
     gseen = set()
     for (n, k), forms in (((512, 128), ((True, False, False), (False, False, False))),
                           ((128, 512), ((True, False, False), (False, False, False), (True, False, True),
@@ -580,8 +614,20 @@ def _specs():
                     "signature": {**gsig, **({"w_ptr": "*bf16", "s_ptr": "*bf16"} if w_bf16 else {})},
                     "constexprs": {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "K_TILES": -(-k // bk),
                                    "X_PAIRS": pairs, "INTERP": False, "PDL": False, "W_BF16": w_bf16,
-                                   "GATE": gate},
+                                   "GATE": gate, "W_FIRST": False},
                     "num_warps": warps, "num_stages": 1, "targets": ("gfx950", "gfx942", "sm90")})
+    # the decode layer's W_UV launches on sm_90 as they run: PDL, the weight tile before the wait
+    # (constant_w; tests/test_cross_compile.py checks the order of the loads in the PTX)
+    for m in (1, 8):
+        bm, bn, bk, warps = gemv_config(m, 128, 512)
+        for w_bf16 in (False, True):
+            specs.append({
+                "name": f"bmm_a16wfp4_gemv_m{bm}n{bn}k{bk}t1w{warps}" + ("_bf16" if w_bf16 else "") + "_gate_pdl_wfirst",
+                "kernel": _bmm_a16wfp4_gemv_kernel,
+                "signature": {**gsig, **({"w_ptr": "*bf16", "s_ptr": "*bf16"} if w_bf16 else {})},
+                "constexprs": {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "K_TILES": 1, "X_PAIRS": True,
+                               "INTERP": False, "PDL": True, "W_BF16": w_bf16, "GATE": True, "W_FIRST": True},
+                "num_warps": warps, "num_stages": 1, "targets": ("sm90",)})
     return specs
 
 

@@ -21,8 +21,9 @@ from .mxfp4 import bmm_a16wfp4, gemv_x_pairs, launch_gemv, use_gemv
 
 
 def v_up_proj(o: torch.Tensor, w_uv: torch.Tensor, w_uv_scale: torch.Tensor | None = None,
-              gate: torch.Tensor | None = None) -> torch.Tensor:
-    """-> ``[T, H * v]`` bf16 (inputs validated by the op layer)."""
+              gate: torch.Tensor | None = None, *, constant_w: bool = False) -> torch.Tensor:
+    """-> ``[T, H * v]`` bf16 (inputs validated by the op layer). ``constant_w``: the GEMV kernel
+    loads W_UV before its PDL wait (:func:`kimi_ops.kernels.mxfp4.launch_gemv`)."""
     t, h, _ = o.shape
     v = w_uv.shape[1]
     out = torch.empty((t, h * v), dtype=torch.bfloat16, device=o.device)
@@ -32,9 +33,9 @@ def v_up_proj(o: torch.Tensor, w_uv: torch.Tensor, w_uv_scale: torch.Tensor | No
     y = out.view(t, h, v).transpose(0, 1)                  # [H, T, v], a view of out
     g = None if gate is None else gate.view(t, h, v).transpose(0, 1)
     if w_uv_scale is not None:
-        bmm_a16wfp4(x, w_uv, w_uv_scale, out=y, gate=g)
+        bmm_a16wfp4(x, w_uv, w_uv_scale, out=y, gate=g, constant_w=constant_w)
     elif use_gemv(t, v, w_uv.shape[2]) and gemv_x_pairs(w_uv):
-        launch_gemv(x, w_uv, None, y, g)
+        launch_gemv(x, w_uv, None, y, g, constant_w=constant_w)
     else:
         core = torch.bmm(x, w_uv.transpose(1, 2))          # [H, T, v]
         if g is None:

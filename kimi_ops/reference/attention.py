@@ -141,9 +141,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def mla_norm_cache_write(q_c, kv_c, k_pe, q_norm_weight, kv_norm_weight, kv_rows, slot_mapping, g=None, *,
-                         eps, kv_scale):
+                         eps, kv_scale, constant_w=False):
     """``(rms_norm(q_c), sigmoid(g))`` (gate ``[T, 0]`` without g), and ``rms_norm(kv_c)`` with
-    k_pe written as :func:`mla_cache_write` writes them (kv_rows [N, 576], in place)."""
+    k_pe written as :func:`mla_cache_write` writes them (kv_rows [N, 576], in place;
+    ``constant_w``, a launch hint for the GPU kernel, changes nothing here)."""
     mla_cache_write(rms_norm(kv_c, kv_norm_weight, eps), k_pe, kv_rows, slot_mapping, kv_scale)
     gate = q_c.new_empty((q_c.shape[0], 0)) if g is None else torch.sigmoid(g)
     return rms_norm(q_c, q_norm_weight, eps), gate

@@ -151,13 +151,14 @@ def pre(layer, hidden: torch.Tensor, kv_cache: torch.Tensor, md, bf16: bool | No
         k_pe = apply_rope(k_pe, md.positions, layer.rotary_inv_freq, c.rope_mscale)
     # the q / kv RMSNorms, this step's KV rows into the cache, sigmoid(g): one kernel
     q_c, gate = ops.mla_norm_cache_write(q_c, kv_c, k_pe, layer.q_a_layernorm.weight, layer.kv_a_layernorm.weight,
-                                         kv_cache, md.slot_mapping, g, eps=c.rms_norm_eps, kv_scale=layer.kv_scale)
+                                         kv_cache, md.slot_mapping, g, eps=c.rms_norm_eps, kv_scale=layer.kv_scale,
+                                         constant_w=True)
     q = project(q_c, layer.q_b_proj).view(-1, layer.num_heads, nope + rope)
     q_nope, q_pe = q.split([nope, rope], -1)
     if c.rope:
         q_pe = apply_rope(q_pe, md.positions, layer.rotary_inv_freq, c.rope_mscale)
     bf16 = layer.query_bf16 if bf16 is None else bf16
-    q = ops.mla_query(q_nope, q_pe, layer.W_UK, layer.W_UK_scale)
+    q = ops.mla_query(q_nope, q_pe, layer.W_UK, layer.W_UK_scale, constant_w=True)
     if bf16:
         q = dcp.query_all_gather(q, layer.dcp_group)       # DCP: [T, H, 576] -> [T, W * H, 576]
     else:
@@ -208,7 +209,7 @@ def post(layer, o: torch.Tensor, lse: torch.Tensor, md, gate: torch.Tensor | Non
     """o_proj's input ``[T, H * v]`` bf16: W_UV applied to each head's latent output, times the
     gate (:func:`kimi_ops.mla_v_up_proj`: one kernel, the gate on the float32 product)."""
     latent, _ = dcp.combine(o, lse, layer.dcp_group, layer.dcp_combine)  # DCP: W * H -> H heads
-    return ops.mla_v_up_proj(latent, layer.W_UV, layer.W_UV_scale, gate)
+    return ops.mla_v_up_proj(latent, layer.W_UV, layer.W_UV_scale, gate, constant_w=True)
 
 
 def layer(module, hidden: torch.Tensor, kv_cache: torch.Tensor, md) -> torch.Tensor:
