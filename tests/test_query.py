@@ -142,6 +142,20 @@ assert torch.equal(kimi_ops.mla_query(qn, qp, w, s, pad_heads=4), t.ref.mla_quer
 """)
 
 
+def test_use_query_gemv(monkeypatch):
+    """The GEMV form: by default at T = 1 (not on ROCm), forced by gemv= or KIMI_OPS_QUERY_GEMV=0/1
+    (the argument first), never above GEMV_MAX_M rows."""
+    from kimi_ops.kernels import query as Q
+
+    monkeypatch.delenv("KIMI_OPS_QUERY_GEMV", raising=False)
+    assert Q.use_query_gemv(1) == (torch.version.hip is None) and not Q.use_query_gemv(2)
+    assert Q.use_query_gemv(8, True) and not Q.use_query_gemv(Q.GEMV_MAX_M + 1, True)
+    monkeypatch.setenv("KIMI_OPS_QUERY_GEMV", "0")
+    assert not Q.use_query_gemv(1) and Q.use_query_gemv(1, True)
+    monkeypatch.setenv("KIMI_OPS_QUERY_GEMV", "1")
+    assert Q.use_query_gemv(5) and not Q.use_query_gemv(5, False) and not Q.use_query_gemv(Q.GEMV_MAX_M + 1)
+
+
 def test_cross_compile_specs_cover_launches():
     from kimi_ops.kernels import query as Q
 

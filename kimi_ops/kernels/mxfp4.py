@@ -420,14 +420,19 @@ def use_gemv(m: int, n: int, k: int, gemv: bool | None = None) -> bool:
     dot_scaled path is not picked): never at M > GEMV_MAX_M; else ``gemv`` when given, else
     ``KIMI_OPS_MXFP4_GEMV=1`` / ``0`` (forced on / off), else (unset or any other value)
     :func:`gemv_wins`."""
+    forced = forced_gemv(m, gemv, "KIMI_OPS_MXFP4_GEMV")
+    return gemv_wins(m, n, k) if forced is None else forced
+
+
+def forced_gemv(m: int, gemv: bool | None, env: str) -> bool | None:
+    """A GEMV form's forced choice at M rows: False above ``GEMV_MAX_M``, else ``gemv`` when given,
+    else the environment variable ``env`` when it is ``1`` / ``0``; None when nothing forces it."""
     if m > GEMV_MAX_M:
         return False
     if gemv is not None:
         return bool(gemv)
-    env = os.environ.get("KIMI_OPS_MXFP4_GEMV", "").strip()
-    if env in ("0", "1"):
-        return env == "1"
-    return gemv_wins(m, n, k)
+    value = os.environ.get(env, "").strip()
+    return value == "1" if value in ("0", "1") else None
 
 
 def gemv_config(m: int, n: int, k: int) -> tuple[int, int, int, int]:

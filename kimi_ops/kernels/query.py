@@ -21,8 +21,6 @@ the default per-tensor scale needs the amax of the whole output before the first
 be stored (a second pass, or a grid-wide barrier), and the bf16 query is 2 x T x H x 576 bytes
 (T x H = 384 at batch 32: 442 KB), read back once.
 """
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -37,6 +35,7 @@ from .mxfp4 import (
     _load_mxfp4_even_odd,
     _mxfp4_decode,
     _to_bf16,
+    forced_gemv,
     gemv_x_pairs,
     use_dot_scaled,
 )
@@ -161,14 +160,8 @@ def use_query_gemv(t: int, gemv: bool | None = None) -> bool:
     ``KIMI_OPS_QUERY_GEMV=1`` / ``0``, else at T = 1 on NVIDIA and the interpreter (W_UK in
     bmm_a16wfp4's GEMV: 2.58 us against 3.55 on the H200 at T = 1, MXFP4; at T = 8 the tl.dot
     kernel was faster, 3.61 against 5.09: :func:`kimi_ops.kernels.mxfp4.gemv_wins`)."""
-    if t > GEMV_MAX_M:
-        return False
-    if gemv is not None:
-        return bool(gemv)
-    env = os.environ.get("KIMI_OPS_QUERY_GEMV", "").strip()
-    if env in ("0", "1"):
-        return env == "1"
-    return t == 1 and torch.version.hip is None
+    forced = forced_gemv(t, gemv, "KIMI_OPS_QUERY_GEMV")
+    return t == 1 and torch.version.hip is None if forced is None else forced
 
 
 def mla_query(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor,
