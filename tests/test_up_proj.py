@@ -110,9 +110,11 @@ for mxfp4 in (False, True):
     t.check_up_proj(1, 2, mxfp4=mxfp4, gate=True, seed=1)
     t.check_up_proj(3, 2, mxfp4=mxfp4, gate=False, strided=True, seed=2)
     t.check_up_proj(8, 1, mxfp4=mxfp4, gate=True, strided=True, v=48, seed=3)   # N tail of the 16-row blocks
-    # constant_w: the weight tile loaded before the wait (one K chunk: K = 512; K = 1024 two chunks)
+    # constant_w: the weight tiles loaded before the wait (K = 512: two chunks of 256, K = 128: one;
+    # K = 1024: four chunks, loaded after the wait as without constant_w)
     t.check_up_proj(1, 2, mxfp4=mxfp4, gate=True, constant_w=True, seed=11)
     t.check_up_proj(5, 1, mxfp4=mxfp4, gate=False, strided=True, v=48, constant_w=True, seed=12)
+    t.check_up_proj(3, 1, mxfp4=mxfp4, gate=True, latent=128, v=32, constant_w=True, seed=14)
     t.check_up_proj(2, 1, mxfp4=mxfp4, gate=True, latent=1024, v=32, constant_w=True, seed=13)
 # above 8 rows: the MXFP4 tl.dot kernel with the gate epilogue; bf16: torch.bmm + mul into the output
 t.check_up_proj(9, 2, mxfp4=True, gate=True, strided=True, seed=4)

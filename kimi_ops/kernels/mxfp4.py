@@ -311,9 +311,10 @@ def _bmm_a16wfp4_gemv_kernel(
     Products are summed elementwise into part [BM, BN, BK/2] over the K chunks (FMAs in each
     thread's registers) and reduced over K once at the end. W_BF16: w is bf16 ``[B, N, K]`` (K
     contiguous; s_ptr unused). GATE: y = (x @ w^T) * g elementwise before the one rounding to bf16
-    (g bf16, y's shape, its own strides; :mod:`kimi_ops.kernels.up_proj`). W_FIRST (one K chunk,
-    w a constant of the caller's: ``constant_w``): the weight tile is loaded and decoded before the
-    PDL wait, so its memory round trip overlaps the previous kernel's tail; x after it."""
+    (g bf16, y's shape, its own strides; :mod:`kimi_ops.kernels.up_proj`). W_FIRST (one or two K
+    chunks, w a constant of the caller's: ``constant_w``): the weight tiles are loaded and decoded
+    before the PDL wait, so their memory round trip overlaps the previous kernel's tail; x after
+    it."""
     pid_n = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     offs_m = tl.arange(0, BLOCK_M)
@@ -323,14 +324,20 @@ def _bmm_a16wfp4_gemv_kernel(
     x_b = x_ptr + b * stride_xb
     w_rows = w_ptr + b * stride_wb + n3 * stride_wn
     s_rows = s_ptr + b * stride_sb + n3 * stride_sn
-    if W_FIRST:
-        tl.static_assert(K_TILES == 1, "W_FIRST holds one K chunk of the weight")
-        kp = tl.arange(0, BLOCK_K // 2)[None, None, :]
-        mask_k = kp < K // 2
-        we, wo = _gemv_w_tile(w_rows, s_rows, kp, (n3 < N) & mask_k, stride_wk, stride_sk, W_BF16)
+    if W_FIRST:   # one or two K chunks, every weight load before the wait
+        tl.static_assert(K_TILES <= 2, "W_FIRST holds one or two K chunks of the weight")
+        kp0 = tl.arange(0, BLOCK_K // 2)[None, None, :]
+        we0, wo0 = _gemv_w_tile(w_rows, s_rows, kp0, (n3 < N) & (kp0 < K // 2), stride_wk, stride_sk, W_BF16)
+        if K_TILES == 2:
+            kp1 = kp0 + BLOCK_K // 2
+            we1, wo1 = _gemv_w_tile(w_rows, s_rows, kp1, (n3 < N) & (kp1 < K // 2), stride_wk, stride_sk, W_BF16)
         wait_prior_grid(PDL)
-        xe, xo = _gemv_x_tile(x_b, kp, mask_k, m3, M, stride_xm, stride_xk, BLOCK_M, BLOCK_K, X_PAIRS)
-        acc = tl.sum(xe * we + xo * wo, axis=2)
+        xe, xo = _gemv_x_tile(x_b, kp0, kp0 < K // 2, m3, M, stride_xm, stride_xk, BLOCK_M, BLOCK_K, X_PAIRS)
+        part = xe * we0 + xo * wo0
+        if K_TILES == 2:
+            xe, xo = _gemv_x_tile(x_b, kp1, kp1 < K // 2, m3, M, stride_xm, stride_xk, BLOCK_M, BLOCK_K, X_PAIRS)
+            part = part + xe * we1 + xo * wo1
+        acc = tl.sum(part, axis=2)
     else:
         wait_prior_grid(PDL)
         part = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // 2), dtype=tl.float32)
@@ -435,7 +442,7 @@ def forced_gemv(m: int, gemv: bool | None, env: str) -> bool | None:
     return value == "1" if value in ("0", "1") else None
 
 
-def gemv_config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
+def gemv_config(m: int, n: int, k: int, w_first: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) of the GEMV kernel from shapes alone.
 
     * BLOCK_M: M's power of two (every row in one program).
@@ -452,10 +459,17 @@ def gemv_config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
       2.64 at 8 warps, 2.67 at BLOCK_N 8, 2.82 at (32, 128, 8). (At T = 8, where the tl.dot
       kernel is the default, BLOCK_N 8 was 5.09 against 5.36.) More chunks than one: ptxas issues
       the later chunks' loads after the first chunk's math, up to a second DRAM round trip.
+    * ``w_first`` (the weight loaded before the PDL wait, W_FIRST) and K >= 512: BLOCK_K = 256
+      (W_UV: two chunks, both loaded before the wait, so the second round trip above is gone).
+      x's row tile is then 128 elements, a cheap load again; at 512 (as many elements as threads)
+      both loads are anchors to Triton 3.6-3.8's layout pass, whose conflict rule takes the
+      later-defined one: x's, once the weight is loaded first. The decoded weight then goes
+      through 16 KB of shared memory and the K sum becomes a cross-warp reduction (the sm_90
+      compile with the launch's specialization; unmeasured on a GPU).
     """
     bm = triton.next_power_of_2(max(1, m))
     if k >= 512:
-        return bm, 16, 512, 8
+        return bm, 16, 256 if w_first else 512, 8
     return bm, 16, min(128, max(32, triton.next_power_of_2(k))), 4
 
 
@@ -530,27 +544,29 @@ def launch_gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None, 
     [B, N, K]``, K contiguous, rows 4-byte aligned; ``w_scale`` None) into ``y [B, M, N]`` bf16 (any
     strides), times ``gate`` (y's shape, any strides) when given; returns y. ``config``:
     (BLOCK_M, BLOCK_N, BLOCK_K, num_warps), default :func:`gemv_config`. ``constant_w``: nothing
-    queued before on the stream writes w (a model's weight): with PDL and one K chunk the kernel
-    loads its weight tile before it waits for the previous kernel (W_FIRST)."""
+    queued before on the stream writes w (a model's weight): with PDL and one or two K chunks the
+    kernel loads its weight tiles before it waits for the previous kernel (W_FIRST;
+    :func:`gemv_config`'s ``w_first``)."""
     batch, m, k = x.shape
     n = w.shape[1]
     if config is not None and len(config) != 4:
         raise ValueError(f"the GEMV kernel runs (M = {m}): config must be (BLOCK_M, BLOCK_N, "
                          f"BLOCK_K, num_warps), got {config}")
-    bm, bn, bk, warps = config or gemv_config(m, n, k)
+    pdl = pdl_args(x.device)
+    w_first = weights_first(constant_w, pdl)
+    bm, bn, bk, warps = config or gemv_config(m, n, k, w_first)
     if bm < m or bm & (bm - 1):
         raise ValueError(f"GEMV BLOCK_M must be a power of two >= M = {m}, got {bm}")
     bk = min(bk, max(32, triton.next_power_of_2(k)))
     w_bf16 = w_scale is None
     scale, s_strides = (w, (0, 0, 0)) if w_bf16 else (w_scale, w_scale.stride())
-    pdl = pdl_args(x.device)
     k_tiles = triton.cdiv(k, bk)
     _bmm_a16wfp4_gemv_kernel[(triton.cdiv(n, bn), batch)](
         x, w, scale, y, y if gate is None else gate, m, n, k,
         *x.stride(), *w.stride(), *s_strides, *y.stride(), *_gate_strides(gate),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, K_TILES=k_tiles, X_PAIRS=gemv_x_pairs(x),
         INTERP=interpreting(), **pdl, num_warps=warps, num_stages=1,
-        W_BF16=w_bf16, GATE=gate is not None, W_FIRST=weights_first(constant_w, pdl) and k_tiles == 1,
+        W_BF16=w_bf16, GATE=gate is not None, W_FIRST=w_first and k_tiles <= 2,
     )
     return y
 
@@ -624,13 +640,14 @@ def _specs():
     # the decode layer's W_UV launches on sm_90 as they run: PDL, the weight tile before the wait
     # (constant_w; tests/test_cross_compile.py checks the order of the loads in the PTX)
     for m in (1, 8):
-        bm, bn, bk, warps = gemv_config(m, 128, 512)
+        bm, bn, bk, warps = gemv_config(m, 128, 512, w_first=True)
         for w_bf16 in (False, True):
             specs.append({
-                "name": f"bmm_a16wfp4_gemv_m{bm}n{bn}k{bk}t1w{warps}" + ("_bf16" if w_bf16 else "") + "_gate_pdl_wfirst",
+                "name": f"bmm_a16wfp4_gemv_m{bm}n{bn}k{bk}t{512 // bk}w{warps}" + ("_bf16" if w_bf16 else "")
+                        + "_gate_pdl_wfirst",
                 "kernel": _bmm_a16wfp4_gemv_kernel,
                 "signature": {**gsig, **({"w_ptr": "*bf16", "s_ptr": "*bf16"} if w_bf16 else {})},
-                "constexprs": {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "K_TILES": 1, "X_PAIRS": True,
+                "constexprs": {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "K_TILES": 512 // bk, "X_PAIRS": True,
                                "INTERP": False, "PDL": True, "W_BF16": w_bf16, "GATE": True, "W_FIRST": True},
                 "num_warps": warps, "num_stages": 1, "targets": ("sm90",)})
     return specs
