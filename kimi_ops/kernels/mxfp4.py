@@ -442,7 +442,7 @@ def forced_gemv(m: int, gemv: bool | None, env: str) -> bool | None:
     return value == "1" if value in ("0", "1") else None
 
 
-def gemv_config(m: int, n: int, k: int, w_first: bool = False) -> tuple[int, int, int, int]:
+def gemv_config(m: int, n: int, k: int, constant_w: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) of the GEMV kernel from shapes alone.
 
     * BLOCK_M: M's power of two (every row in one program).
@@ -459,8 +459,12 @@ def gemv_config(m: int, n: int, k: int, w_first: bool = False) -> tuple[int, int
       2.64 at 8 warps, 2.67 at BLOCK_N 8, 2.82 at (32, 128, 8). (At T = 8, where the tl.dot
       kernel is the default, BLOCK_N 8 was 5.09 against 5.36.) More chunks than one: ptxas issues
       the later chunks' loads after the first chunk's math, up to a second DRAM round trip.
-    * ``w_first`` (the weight loaded before the PDL wait, W_FIRST) and K >= 512: BLOCK_K = 256
-      (W_UV: two chunks, both loaded before the wait, so the second round trip above is gone).
+    * ``constant_w`` (the caller's promise that lets the weight load before the PDL wait,
+      W_FIRST) and K >= 512: BLOCK_K = 256 (W_UV: two chunks, both loaded before the wait under
+      PDL, so the second round trip above is gone). With or without PDL: the chunking sets the
+      order of the float32 sums, and PDL must not change a bit of the output (tests/test_pdl.py:
+      on the H200, 2026-12-05, 512 without PDL and 256 with it gave the fp8 layer's decode loop
+      outputs 2.25e-4 apart).
       x's row tile is then 128 elements, a cheap load again; at 512 (as many elements as threads)
       both loads are anchors to Triton 3.6-3.8's layout pass, whose conflict rule takes the
       later-defined one: x's, once the weight is loaded first. The decoded weight then goes
@@ -469,7 +473,7 @@ def gemv_config(m: int, n: int, k: int, w_first: bool = False) -> tuple[int, int
     """
     bm = triton.next_power_of_2(max(1, m))
     if k >= 512:
-        return bm, 16, 256 if w_first else 512, 8
+        return bm, 16, 256 if constant_w else 512, 8
     return bm, 16, min(128, max(32, triton.next_power_of_2(k))), 4
 
 
@@ -545,8 +549,8 @@ def launch_gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None, 
     strides), times ``gate`` (y's shape, any strides) when given; returns y. ``config``:
     (BLOCK_M, BLOCK_N, BLOCK_K, num_warps), default :func:`gemv_config`. ``constant_w``: nothing
     queued before on the stream writes w (a model's weight): with PDL and one or two K chunks the
-    kernel loads its weight tiles before it waits for the previous kernel (W_FIRST;
-    :func:`gemv_config`'s ``w_first``)."""
+    kernel loads its weight tiles before it waits for the previous kernel (W_FIRST), and K >= 512
+    takes 256-wide chunks with or without PDL (:func:`gemv_config`)."""
     batch, m, k = x.shape
     n = w.shape[1]
     if config is not None and len(config) != 4:
@@ -554,7 +558,7 @@ def launch_gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None, 
                          f"BLOCK_K, num_warps), got {config}")
     pdl = pdl_args(x.device)
     w_first = weights_first(constant_w, pdl)
-    bm, bn, bk, warps = config or gemv_config(m, n, k, w_first)
+    bm, bn, bk, warps = config or gemv_config(m, n, k, constant_w)
     if bm < m or bm & (bm - 1):
         raise ValueError(f"GEMV BLOCK_M must be a power of two >= M = {m}, got {bm}")
     bk = min(bk, max(32, triton.next_power_of_2(k)))
@@ -640,7 +644,7 @@ def _specs():
     # the decode layer's W_UV launches on sm_90 as they run: PDL, the weight tile before the wait
     # (constant_w; tests/test_cross_compile.py checks the order of the loads in the PTX)
     for m in (1, 8):
-        bm, bn, bk, warps = gemv_config(m, 128, 512, w_first=True)
+        bm, bn, bk, warps = gemv_config(m, 128, 512, constant_w=True)
         for w_bf16 in (False, True):
             specs.append({
                 "name": f"bmm_a16wfp4_gemv_m{bm}n{bn}k{bk}t{512 // bk}w{warps}" + ("_bf16" if w_bf16 else "")
