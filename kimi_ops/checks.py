@@ -243,6 +243,72 @@ def check_bmm_args(op: str, x, w_packed, w_scale) -> None:
     check_same_device(op, x=x, w_packed=w_packed)
 
 
+def check_head_weight(op: str, name: str, w, scale_name: str, scale, whose: str, *, bf16_dims, mxfp4_dims) -> None:
+    """A per-head weight (W_UK, W_UV): bf16 of ``bf16_dims``, or with ``scale`` MXFP4 uint8 of
+    ``mxfp4_dims``; each dims a tuple of (letter, size), size None where any size goes, the
+    others ``whose`` dims (an odd D gives D/2 = x.5, which no shape matches)."""
+    dims = bf16_dims if scale is None else mxfp4_dims
+    letters = "[" + ", ".join(letter for letter, _ in dims) + "]"
+    kind = "a bf16" if scale is None else "an MXFP4 uint8"
+    what = (f"a bf16 {letters} tensor (or uint8 MXFP4 with {scale_name})" if scale is None
+            else f"an MXFP4 uint8 {letters} tensor (with {scale_name} given)")
+    check_tensor(op, name, w, ndim=len(dims), dtypes=(torch.bfloat16 if scale is None else torch.uint8,), what=what)
+    if scale is not None:
+        check_mxfp4_weight(op, w, scale, packed_name=name, scale_name=scale_name)
+    if any(size is not None and w.shape[i] != size for i, (_, size) in enumerate(dims)):
+        shown = [letter if size is None else str(int(size)) if float(size).is_integer() else str(size)
+                 for letter, size in dims]
+        want = "[" + ", ".join(shown) + "]"
+        fixed = ", ".join(letter for letter, size in dims if size is not None)
+        fail(op, name, f"{kind} {want} tensor ({whose} {fixed})", _describe(w))
+
+
+def check_norm_cache_write_args(op: str, q_c, kv_c, k_pe, q_norm_weight, kv_norm_weight, g, eps) -> None:
+    """q_c [T, Q], kv_c [T, 512], k_pe [T, 64], g [T, G] bf16 with unit last stride; the norm
+    weights [Q] / [512] bf16 / f16 / f32 contiguous; eps finite and >= 0."""
+    check_tensor(op, "q_c", q_c, ndim=2, dtypes=(torch.bfloat16,), what="a [T, Q] bfloat16 tensor")
+    tokens = q_c.shape[0]
+    for name, x, cols in (("kv_c", kv_c, KV_LORA_RANK), ("k_pe", k_pe, ROPE_DIM), ("g", g, None)):
+        if x is None:
+            continue
+        shape = f"[{tokens}, {cols if cols else 'G'}]"
+        check_tensor(op, name, x, ndim=2, dtypes=(torch.bfloat16,), what=f"a {shape} bfloat16 tensor")
+        if x.shape[0] != tokens or (cols is not None and x.shape[1] != cols):
+            fail(op, name, f"a {shape} bfloat16 tensor (q_c's T)", _describe(x))
+    for name, x in (("q_c", q_c), ("kv_c", kv_c), ("k_pe", k_pe), ("g", g)):
+        if x is not None and x.shape[1] > 1 and x.stride(1) != 1:
+            fail(op, name, "a tensor contiguous along its last dim", f"strides {tuple(x.stride())}")
+    floats = (torch.bfloat16, torch.float16, torch.float32)
+    for name, w, n in (("q_norm_weight", q_norm_weight, q_c.shape[1]), ("kv_norm_weight", kv_norm_weight,
+                                                                        KV_LORA_RANK)):
+        check_tensor(op, name, w, ndim=1, dtypes=floats, what=f"a contiguous [{n}] bf16/f16/f32 tensor")
+        if w.shape[0] != n or not w.is_contiguous():
+            fail(op, name, f"a contiguous [{n}] bf16/f16/f32 tensor", _describe(w))
+    if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps >= 0):
+        fail(op, "eps", "a finite float >= 0", eps)
+    check_same_device(op, q_c=q_c, kv_c=kv_c, k_pe=k_pe, g=g, q_norm_weight=q_norm_weight,
+                      kv_norm_weight=kv_norm_weight)
+
+
+def check_v_up_proj_args(op: str, o, w_uv, w_uv_scale, gate) -> None:
+    """o [T, H, L] bf16 (L contiguous); w_uv bf16 [H, v, L] or MXFP4 [H, v, L/2]; gate [T, H * v] bf16."""
+    check_tensor(op, "o", o, ndim=3, dtypes=(torch.bfloat16,), what="a [T, H, L] bfloat16 tensor")
+    if o.shape[2] > 1 and o.stride(2) != 1:
+        fail(op, "o", "a tensor contiguous along its last dim", f"strides {tuple(o.stride())}")
+    heads, latent = o.shape[1], o.shape[2]
+    check_head_weight(op, "w_uv", w_uv, "w_uv_scale", w_uv_scale, "o's",
+                      bf16_dims=(("H", heads), ("v", None), ("L", latent)),
+                      mxfp4_dims=(("H", heads), ("v", None), ("L/2", latent / 2)))
+    if gate is not None:
+        rows = (o.shape[0], heads * w_uv.shape[1])
+        check_tensor(op, "gate", gate, ndim=2, dtypes=(torch.bfloat16,), what=f"a bfloat16 {list(rows)} tensor")
+        if tuple(gate.shape) != rows:
+            fail(op, "gate", f"a bfloat16 {list(rows)} tensor ([T, H * v])", _describe(gate))
+        if gate.shape[1] > 1 and gate.stride(1) != 1:
+            fail(op, "gate", "a tensor contiguous along its last dim", f"strides {tuple(gate.stride())}")
+    check_same_device(op, o=o, w_uv=w_uv, w_uv_scale=w_uv_scale, gate=gate)
+
+
 def check_query_args(op: str, q_nope, q_pe, w_uk, w_uk_scale, pad_heads) -> None:
     """q_nope [T, H, D], q_pe [T, H, P] bf16; w_uk bf16 [H, D, 512] or MXFP4 [H, 512, D/2]."""
     check_tensor(op, "q_nope", q_nope, ndim=3, dtypes=(torch.bfloat16,), what="a [T, H, D] bfloat16 tensor")
@@ -250,18 +316,9 @@ def check_query_args(op: str, q_nope, q_pe, w_uk, w_uk_scale, pad_heads) -> None
     if tuple(q_pe.shape[:2]) != tuple(q_nope.shape[:2]):
         fail(op, "q_pe", f"[T, H, P] with [T, H] = {tuple(q_nope.shape[:2])} (q_nope's)", _describe(q_pe))
     heads, nope = q_nope.shape[1], q_nope.shape[2]
-    if w_uk_scale is None:
-        check_tensor(op, "w_uk", w_uk, ndim=3, dtypes=(torch.bfloat16,),
-                     what="a bf16 [H, D, L] tensor (or uint8 MXFP4 with w_uk_scale)")
-        if w_uk.shape[0] != heads or w_uk.shape[1] != nope:
-            fail(op, "w_uk", f"a bf16 [{heads}, {nope}, L] tensor (q_nope's H, D)", _describe(w_uk))
-    else:
-        check_tensor(op, "w_uk", w_uk, ndim=3, dtypes=(torch.uint8,),
-                     what="an MXFP4 uint8 [H, L, D/2] tensor (with w_uk_scale given)")
-        check_mxfp4_weight(op, w_uk, w_uk_scale, packed_name="w_uk", scale_name="w_uk_scale")
-        if w_uk.shape[0] != heads or w_uk.shape[2] * 2 != nope:
-            fail(op, "w_uk", f"an MXFP4 uint8 [{heads}, L, {nope // 2}] tensor (q_nope's H, D/2)",
-                 _describe(w_uk))
+    check_head_weight(op, "w_uk", w_uk, "w_uk_scale", w_uk_scale, "q_nope's",
+                      bf16_dims=(("H", heads), ("D", nope), ("L", None)),
+                      mxfp4_dims=(("H", heads), ("L", None), ("D/2", nope / 2)))
     if pad_heads is not None and (not isinstance(pad_heads, int) or pad_heads < heads):
         fail(op, "pad_heads", f"None or an int >= H = {heads}", pad_heads)
     check_same_device(op, q_nope=q_nope, q_pe=q_pe, w_uk=w_uk, w_uk_scale=w_uk_scale)

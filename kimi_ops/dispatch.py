@@ -49,6 +49,10 @@ IMPLEMENTATIONS: dict[str, dict[str, str]] = {
         "reference": "kimi_ops.reference.attention:mla_cache_write",
         "triton": "kimi_ops.kernels.cache:mla_cache_write",
     },
+    "mla_norm_cache_write": {
+        "reference": "kimi_ops.reference.attention:mla_norm_cache_write",
+        "triton": "kimi_ops.kernels.pre_norm:mla_norm_cache_write",
+    },
     "mxfp4_quantize": {"reference": "kimi_ops.reference.mxfp4:mxfp4_quantize"},
     "mxfp4_dequantize": {"reference": "kimi_ops.reference.mxfp4:mxfp4_dequantize"},
     "bmm_a16wfp4": {
@@ -63,6 +67,10 @@ IMPLEMENTATIONS: dict[str, dict[str, str]] = {
         "reference": "kimi_ops.reference.fp8:gemm_a16w8_block",
         "triton": "kimi_ops.kernels.fp8_gemm:gemm_a16w8_block",
         "cuda": "kimi_ops.kernels.sm90_gemv:gemm_a16w8_block",
+    },
+    "mla_v_up_proj": {
+        "reference": "kimi_ops.reference.mxfp4:mla_v_up_proj",
+        "triton": "kimi_ops.kernels.up_proj:v_up_proj",
     },
     "gemm_a16w16": {
         "reference": "kimi_ops.reference.linear:gemm_a16w16",

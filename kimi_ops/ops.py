@@ -38,13 +38,22 @@ SCHEMAS: dict[str, str] = {
     "bmm_a16wfp4": "bmm_a16wfp4(Tensor x, Tensor w_packed, Tensor w_scale) -> Tensor",
     "mla_query": (
         "mla_query(Tensor q_nope, Tensor q_pe, Tensor w_uk, Tensor? w_uk_scale=None, *, "
-        "int? pad_heads=None) -> Tensor"
+        "int? pad_heads=None, bool constant_w=False) -> Tensor"
     ),
     "gemm_a16w8_block": (
         "gemm_a16w8_block(Tensor x, Tensor w, Tensor w_scale_inv, *, int block_n=128, int block_k=128, "
         "bool constant_w=False) -> Tensor"
     ),
     "gemm_a16w16": "gemm_a16w16(Tensor x, Tensor w, *, bool constant_w=False) -> Tensor",
+    "mla_norm_cache_write": (
+        "mla_norm_cache_write(Tensor q_c, Tensor kv_c, Tensor k_pe, Tensor q_norm_weight, Tensor kv_norm_weight, "
+        "Tensor(a!) kv_cache, Tensor slot_mapping, Tensor? g=None, *, float eps, float kv_scale, "
+        "bool constant_w=False) -> (Tensor q_c_normed, Tensor gate)"
+    ),
+    "mla_v_up_proj": (
+        "mla_v_up_proj(Tensor o, Tensor w_uv, Tensor? w_uv_scale=None, Tensor? gate=None, *, "
+        "bool constant_w=False) -> Tensor"
+    ),
 }
 """One schema per op: the public contract, pinned by tests/test_schemas.py."""
 
@@ -168,6 +177,33 @@ def _cache_write_real(kv_c, k_pe, kv_cache, slot_mapping, kv_scale):
 _register("mla_cache_write", fake=_cache_write_fake, real=_cache_write_real)
 
 
+def _norm_cache_write_checks(q_c, kv_c, k_pe, q_norm_weight, kv_norm_weight, kv_cache, slot_mapping, g, eps,
+                             kv_scale):
+    name = "mla_norm_cache_write"
+    checks.check_norm_cache_write_args(name, q_c, kv_c, k_pe, q_norm_weight, kv_norm_weight, g, eps)
+    checks.check_cache_write_args(name, kv_c, k_pe, kv_cache, slot_mapping)
+    checks.check_cache_write_contract(name, slot_mapping, kv_scale)
+
+
+def _norm_cache_write_fake(q_c, kv_c, k_pe, q_norm_weight, kv_norm_weight, kv_cache, slot_mapping, g=None, *,
+                           eps, kv_scale, constant_w=False):
+    _norm_cache_write_checks(q_c, kv_c, k_pe, q_norm_weight, kv_norm_weight, kv_cache, slot_mapping, g, eps,
+                             kv_scale)
+    return q_c.new_empty(q_c.shape), q_c.new_empty((q_c.shape[0], 0 if g is None else g.shape[1]))
+
+
+def _norm_cache_write_real(q_c, kv_c, k_pe, q_norm_weight, kv_norm_weight, kv_cache, slot_mapping, g=None, *,
+                           eps, kv_scale, constant_w=False):
+    _norm_cache_write_checks(q_c, kv_c, k_pe, q_norm_weight, kv_norm_weight, kv_cache, slot_mapping, g, eps,
+                             kv_scale)
+    return dispatch.implementation("mla_norm_cache_write", kv_cache.device)(
+        q_c, kv_c, k_pe, q_norm_weight, kv_norm_weight, _flat_rows(kv_cache), slot_mapping, g,
+        eps=eps, kv_scale=kv_scale, constant_w=constant_w)
+
+
+_register("mla_norm_cache_write", fake=_norm_cache_write_fake, real=_norm_cache_write_real)
+
+
 # --- MXFP4 --------------------------------------------------------------------------------------
 
 def _quantize_fake(w):
@@ -219,20 +255,35 @@ def _query_out_shape(q_nope, q_pe, w_uk, w_uk_scale, pad_heads):
     return (q_nope.shape[0], heads, latent + q_pe.shape[2])
 
 
-def _query_fake(q_nope, q_pe, w_uk, w_uk_scale=None, *, pad_heads=None):
+def _query_fake(q_nope, q_pe, w_uk, w_uk_scale=None, *, pad_heads=None, constant_w=False):
     checks.check_query_args("mla_query", q_nope, q_pe, w_uk, w_uk_scale, pad_heads)
     return q_nope.new_empty(_query_out_shape(q_nope, q_pe, w_uk, w_uk_scale, pad_heads))
 
 
-def _query_real(q_nope, q_pe, w_uk, w_uk_scale=None, *, pad_heads=None):
+def _query_real(q_nope, q_pe, w_uk, w_uk_scale=None, *, pad_heads=None, constant_w=False):
     checks.check_query_args("mla_query", q_nope, q_pe, w_uk, w_uk_scale, pad_heads)
     if w_uk_scale is not None:
         w_uk_scale = w_uk_scale.view(torch.uint8)
     impl = dispatch.implementation("mla_query", q_nope.device)
-    return impl(q_nope, q_pe, w_uk, w_uk_scale, pad_heads=pad_heads)
+    return impl(q_nope, q_pe, w_uk, w_uk_scale, pad_heads=pad_heads, constant_w=constant_w)
 
 
 _register("mla_query", fake=_query_fake, real=_query_real)
+
+
+def _v_up_proj_fake(o, w_uv, w_uv_scale=None, gate=None, *, constant_w=False):
+    checks.check_v_up_proj_args("mla_v_up_proj", o, w_uv, w_uv_scale, gate)
+    return o.new_empty((o.shape[0], o.shape[1] * w_uv.shape[1]))
+
+
+def _v_up_proj_real(o, w_uv, w_uv_scale=None, gate=None, *, constant_w=False):
+    checks.check_v_up_proj_args("mla_v_up_proj", o, w_uv, w_uv_scale, gate)
+    if w_uv_scale is not None:
+        w_uv_scale = w_uv_scale.view(torch.uint8)
+    return dispatch.implementation("mla_v_up_proj", o.device)(o, w_uv, w_uv_scale, gate, constant_w=constant_w)
+
+
+_register("mla_v_up_proj", fake=_v_up_proj_fake, real=_v_up_proj_real)
 
 
 # --- fp8 block-scaled GEMM ---------------------------------------------------------------------
@@ -397,7 +448,42 @@ def bmm_a16wfp4(x, w_packed, w_scale):
     return torch.ops.kimi_ops.bmm_a16wfp4(x, w_packed, w_scale)
 
 
-def mla_query(q_nope, q_pe, w_uk, w_uk_scale=None, *, pad_heads=None, out_dtype=None, q_scale=None):
+def mla_norm_cache_write(q_c, kv_c, k_pe, q_norm_weight, kv_norm_weight, kv_cache, slot_mapping, g=None, *,
+                         eps, kv_scale, constant_w=False):
+    """The layer's pre step between the qkv_a GEMM and q_b, in one op: the q and kv RMSNorms,
+    this step's KV rows into the cache and the output gate's sigmoid.
+
+    q_c [T, Q], kv_c [T, 512], k_pe [T, 64], g [T, G] or None: bf16, unit stride along the last
+    dim (e.g. column slices of the qkv_a GEMM's output); q_norm_weight [Q], kv_norm_weight [512]
+    (bf16 / f16 / f32); kv_cache and slot_mapping as in :func:`mla_cache_write`. Returns
+    ``(q_c_normed [T, Q] bf16, gate [T, G] bf16)`` (gate ``[T, 0]`` without g) and writes
+    ``fp8(cat(rms_norm(kv_c), k_pe) / kv_scale)`` (the normed kv_c rounded to bf16 first) at
+    each token's slot, the bytes :func:`mla_cache_write` writes for the normed kv_c. RMSNorm:
+    float32 ``x * rsqrt(mean(x^2) + eps) * weight``, one rounding. ``constant_w``: as in
+    :func:`gemm_a16w8_block` (the norm weights are not written by any kernel queued just before:
+    the kernel then loads them before its PDL wait).
+    """
+    return torch.ops.kimi_ops.mla_norm_cache_write(q_c, kv_c, k_pe, q_norm_weight, kv_norm_weight, kv_cache,
+                                                   slot_mapping, g, eps=eps, kv_scale=kv_scale,
+                                                   constant_w=constant_w)
+
+
+def mla_v_up_proj(o, w_uv, w_uv_scale=None, gate=None, *, constant_w=False):
+    """The layer's W_UV up-projection and output gate (the seeds' ``post``): o_proj's input
+    ``out [T, H * v]`` bf16, ``out[t, h*v + j] = (W_UV[h] @ o[t, h])[j] * gate[t, h*v + j]``.
+
+    o [T, H, 512] bf16 (the merged attention output; the last dim contiguous); ``w_uv`` bf16
+    [H, v, 512], or MXFP4 packed along the 512 axis (uint8 [H, v, 256] with ``w_uv_scale``
+    [H, v, 16] uint8 / float8_e8m0fnu); ``gate`` bf16 [T, H * v] (last dim contiguous) or None.
+    float32 accumulation, the gate applied to the float32 sum, one rounding to bf16.
+    ``constant_w``: as in :func:`gemm_a16w8_block` (W_UV, and its scale, are not written by any
+    kernel queued just before: the GEMV kernel then loads them before its PDL wait).
+    """
+    return torch.ops.kimi_ops.mla_v_up_proj(o, w_uv, w_uv_scale, gate, constant_w=constant_w)
+
+
+def mla_query(q_nope, q_pe, w_uk, w_uk_scale=None, *, pad_heads=None, out_dtype=None, q_scale=None,
+              constant_w=False):
     """M1a: the absorbed query ``q [T, H', 576] = [q_nope[t, h] @ W_UK[h] | q_pe[t, h]]``.
 
     q_nope [T, H, 128] and q_pe [T, H, 64] bf16; ``w_uk`` bf16 [H, 128, 512], or
@@ -409,14 +495,18 @@ def mla_query(q_nope, q_pe, w_uk, w_uk_scale=None, *, pad_heads=None, out_dtype=
     :func:`mla_decode` takes with ``q_scale=``: M1a's bf16 query quantized by
     :func:`quantize_query`, per tensor, with ``q_scale`` (a static float32 [1] scale) or,
     when None, the scale of its amax (:func:`query_scale`, computed on the device).
+
+    ``constant_w``: as in :func:`gemm_a16w8_block` (W_UK, and its scale, are not written by any
+    kernel queued just before: the Triton kernel then loads its weight tile before its PDL wait).
     """
     if out_dtype is None or out_dtype == torch.bfloat16:
         if q_scale is not None:
             raise ValueError("kimi_ops.mla_query: q_scale must be None for a bf16 output (out_dtype None or "
                              f"torch.bfloat16), got a q_scale with out_dtype {out_dtype}")
-        return torch.ops.kimi_ops.mla_query(q_nope, q_pe, w_uk, w_uk_scale, pad_heads=pad_heads)
+        return torch.ops.kimi_ops.mla_query(q_nope, q_pe, w_uk, w_uk_scale, pad_heads=pad_heads,
+                                            constant_w=constant_w)
     checks.check_query_out_dtype("mla_query", out_dtype)
-    q = torch.ops.kimi_ops.mla_query(q_nope, q_pe, w_uk, w_uk_scale, pad_heads=pad_heads)
+    q = torch.ops.kimi_ops.mla_query(q_nope, q_pe, w_uk, w_uk_scale, pad_heads=pad_heads, constant_w=constant_w)
     return quantize_query(q, q_scale=q_scale, dtype=out_dtype)
 
 
@@ -492,5 +582,5 @@ def gemm_a16w16(x, w, *, constant_w=False):
 __all__ = [
     "mla_decode_splitkv", "mla_merge", "mla_decode", "mla_cache_write",
     "mxfp4_quantize", "mxfp4_dequantize", "bmm_a16wfp4", "mla_query", "quantize_query", "query_scale",
-    "gemm_a16w8_block", "gemm_a16w16",
+    "gemm_a16w8_block", "gemm_a16w16", "mla_v_up_proj", "mla_norm_cache_write",
 ]

@@ -157,3 +157,21 @@ def test_sm90_second_generation_no_spills(tmp_path):
     for name, r in res.items():
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (name, r)
         assert r["regs"] <= 255
+
+
+def test_sm90_weights_before_the_pdl_wait(tmp_path):
+    """The decode layer's W_UK, W_UV and norm kernels as they launch on sm_90 (PDL, ``constant_w``:
+    W_FIRST, the ``*_pdl_wfirst`` specs): loads of their weights come before ``griddepcontrol.wait``
+    in the PTX (with W_FIRST off the wait is the first statement: none would), the activation's
+    after it."""
+    import re
+
+    res = _run("sm90", [r".*_pdl_wfirst"], tmp_path)
+    assert len(res) == 9, sorted(res)
+    for name in res:
+        ptx = (tmp_path / "sm90" / f"{name}.ptx").read_text()
+        waits = [m.start() for m in re.finditer(r"griddepcontrol\.wait", ptx)]
+        assert len(waits) == 1, (name, len(waits))
+        loads = [m.start() for m in re.finditer(r"\bld\.global", ptx)]
+        before = sum(p < waits[0] for p in loads)
+        assert before >= 1 and len(loads) > before, (name, before, len(loads))

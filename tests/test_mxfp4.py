@@ -499,6 +499,24 @@ def test_gemv_host_choice(monkeypatch, env, arg, m, k, dot_scaled, want):
         assert rec_d.kwargs[0]["DOT_SCALED"] is dot_scaled
 
 
+def test_gemv_pdl_changes_the_load_order_not_the_sums(monkeypatch):
+    """A constant_w GEMV launches the same chunks with PDL and without (the float32 sums' order;
+    tests/test_pdl.py checks the bits on the GPU): PDL only moves the weight loads (W_FIRST)."""
+    from kimi_ops.kernels import mxfp4 as K
+
+    p, s = ref.mxfp4_quantize(torch.randn(2, 128, 512))
+    x = torch.randn(2, 1, 512).to(torch.bfloat16)
+    seen = {}
+    for on in (False, True):
+        rec = _RecordLaunch()
+        monkeypatch.setattr(K, "_bmm_a16wfp4_gemv_kernel", rec)
+        monkeypatch.setattr(K, "pdl_args", lambda dev, on=on: {"PDL": on})
+        K.launch_gemv(x, p, s, torch.empty(2, 1, 128, dtype=torch.bfloat16), constant_w=True)
+        seen[on] = rec.kwargs[0]
+    assert seen[True]["BLOCK_K"] == seen[False]["BLOCK_K"] == 256
+    assert (seen[True]["W_FIRST"], seen[False]["W_FIRST"]) == (True, False)
+
+
 def test_gemv_rule_and_configs():
     """gemv_wins / gemv_config against the H200 measurements they encode (Kimi-K3 TP8, 12 heads)."""
     from kimi_ops.kernels import mxfp4 as K
@@ -510,6 +528,8 @@ def test_gemv_rule_and_configs():
     assert K.gemv_config(1, 512, 128) == (1, 16, 128, 4)     # W_UK T = 1: 2.58 us
     assert K.gemv_config(1, 128, 512) == (1, 16, 512, 8)     # W_UV T = 1: 3.09 us
     assert K.gemv_config(8, 128, 512) == (8, 16, 512, 8)     # W_UV T = 8: 4.82 us
+    # a model's weight (constant_w): two 256 chunks whether PDL runs or not (the sums' order)
+    assert K.gemv_config(1, 128, 512, constant_w=True) == (1, 16, 256, 8)
 
 
 def test_gemv_rule_off_on_rocm(monkeypatch):
@@ -593,7 +613,9 @@ def test_cross_compile_specs_cover_launches():
                     s["num_warps"], s["constexprs"]["K_TILES"]) for s in gemv_specs
                    if s["constexprs"]["X_PAIRS"] is pairs}
         assert launched <= covered, pairs
-    assert all(s["targets"] == ("gfx950", "gfx942", "sm90") for s in gemv_specs)
+    # every form on every target, but the sm_90-only copies of the decode layer's launches (PDL, W_FIRST)
+    assert all(s["targets"] == (("sm90",) if s["constexprs"]["W_FIRST"] else ("gfx950", "gfx942", "sm90"))
+               for s in gemv_specs)
 
 
 # ----------------------------------------------------------------------------------------------

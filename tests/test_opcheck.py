@@ -130,6 +130,19 @@ def test_opcheck_mla_query(mxfp4, tokens, heads, pad, device):
                           test_utils=ALL_UTILS)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mxfp4", [False, True])
+@pytest.mark.parametrize("tokens,heads,gate", [(1, 12, True), (3, 2, False), (9, 2, True)])
+def test_opcheck_mla_v_up_proj(mxfp4, tokens, heads, gate, device):
+    o = torch.randn(tokens, heads, 512, device=device).to(torch.bfloat16)
+    if mxfp4:
+        w_uv, w_uv_scale = kimi_ops.mxfp4_quantize(torch.randn(heads, 128, 512, device=device))
+    else:
+        w_uv, w_uv_scale = torch.randn(heads, 128, 512, device=device).to(torch.bfloat16) / 8, None
+    g = torch.rand(tokens, heads * 128, device=device).to(torch.bfloat16) if gate else None
+    torch.library.opcheck(ops.mla_v_up_proj.default, (o, w_uv, w_uv_scale, g), test_utils=ALL_UTILS)
+
+
 def fp8q_samples():
     from conftest import quantize_per_tensor
     for device in DEVICES:

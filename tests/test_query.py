@@ -69,13 +69,14 @@ def oracle_query(q_nope, q_pe, w_uk, w_uk_scale, pad_heads):
 
 
 def check_query(t, h, *, pad=None, mxfp4=False, strided=False, d=128, latent=512, p=64, impl="triton",
-                device="cpu", dot_scaled=None, seed=0):
+                device="cpu", dot_scaled=None, gemv=None, constant_w=False, seed=0):
     q_nope, q_pe, w_uk, w_uk_scale = make_query_inputs(t, h, d=d, latent=latent, p=p, mxfp4=mxfp4,
                                                        strided=strided, seed=seed, device=device)
     if impl == "triton":
         from kimi_ops.kernels import query as Q
 
-        out = Q.mla_query(q_nope, q_pe, w_uk, w_uk_scale, pad, dot_scaled=dot_scaled)
+        out = Q.mla_query(q_nope, q_pe, w_uk, w_uk_scale, pad, dot_scaled=dot_scaled, gemv=gemv,
+                          constant_w=constant_w)
     else:
         out = ref.mla_query(q_nope, q_pe, w_uk, w_uk_scale, pad)
     hp = h if pad is None else pad
@@ -83,7 +84,7 @@ def check_query(t, h, *, pad=None, mxfp4=False, strided=False, d=128, latent=512
     out = out.cpu()
     want = oracle_query(q_nope, q_pe, w_uk, w_uk_scale, pad)
     err = rel_err(out[:, :h, :latent], want[:, :h, :latent])
-    assert err < 4e-3, (t, h, pad, mxfp4, strided, impl, dot_scaled, err)
+    assert err < 4e-3, (t, h, pad, mxfp4, strided, impl, dot_scaled, gemv, constant_w, err)
     assert torch.equal(out[:, :h, latent:], q_pe.cpu()), "q_pe part must be copied bit for bit"
     if hp > h:
         assert out[:, h:].eq(0).all() and not torch.signbit(out[:, h:]).any(), "pad rows must be +0"
@@ -125,12 +126,34 @@ t.check_query(4, 1, pad=2, mxfp4=True, d=96, latent=64, p=16, seed=4)      # D t
 t.check_query(4, 1, pad=2, mxfp4=True, d=96, latent=64, p=16, strided="d", seed=4)   # stride_qnd = 2, NaN in
                                                                             # the unowned columns
 t.check_query(5, 2, pad=None, mxfp4=True, strided="t", seed=8)            # q_nope.transpose(0, 1)
+# the GEMV form (the default at T = 1), both weights; constant_w: the weight loaded before the wait
+for mx in (False, True):
+    t.check_query(1, 2, pad=3, mxfp4=mx, strided=True, seed=10)           # default: GEMV at T = 1
+    t.check_query(1, 2, pad=None, mxfp4=mx, strided=True, constant_w=True, seed=11)
+    t.check_query(3, 2, pad=4, mxfp4=mx, gemv=True, constant_w=True, seed=12)   # BLOCK_M 4, a row tail
+    t.check_query(8, 1, pad=None, mxfp4=mx, gemv=True, strided="t", seed=13)
+    t.check_query(2, 1, pad=2, mxfp4=mx, gemv=True, d=96, latent=80, p=16, strided="d", seed=14)  # D, L tails
+    t.check_query(3, 2, pad=3, mxfp4=mx, gemv=False, constant_w=True, seed=15)  # the tl.dot form, W first
 # the op layer, dispatched to Triton on CPU tensors
 import os, kimi_ops
 os.environ["KIMI_OPS_BACKEND"] = "triton"
 qn, qp, w, s = t.make_query_inputs(3, 2, mxfp4=True, seed=5)
 assert torch.equal(kimi_ops.mla_query(qn, qp, w, s, pad_heads=4), t.ref.mla_query(qn, qp, w, s, 4))
 """)
+
+
+def test_use_query_gemv(monkeypatch):
+    """The GEMV form: by default at T = 1 (not on ROCm), forced by gemv= or KIMI_OPS_QUERY_GEMV=0/1
+    (the argument first), never above GEMV_MAX_M rows."""
+    from kimi_ops.kernels import query as Q
+
+    monkeypatch.delenv("KIMI_OPS_QUERY_GEMV", raising=False)
+    assert Q.use_query_gemv(1) == (torch.version.hip is None) and not Q.use_query_gemv(2)
+    assert Q.use_query_gemv(8, True) and not Q.use_query_gemv(Q.GEMV_MAX_M + 1, True)
+    monkeypatch.setenv("KIMI_OPS_QUERY_GEMV", "0")
+    assert not Q.use_query_gemv(1) and Q.use_query_gemv(1, True)
+    monkeypatch.setenv("KIMI_OPS_QUERY_GEMV", "1")
+    assert Q.use_query_gemv(5) and not Q.use_query_gemv(5, False) and not Q.use_query_gemv(Q.GEMV_MAX_M + 1)
 
 
 def test_cross_compile_specs_cover_launches():
@@ -152,6 +175,14 @@ def test_cross_compile_specs_cover_launches():
                            for s in Q.CROSS_COMPILE_SPECS if target in s["targets"]
                            and (s["constexprs"]["MXFP4"], s["constexprs"]["DOT_SCALED"]) == path}
                 assert launched <= covered, (target, path)
+    # the GEMV form at every T it takes (default on NVIDIA at T = 1; gemv=True up to GEMV_MAX_M)
+    gemv_launched = {Q.query_gemv_config(t) for t in range(1, Q.GEMV_MAX_M + 1)}
+    for target in ("sm90", "gfx950", "gfx942"):
+        for mxfp4 in (False, True):
+            covered = {(s["constexprs"]["BLOCK_M"], s["constexprs"]["BLOCK_N"], s["num_warps"])
+                       for s in Q.CROSS_COMPILE_SPECS if target in s["targets"] and s["constexprs"]["GEMV"]
+                       and s["constexprs"]["MXFP4"] == mxfp4}
+            assert gemv_launched <= covered, (target, mxfp4)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -175,6 +206,32 @@ def test_gpu_query_grid(t, h, mxfp4, pad):
 @requires_cuda
 def test_gpu_query_dot_scaled_path():
     check_query(33, 12, pad=16, mxfp4=True, dot_scaled=True, device="cuda")
+
+
+@requires_cuda
+@pytest.mark.parametrize("mxfp4", [False, True], ids=["bf16", "mxfp4"])
+def test_gpu_query_gemv_and_weights_first(mxfp4):
+    """The GEMV form at every T it serves and the tl.dot form, each with the weight tile loaded
+    before the PDL wait (constant_w) and without; a CUDA-graph replay of the layer's call."""
+    _poison_allocator()
+    for t in (1, 2, 5, 8):
+        for gemv in (True, False):
+            for constant_w in (False, True):
+                check_query(t, 12, pad=16, mxfp4=mxfp4, strided=True, gemv=gemv, constant_w=constant_w,
+                            device="cuda", seed=t)
+    check_query(3, 2, pad=None, mxfp4=mxfp4, gemv=True, d=96, latent=80, p=16, strided="d", device="cuda")
+    q_nope, q_pe, w_uk, w_uk_scale = make_query_inputs(1, 12, mxfp4=mxfp4, strided=True, device="cuda")
+    import kimi_ops
+
+    kimi_ops.mla_query(q_nope, q_pe, w_uk, w_uk_scale, constant_w=True)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = kimi_ops.mla_query(q_nope, q_pe, w_uk, w_uk_scale, constant_w=True)
+    q_nope.copy_(torch.randn_like(q_nope))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel_err(out[:, :, :512].cpu(), oracle_query(q_nope, q_pe, w_uk, w_uk_scale, None)[:, :, :512]) < 4e-3
 
 
 @requires_cuda

@@ -23,6 +23,7 @@ CROSS_COMPILE_MODULES = (
     "kimi_ops.kernels.attention",
     "kimi_ops.kernels.triton_m1c",
     "kimi_ops.kernels.cache",
+    "kimi_ops.kernels.pre_norm",
     "kimi_ops.kernels.fp8_gemm",
     "kimi_ops.kernels.mxfp4",
     "kimi_ops.kernels.query",

@@ -56,7 +56,7 @@ import triton
 import triton.language as tl
 
 from . import interpreting, mxfp4_paths
-from .pdl import pdl_args, wait_prior_grid
+from .pdl import pdl_args, wait_prior_grid, weights_first
 
 
 @triton.jit
@@ -178,14 +178,16 @@ def _to_bf16(x, INTERP: tl.constexpr):
 
 @triton.jit
 def _bmm_a16wfp4_kernel(
-    x_ptr, w_ptr, s_ptr, y_ptr,
+    x_ptr, w_ptr, s_ptr, y_ptr, g_ptr,
     M, N, K,
     stride_xb, stride_xm, stride_xk,
     stride_wb, stride_wn, stride_wk,
     stride_sb, stride_sn, stride_sk,
     stride_yb, stride_ym, stride_yn,
+    stride_gb, stride_gm, stride_gn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     K_TILES: tl.constexpr, DOT_SCALED: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr = False,
+    GATE: tl.constexpr = False,
 ):
     wait_prior_grid(PDL)
     pid_m = tl.program_id(0)
@@ -217,8 +219,22 @@ def _bmm_a16wfp4_kernel(
         else:
             w = _dot_operand(_mxfp4_decode(wp, ws, BLOCK_N, BLOCK_K), INTERP)
             acc = tl.dot(_dot_operand(x, INTERP), tl.trans(w), acc)
-    y = y_ptr + b * stride_yb + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
-    tl.store(y, _to_bf16(acc, INTERP), mask=mask_m[:, None] & mask_n[None, :])
+    _store_y(acc, y_ptr, g_ptr, b, offs_m, offs_n, M, N, stride_yb, stride_ym, stride_yn,
+             stride_gb, stride_gm, stride_gn, GATE, INTERP)
+
+
+@triton.jit
+def _store_y(acc, y_ptr, g_ptr, b, offs_m, offs_n, M, N, stride_yb, stride_ym, stride_yn,
+             stride_gb, stride_gm, stride_gn, GATE: tl.constexpr, INTERP: tl.constexpr):
+    """The bmm kernels' epilogue: acc [BM, BN] f32 (batch b, rows offs_m, columns offs_n) to y as
+    bf16, times the gate g at the same (b, m, n) first when GATE (one rounding)."""
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    if GATE:
+        g = tl.load(g_ptr + b * stride_gb + offs_m[:, None] * stride_gm + offs_n[None, :] * stride_gn,
+                    mask=mask, other=0.0)
+        acc = acc * g.to(tl.float32)
+    tl.store(y_ptr + b * stride_yb + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn,
+             _to_bf16(acc, INTERP), mask=mask)
 
 
 @triton.jit
@@ -237,41 +253,68 @@ def _gemv_x_row(x_row, kp, mask, stride_xk, X_PAIRS: tl.constexpr):
 
 
 @triton.jit
-def _gemv_chunk(part, x_b, w_rows, s_rows, k0, m3, n3, M, N, K, stride_xm, stride_xk, stride_wk, stride_sk,
-                BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, X_PAIRS: tl.constexpr):
-    """part [BM, BN, BK/2] + the products of K chunk [k0, k0 + BLOCK_K), elementwise: x's even and odd
-    columns [BM, 1, BK/2] against the even / odd decode [1, BN, BK/2] (low nibbles: K elements
-    2j, high: 2j + 1), broadcast. x is loaded row by row ([1, 1, BK/2] tiles put in place with
-    where): a tile with fewer elements than the CTA has threads is a "cheap" load to Triton's
-    layout passes, which then load it straight in the product's layout (each thread its own K
-    strip, repeated over N) instead of converting a [BM, 1, BK/2] tile through shared memory."""
-    kp = k0 // 2 + tl.arange(0, BLOCK_K // 2)[None, None, :]     # [1, 1, BK/2] packed columns
-    mask_k = kp < K // 2                                          # K % 32 == 0: 2 kp < K iff kp < K/2
+def _gemv_x_tile(x_b, kp, mask_k, m3, M, stride_xm, stride_xk, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                 X_PAIRS: tl.constexpr):
+    """x's even and odd columns at packed K positions kp [1, 1, BK/2] for rows 0 .. BLOCK_M - 1 of
+    x_b (masked past M) -> (xe, xo) float32 [BM, 1, BK/2]. Loaded row by row ([1, 1, BK/2] tiles put
+    in place with where): a tile with fewer elements than the CTA has threads is a "cheap" load to
+    Triton's layout passes, which then load it straight in the product's layout (each thread its
+    own K strip, repeated over N) instead of converting a [BM, 1, BK/2] tile through shared memory."""
     xe = tl.zeros((BLOCK_M, 1, BLOCK_K // 2), dtype=tl.float32)
     xo = tl.zeros((BLOCK_M, 1, BLOCK_K // 2), dtype=tl.float32)
     for mi in tl.static_range(BLOCK_M):
         re, ro = _gemv_x_row(x_b + mi * stride_xm, kp, mask_k & (mi < M), stride_xk, X_PAIRS)
         xe = tl.where(m3 == mi, re, xe)
         xo = tl.where(m3 == mi, ro, xo)
-    we, wo = _load_mxfp4_even_odd(w_rows, s_rows, kp, (n3 < N) & mask_k, stride_wk, stride_sk)
+    return xe, xo
+
+
+@triton.jit
+def _gemv_w_tile(w_rows, s_rows, kp, mask, stride_wk, stride_sk, W_BF16: tl.constexpr):
+    """The weight's even / odd K elements at packed positions kp [1, 1, BK/2] of the rows w_rows
+    [1, BN, 1] (masked: 0) -> (we, wo) float32 [1, BN, BK/2]: an MXFP4 weight decoded (low nibbles:
+    K elements 2j, high: 2j + 1), or with W_BF16 a bf16 weight (rows contiguous along K, 4-byte
+    aligned) read as uint32 pairs like x's."""
+    if W_BF16:
+        return _gemv_x_row(w_rows, kp, mask, 1, True)
+    else:
+        return _load_mxfp4_even_odd(w_rows, s_rows, kp, mask, stride_wk, stride_sk)
+
+
+@triton.jit
+def _gemv_chunk(part, x_b, w_rows, s_rows, k0, m3, n3, M, N, K, stride_xm, stride_xk, stride_wk, stride_sk,
+                BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, X_PAIRS: tl.constexpr, W_BF16: tl.constexpr):
+    """part [BM, BN, BK/2] + the products of K chunk [k0, k0 + BLOCK_K), elementwise: x's even and odd
+    columns [BM, 1, BK/2] (:func:`_gemv_x_tile`) against the weight's [1, BN, BK/2]
+    (:func:`_gemv_w_tile`), broadcast."""
+    kp = k0 // 2 + tl.arange(0, BLOCK_K // 2)[None, None, :]     # [1, 1, BK/2] packed columns
+    mask_k = kp < K // 2                                          # K % 32 == 0: 2 kp < K iff kp < K/2
+    xe, xo = _gemv_x_tile(x_b, kp, mask_k, m3, M, stride_xm, stride_xk, BLOCK_M, BLOCK_K, X_PAIRS)
+    we, wo = _gemv_w_tile(w_rows, s_rows, kp, (n3 < N) & mask_k, stride_wk, stride_sk, W_BF16)
     return part + xe * we + xo * wo
 
 
 @triton.jit
 def _bmm_a16wfp4_gemv_kernel(
-    x_ptr, w_ptr, s_ptr, y_ptr,
+    x_ptr, w_ptr, s_ptr, y_ptr, g_ptr,
     M, N, K,
     stride_xb, stride_xm, stride_xk,
     stride_wb, stride_wn, stride_wk,
     stride_sb, stride_sn, stride_sk,
     stride_yb, stride_ym, stride_yn,
+    stride_gb, stride_gm, stride_gn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     K_TILES: tl.constexpr, X_PAIRS: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr = False,
+    W_BF16: tl.constexpr = False, GATE: tl.constexpr = False, W_FIRST: tl.constexpr = False,
 ):
     """Small-M bmm without tl.dot: one program per (N block, batch) for all M <= BLOCK_M rows.
     Products are summed elementwise into part [BM, BN, BK/2] over the K chunks (FMAs in each
-    thread's registers) and reduced over K once at the end."""
-    wait_prior_grid(PDL)
+    thread's registers) and reduced over K once at the end. W_BF16: w is bf16 ``[B, N, K]`` (K
+    contiguous; s_ptr unused). GATE: y = (x @ w^T) * g elementwise before the one rounding to bf16
+    (g bf16, y's shape, its own strides; :mod:`kimi_ops.kernels.up_proj`). W_FIRST (one or two K
+    chunks, w a constant of the caller's: ``constant_w``): the weight tiles are loaded and decoded
+    before the PDL wait, so their memory round trip overlaps the previous kernel's tail; x after
+    it."""
     pid_n = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     offs_m = tl.arange(0, BLOCK_M)
@@ -281,20 +324,36 @@ def _bmm_a16wfp4_gemv_kernel(
     x_b = x_ptr + b * stride_xb
     w_rows = w_ptr + b * stride_wb + n3 * stride_wn
     s_rows = s_ptr + b * stride_sb + n3 * stride_sn
-    part = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // 2), dtype=tl.float32)
-    if K_TILES <= 8:
-        # unrolled (Kimi-K3's K = 128, 512: 1-4 chunks), no barrier between chunks, so later
-        # chunks' loads may issue before earlier chunks' math (ptxas does so in part: gemv_config)
-        for kt in tl.static_range(K_TILES):
-            part = _gemv_chunk(part, x_b, w_rows, s_rows, kt * BLOCK_K, m3, n3, M, N, K,
-                               stride_xm, stride_xk, stride_wk, stride_sk, BLOCK_M, BLOCK_K, X_PAIRS)
+    if W_FIRST:   # one or two K chunks, every weight load before the wait
+        tl.static_assert(K_TILES <= 2, "W_FIRST holds one or two K chunks of the weight")
+        kp0 = tl.arange(0, BLOCK_K // 2)[None, None, :]
+        we0, wo0 = _gemv_w_tile(w_rows, s_rows, kp0, (n3 < N) & (kp0 < K // 2), stride_wk, stride_sk, W_BF16)
+        if K_TILES == 2:
+            kp1 = kp0 + BLOCK_K // 2
+            we1, wo1 = _gemv_w_tile(w_rows, s_rows, kp1, (n3 < N) & (kp1 < K // 2), stride_wk, stride_sk, W_BF16)
+        wait_prior_grid(PDL)
+        xe, xo = _gemv_x_tile(x_b, kp0, kp0 < K // 2, m3, M, stride_xm, stride_xk, BLOCK_M, BLOCK_K, X_PAIRS)
+        part = xe * we0 + xo * wo0
+        if K_TILES == 2:
+            xe, xo = _gemv_x_tile(x_b, kp1, kp1 < K // 2, m3, M, stride_xm, stride_xk, BLOCK_M, BLOCK_K, X_PAIRS)
+            part = part + xe * we1 + xo * wo1
+        acc = tl.sum(part, axis=2)
     else:
-        for kt in range(K_TILES):
-            part = _gemv_chunk(part, x_b, w_rows, s_rows, kt * BLOCK_K, m3, n3, M, N, K,
-                               stride_xm, stride_xk, stride_wk, stride_sk, BLOCK_M, BLOCK_K, X_PAIRS)
-    acc = tl.sum(part, axis=2)
-    y = y_ptr + b * stride_yb + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
-    tl.store(y, _to_bf16(acc, INTERP), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+        wait_prior_grid(PDL)
+        part = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // 2), dtype=tl.float32)
+        if K_TILES <= 8:
+            # unrolled (Kimi-K3's K = 128, 512: 1-4 chunks), no barrier between chunks, so later
+            # chunks' loads may issue before earlier chunks' math (ptxas does so in part: gemv_config)
+            for kt in tl.static_range(K_TILES):
+                part = _gemv_chunk(part, x_b, w_rows, s_rows, kt * BLOCK_K, m3, n3, M, N, K,
+                                   stride_xm, stride_xk, stride_wk, stride_sk, BLOCK_M, BLOCK_K, X_PAIRS, W_BF16)
+        else:
+            for kt in range(K_TILES):
+                part = _gemv_chunk(part, x_b, w_rows, s_rows, kt * BLOCK_K, m3, n3, M, N, K,
+                                   stride_xm, stride_xk, stride_wk, stride_sk, BLOCK_M, BLOCK_K, X_PAIRS, W_BF16)
+        acc = tl.sum(part, axis=2)
+    _store_y(acc, y_ptr, g_ptr, b, offs_m, offs_n, M, N, stride_yb, stride_ym, stride_yn,
+             stride_gb, stride_gm, stride_gn, GATE, INTERP)
 
 
 def _is_gfx950(device: torch.device) -> bool:
@@ -368,17 +427,22 @@ def use_gemv(m: int, n: int, k: int, gemv: bool | None = None) -> bool:
     dot_scaled path is not picked): never at M > GEMV_MAX_M; else ``gemv`` when given, else
     ``KIMI_OPS_MXFP4_GEMV=1`` / ``0`` (forced on / off), else (unset or any other value)
     :func:`gemv_wins`."""
+    forced = forced_gemv(m, gemv, "KIMI_OPS_MXFP4_GEMV")
+    return gemv_wins(m, n, k) if forced is None else forced
+
+
+def forced_gemv(m: int, gemv: bool | None, env: str) -> bool | None:
+    """A GEMV form's forced choice at M rows: False above ``GEMV_MAX_M``, else ``gemv`` when given,
+    else the environment variable ``env`` when it is ``1`` / ``0``; None when nothing forces it."""
     if m > GEMV_MAX_M:
         return False
     if gemv is not None:
         return bool(gemv)
-    env = os.environ.get("KIMI_OPS_MXFP4_GEMV", "").strip()
-    if env in ("0", "1"):
-        return env == "1"
-    return gemv_wins(m, n, k)
+    value = os.environ.get(env, "").strip()
+    return value == "1" if value in ("0", "1") else None
 
 
-def gemv_config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
+def gemv_config(m: int, n: int, k: int, constant_w: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) of the GEMV kernel from shapes alone.
 
     * BLOCK_M: M's power of two (every row in one program).
@@ -395,10 +459,21 @@ def gemv_config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
       2.64 at 8 warps, 2.67 at BLOCK_N 8, 2.82 at (32, 128, 8). (At T = 8, where the tl.dot
       kernel is the default, BLOCK_N 8 was 5.09 against 5.36.) More chunks than one: ptxas issues
       the later chunks' loads after the first chunk's math, up to a second DRAM round trip.
+    * ``constant_w`` (the caller's promise that lets the weight load before the PDL wait,
+      W_FIRST) and K >= 512: BLOCK_K = 256 (W_UV: two chunks, both loaded before the wait under
+      PDL, so the second round trip above is gone). With or without PDL: the chunking sets the
+      order of the float32 sums, and PDL must not change a bit of the output (tests/test_pdl.py:
+      on the H200, 2026-12-05, 512 without PDL and 256 with it gave the fp8 layer's decode loop
+      outputs 2.25e-4 apart).
+      x's row tile is then 128 elements, a cheap load again; at 512 (as many elements as threads)
+      both loads are anchors to Triton 3.6-3.8's layout pass, whose conflict rule takes the
+      later-defined one: x's, once the weight is loaded first. The decoded weight then goes
+      through 16 KB of shared memory and the K sum becomes a cross-warp reduction (the sm_90
+      compile with the launch's specialization; unmeasured on a GPU).
     """
     bm = triton.next_power_of_2(max(1, m))
     if k >= 512:
-        return bm, 16, 512, 8
+        return bm, 16, 256 if constant_w else 512, 8
     return bm, 16, min(128, max(32, triton.next_power_of_2(k))), 4
 
 
@@ -411,7 +486,9 @@ def gemv_x_pairs(x: torch.Tensor) -> bool:
 
 def bmm_a16wfp4(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,
                 *, config: tuple[int, ...] | None = None,
-                dot_scaled: bool | None = None, gemv: bool | None = None) -> torch.Tensor:
+                dot_scaled: bool | None = None, gemv: bool | None = None,
+                out: torch.Tensor | None = None, gate: torch.Tensor | None = None,
+                constant_w: bool = False) -> torch.Tensor:
     """``y[b] = x[b] @ dequant(w)[b]^T`` -> bf16 ``[B, M, N]`` (inputs validated by the op layer).
 
     ``dot_scaled`` overrides the host's choice of multiply (benchmarks, tests). When the
@@ -424,31 +501,23 @@ def bmm_a16wfp4(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,
     num_stages) for the tl.dot kernel (default :func:`bmm_config`), (BLOCK_M, BLOCK_N, BLOCK_K,
     num_warps) for the GEMV kernel (default :func:`gemv_config`; BLOCK_M >= M, a power of two).
     A config of the other kernel's length raises ValueError (a sweep never times the wrong kernel).
+
+    ``out``: a bf16 ``[B, M, N]`` tensor (any strides, e.g. a transposed view) to write y into
+    (returned); ``gate``: bf16 ``[B, M, N]`` (any strides), y = (x @ w^T) * gate with one rounding
+    (:func:`kimi_ops.kernels.up_proj.v_up_proj`); ``constant_w``: as in :func:`launch_gemv` (the
+    GEMV kernel only).
     """
     batch, m, k = x.shape
     n = w_packed.shape[1]
     w_scale = w_scale.view(torch.uint8)
-    y = torch.empty((batch, m, n), dtype=torch.bfloat16, device=x.device)
+    y = torch.empty((batch, m, n), dtype=torch.bfloat16, device=x.device) if out is None else out
     if batch == 0 or m == 0 or n == 0:
         return y
     if k == 0:
         return y.zero_()
     ds = use_dot_scaled(x.device) if dot_scaled is None else dot_scaled
     if not ds and use_gemv(m, n, k, gemv):
-        if config is not None and len(config) != 4:
-            raise ValueError(f"the GEMV kernel runs (M = {m}): config must be (BLOCK_M, BLOCK_N, "
-                             f"BLOCK_K, num_warps), got {config}")
-        bm, bn, bk, warps = config or gemv_config(m, n, k)
-        if bm < m or bm & (bm - 1):
-            raise ValueError(f"GEMV BLOCK_M must be a power of two >= M = {m}, got {bm}")
-        bk = min(bk, max(32, triton.next_power_of_2(k)))
-        _bmm_a16wfp4_gemv_kernel[(triton.cdiv(n, bn), batch)](
-            x, w_packed, w_scale, y, m, n, k,
-            *x.stride(), *w_packed.stride(), *w_scale.stride(), *y.stride(),
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, K_TILES=triton.cdiv(k, bk), X_PAIRS=gemv_x_pairs(x),
-            INTERP=interpreting(), **pdl_args(x.device), num_warps=warps, num_stages=1,
-        )
-        return y
+        return launch_gemv(x, w_packed, w_scale, y, gate, config, constant_w)
     if config is not None and len(config) != 5:
         raise ValueError(f"the tl.dot kernel runs: config must be (BLOCK_M, BLOCK_N, BLOCK_K, "
                          f"num_warps, num_stages), got {config}")
@@ -458,10 +527,50 @@ def bmm_a16wfp4(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,
     bk = min(bk, max(32, triton.next_power_of_2(k)))
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), batch)
     _bmm_a16wfp4_kernel[grid](
-        x, w_packed, w_scale, y, m, n, k,
-        *x.stride(), *w_packed.stride(), *w_scale.stride(), *y.stride(),
+        x, w_packed, w_scale, y, y if gate is None else gate, m, n, k,
+        *x.stride(), *w_packed.stride(), *w_scale.stride(), *y.stride(), *_gate_strides(gate),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, K_TILES=triton.cdiv(k, bk), DOT_SCALED=ds,
         INTERP=interpreting(), **pdl_args(x.device), num_warps=warps, num_stages=stages,
+        GATE=gate is not None,
+    )
+    return y
+
+
+def _gate_strides(gate: torch.Tensor | None) -> tuple[int, int, int]:
+    return (0, 0, 0) if gate is None else gate.stride()
+
+
+def launch_gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None, y: torch.Tensor,
+                gate: torch.Tensor | None = None, config: tuple[int, ...] | None = None,
+                constant_w: bool = False) -> torch.Tensor:
+    """The GEMV kernel on ``x [B, M <= GEMV_MAX_M, K]`` bf16 (any strides) and an MXFP4 weight
+    (``w`` packed ``[B, N, K/2]`` uint8 + ``w_scale`` ``[B, N, K/32]`` uint8) or a bf16 one (``w
+    [B, N, K]``, K contiguous, rows 4-byte aligned; ``w_scale`` None) into ``y [B, M, N]`` bf16 (any
+    strides), times ``gate`` (y's shape, any strides) when given; returns y. ``config``:
+    (BLOCK_M, BLOCK_N, BLOCK_K, num_warps), default :func:`gemv_config`. ``constant_w``: nothing
+    queued before on the stream writes w (a model's weight): with PDL and one or two K chunks the
+    kernel loads its weight tiles before it waits for the previous kernel (W_FIRST), and K >= 512
+    takes 256-wide chunks with or without PDL (:func:`gemv_config`)."""
+    batch, m, k = x.shape
+    n = w.shape[1]
+    if config is not None and len(config) != 4:
+        raise ValueError(f"the GEMV kernel runs (M = {m}): config must be (BLOCK_M, BLOCK_N, "
+                         f"BLOCK_K, num_warps), got {config}")
+    pdl = pdl_args(x.device)
+    w_first = weights_first(constant_w, pdl)
+    bm, bn, bk, warps = config or gemv_config(m, n, k, constant_w)
+    if bm < m or bm & (bm - 1):
+        raise ValueError(f"GEMV BLOCK_M must be a power of two >= M = {m}, got {bm}")
+    bk = min(bk, max(32, triton.next_power_of_2(k)))
+    w_bf16 = w_scale is None
+    scale, s_strides = (w, (0, 0, 0)) if w_bf16 else (w_scale, w_scale.stride())
+    k_tiles = triton.cdiv(k, bk)
+    _bmm_a16wfp4_gemv_kernel[(triton.cdiv(n, bn), batch)](
+        x, w, scale, y, y if gate is None else gate, m, n, k,
+        *x.stride(), *w.stride(), *s_strides, *y.stride(), *_gate_strides(gate),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, K_TILES=k_tiles, X_PAIRS=gemv_x_pairs(x),
+        INTERP=interpreting(), **pdl, num_warps=warps, num_stages=1,
+        W_BF16=w_bf16, GATE=gate is not None, W_FIRST=w_first and k_tiles <= 2,
     )
     return y
 
@@ -470,12 +579,12 @@ def bmm_a16wfp4(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,
 # cross-compilation registry (scripts/cross_compile.py; format in kimi_ops/kernels/__init__.py)
 
 def _specs():
-    sig = {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "y_ptr": "*bf16",
+    sig = {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "y_ptr": "*bf16", "g_ptr": "*bf16",
            "M": "i32", "N": "i32", "K": "i32"}
-    for name in ("x", "w", "s", "y"):
-        for dim in ("b", "m" if name in ("x", "y") else "n", "k" if name != "y" else "n"):
+    for name in ("x", "w", "s", "y", "g"):
+        for dim in ("b", "m" if name in ("x", "y", "g") else "n", "k" if name in ("x", "w", "s") else "n"):
             sig[f"stride_{name}{dim}"] = "i32"
-    for kk in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "K_TILES", "DOT_SCALED", "INTERP", "PDL"):
+    for kk in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "K_TILES", "DOT_SCALED", "INTERP", "PDL", "GATE"):
         sig[kk] = "constexpr"
     specs = []
     # PDL False: sm_90 launches PDL=True (kimi_ops.kernels.pdl: two griddepcontrol instructions more)
@@ -483,21 +592,23 @@ def _specs():
     seen = set()
     # the decode path (also M <= 8 with gemv=False, and ROCm's gfx942 at every M) and gfx950's
     # dot_scaled path
-    for n, k in ((512, 128), (128, 512)):
+    # W_UV's (N 128, K 512) also with the gate (kimi_ops.kernels.up_proj, M > GEMV_MAX_M: "_gate")
+    for (n, k), gates in (((512, 128), (False,)), ((128, 512), (False, True))):
         for m in (1, 32, 64, 512):   # every config bmm_config returns for these shapes
             for ds, kind, amd, targets in mxfp4_paths("decode", "dotscaled"):
                 bm, bn, bk, warps, stages = bmm_config(m, n, k, amd=amd)
-                key = (bm, bn, bk, -(-k // bk), warps, stages, ds, amd)
-                if key in seen:
-                    continue
-                seen.add(key)
-                specs.append({
-                    "name": f"bmm_a16wfp4_{kind}_m{bm}n{bn}k{bk}t{-(-k // bk)}w{warps}s{stages}"
-                            + ("_amd" if amd and not ds else ""),
-                    "kernel": _bmm_a16wfp4_kernel, "signature": dict(sig),
-                    "constexprs": {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "K_TILES": -(-k // bk),
-                                   "DOT_SCALED": ds, "INTERP": False, "PDL": False},
-                    "num_warps": warps, "num_stages": stages, "targets": targets})
+                for gate in gates:
+                    key = (bm, bn, bk, -(-k // bk), warps, stages, ds, amd, gate)
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                    specs.append({
+                        "name": f"bmm_a16wfp4_{kind}_m{bm}n{bn}k{bk}t{-(-k // bk)}w{warps}s{stages}"
+                                + ("_amd" if amd and not ds else "") + ("_gate" if gate else ""),
+                        "kernel": _bmm_a16wfp4_kernel, "signature": dict(sig),
+                        "constexprs": {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "K_TILES": -(-k // bk),
+                                       "DOT_SCALED": ds, "INTERP": False, "PDL": False, "GATE": gate},
+                        "num_warps": warps, "num_stages": stages, "targets": targets})
     # the dot-free GEMV kernel (the default at M = 1, and at M <= 8 when K >= 512: gemv_wins; gemv=True
     # or KIMI_OPS_MXFP4_GEMV=1 at any M <= 8): every config gemv_config returns
     # for these shapes at M 1 .. GEMV_MAX_M (BLOCK_M 1, 2, 4, 8), with x read as uint32 pairs (the
@@ -506,23 +617,43 @@ def _specs():
     # constant) and one divisible by 16, and the GEMV's layouts depend on that (contiguous, aligned
     # weight rows: vectorized loads, each thread a K strip), so its PTX at run time differs from
     # this generic compile (fewer shuffles, one shared-memory round trip instead of 3-17).
+    # kimi_ops.kernels.up_proj's W_UV (M <= GEMV_MAX_M, x pairs): with the gate, MXFP4 ("_gate") or
+    # bf16 ("_bf16_gate", w_ptr / s_ptr bf16) weights.
     gsig = {a: t for a, t in sig.items() if a != "DOT_SCALED"}
-    gsig["X_PAIRS"] = "constexpr"
+    gsig["X_PAIRS"] = gsig["W_BF16"] = gsig["W_FIRST"] = "constexpr"
     gseen = set()
-    for n, k in ((512, 128), (128, 512)):
+    for (n, k), forms in (((512, 128), ((True, False, False), (False, False, False))),
+                          ((128, 512), ((True, False, False), (False, False, False), (True, False, True),
+                                        (True, True, True)))):
         for m in range(1, GEMV_MAX_M + 1):
             bm, bn, bk, warps = gemv_config(m, n, k)
-            for pairs in (True, False):
-                key = (bm, bn, bk, -(-k // bk), warps, pairs)
+            for pairs, w_bf16, gate in forms:
+                key = (bm, bn, bk, -(-k // bk), warps, pairs, w_bf16, gate)
                 if key in gseen:
                     continue
                 gseen.add(key)
                 specs.append({
-                    "name": f"bmm_a16wfp4_gemv_m{bm}n{bn}k{bk}t{-(-k // bk)}w{warps}" + ("" if pairs else "_xs"),
-                    "kernel": _bmm_a16wfp4_gemv_kernel, "signature": dict(gsig),
+                    "name": f"bmm_a16wfp4_gemv_m{bm}n{bn}k{bk}t{-(-k // bk)}w{warps}" + ("" if pairs else "_xs")
+                            + ("_bf16" if w_bf16 else "") + ("_gate" if gate else ""),
+                    "kernel": _bmm_a16wfp4_gemv_kernel,
+                    "signature": {**gsig, **({"w_ptr": "*bf16", "s_ptr": "*bf16"} if w_bf16 else {})},
                     "constexprs": {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "K_TILES": -(-k // bk),
-                                   "X_PAIRS": pairs, "INTERP": False, "PDL": False},
+                                   "X_PAIRS": pairs, "INTERP": False, "PDL": False, "W_BF16": w_bf16,
+                                   "GATE": gate, "W_FIRST": False},
                     "num_warps": warps, "num_stages": 1, "targets": ("gfx950", "gfx942", "sm90")})
+    # the decode layer's W_UV launches on sm_90 as they run: PDL, the weight tile before the wait
+    # (constant_w; tests/test_cross_compile.py checks the order of the loads in the PTX)
+    for m in (1, 8):
+        bm, bn, bk, warps = gemv_config(m, 128, 512, constant_w=True)
+        for w_bf16 in (False, True):
+            specs.append({
+                "name": f"bmm_a16wfp4_gemv_m{bm}n{bn}k{bk}t{512 // bk}w{warps}" + ("_bf16" if w_bf16 else "")
+                        + "_gate_pdl_wfirst",
+                "kernel": _bmm_a16wfp4_gemv_kernel,
+                "signature": {**gsig, **({"w_ptr": "*bf16", "s_ptr": "*bf16"} if w_bf16 else {})},
+                "constexprs": {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "K_TILES": 512 // bk, "X_PAIRS": True,
+                               "INTERP": False, "PDL": True, "W_BF16": w_bf16, "GATE": True, "W_FIRST": True},
+                "num_warps": warps, "num_stages": 1, "targets": ("sm90",)})
     return specs
 
 

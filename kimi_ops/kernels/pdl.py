@@ -5,9 +5,11 @@ programs then wait (``griddepcontrol.wait``) until that grid has finished and it
 visible, so the launch latency and the ramp-up of the next grid overlap the tail of the previous
 one. The Hopper kernels (csrc/sm90/) can do the same (``KIMI_OPS_SM90_PDL=1``; off by default:
 measured slower there), and so can Inductor's (``torch._inductor.config.triton.enable_pdl``). A
-kernel launched with PDL must wait before it touches global memory: :func:`wait_prior_grid` is the
-first statement of each kernel that takes ``PDL``. ``KIMI_OPS_PDL=0`` turns it off everywhere (read
-at each launch; a CUDA graph keeps what its capture saw).
+kernel launched with PDL must wait before it reads anything an earlier kernel may write:
+:func:`wait_prior_grid` is the first statement of each kernel that takes ``PDL``, or comes right
+after the loads of its weights where the caller promises them constant (the ops' ``constant_w``:
+:func:`weights_first`). ``KIMI_OPS_PDL=0`` turns it off everywhere (read at each launch; a CUDA
+graph keeps what its capture saw).
 """
 import functools
 import os
@@ -47,6 +49,16 @@ def pdl_args(device: torch.device) -> dict:
           and os.environ.get("KIMI_OPS_PDL", "1") != "0" and _triton_takes_launch_pdl()
           and _device_has_pdl(device_index(device)))
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+
+
+def weights_first(constant_w: bool, pdl: dict) -> bool:
+    """The ``W_FIRST`` switch of a kernel with a weight operand: load (and decode) the weight tile
+    before :func:`wait_prior_grid`, so that its memory round trip overlaps the previous kernel's
+    tail. Only when the caller promises that nothing queued before writes the weight
+    (``constant_w``), and only where it matters: a PDL launch (``pdl``: :func:`pdl_args`'s
+    keywords); and under the interpreter, where the wait is nothing, so the CPU tests run that
+    form of the kernel too."""
+    return constant_w and (pdl["PDL"] or interpreting())
 
 
 @triton.jit

@@ -133,6 +133,23 @@ def quantize_kv_rows(kv_c, k_pe, kv_scale, dtype):
     return rows.clamp(-bound, bound).to(dtype)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in float32, one rounding back to x's dtype."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * weight.float()).to(x.dtype)
+
+
+def mla_norm_cache_write(q_c, kv_c, k_pe, q_norm_weight, kv_norm_weight, kv_rows, slot_mapping, g=None, *,
+                         eps, kv_scale, constant_w=False):
+    """``(rms_norm(q_c), sigmoid(g))`` (gate ``[T, 0]`` without g), and ``rms_norm(kv_c)`` with
+    k_pe written as :func:`mla_cache_write` writes them (kv_rows [N, 576], in place;
+    ``constant_w``, a launch hint for the GPU kernel, changes nothing here)."""
+    mla_cache_write(rms_norm(kv_c, kv_norm_weight, eps), k_pe, kv_rows, slot_mapping, kv_scale)
+    gate = q_c.new_empty((q_c.shape[0], 0)) if g is None else torch.sigmoid(g)
+    return rms_norm(q_c, q_norm_weight, eps), gate
+
+
 def mla_cache_write(kv_c, k_pe, kv_rows, slot_mapping, kv_scale):
     """Write row slot_mapping[t] of kv_rows [N, 576] (in place); slots outside [0, N) are skipped."""
     valid = (slot_mapping >= 0) & (slot_mapping < kv_rows.shape[0])

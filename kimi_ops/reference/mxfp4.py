@@ -129,8 +129,26 @@ def bmm_a16wfp4(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor) 
     return torch.bmm(x.to(torch.float32), w.transpose(1, 2)).to(torch.bfloat16)
 
 
+def mla_v_up_proj(o: torch.Tensor, w_uv: torch.Tensor, w_uv_scale: torch.Tensor | None = None,
+                  gate: torch.Tensor | None = None, *, constant_w: bool = False) -> torch.Tensor:
+    """The layer's W_UV up-projection and gate: ``out[t, h*v + j] = (W_UV[h] @ o[t, h])[j] *
+    gate[t, h*v + j]`` as bf16 ``[T, H * v]``; o ``[T, H, L]`` bf16, ``w_uv`` bf16 ``[H, v, L]`` or
+    MXFP4 (uint8 ``[H, v, L/2]`` + ``w_uv_scale [H, v, L/32]``), gate ``[T, H * v]`` or None.
+    float32 math on the exactly dequantized weights, the gate on the float32 product, one rounding
+    (``constant_w``, a launch hint for the GPU kernel, changes nothing here)."""
+    if w_uv_scale is None:
+        w = w_uv.to(torch.float32)
+    else:
+        w = mxfp4_dequantize(w_uv, w_uv_scale, dtype=torch.float32)
+    core = torch.einsum("thl,hvl->thv", o.to(torch.float32), w).reshape(o.shape[0], -1)
+    if gate is not None:
+        core = core * gate.to(torch.float32)
+    return core.to(torch.bfloat16)
+
+
 def mla_query(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor,
-              w_uk_scale: torch.Tensor | None = None, pad_heads: int | None = None) -> torch.Tensor:
+              w_uk_scale: torch.Tensor | None = None, pad_heads: int | None = None,
+              *, constant_w: bool = False) -> torch.Tensor:
     """M1a: ``q[t, h] = [q_nope[t, h] @ W_UK[h] | q_pe[t, h]]`` as bf16 ``[T, H', L + P]``.
 
     Args:
@@ -140,6 +158,7 @@ def mla_query(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor,
             ``[H, L, D/2]`` with ``w_uk_scale [H, L, D/32]`` (then W_UK[h] = dequant(w_uk)[h]^T).
         pad_heads: None (H' = H) or H' >= H; **pad heads' rows are all zeros**
             (latent and rope parts).
+        constant_w: a launch hint for the GPU kernel (:func:`kimi_ops.mla_query`); no effect here.
 
     Returns:
         q ``[T, H', L + P]`` bf16, contiguous: float32 math, one rounding to bf16;

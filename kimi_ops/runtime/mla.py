@@ -1,14 +1,13 @@
 """An MLA layer's decode step, split where the seeds' mono kernels split it.
 
 * :func:`pre`: the qkv_a GEMM (g_proj merged in or beside it; bf16, or fp8 block-scaled
-  through :func:`project`), the q / kv RMSNorms,
-  q_b, RoPE where the config has it, W_UK absorbed into the query (M1a,
-  :func:`kimi_ops.mla_query`), this step's KV rows into the fp8 cache
-  (:func:`kimi_ops.mla_cache_write`), the output gate ``sigmoid(g_proj)``.
+  through :func:`project`); the q / kv RMSNorms, this step's KV rows into the fp8 cache and the
+  output gate ``sigmoid(g_proj)`` in one op (:func:`kimi_ops.mla_norm_cache_write`); q_b, RoPE
+  where the config has it, W_UK absorbed into the query (M1a, :func:`kimi_ops.mla_query`).
 * :func:`attend`: the attention over the latent cache (M1c + M1b, :func:`kimi_ops.mla_decode`;
   AITER's ``mla_decode_fwd`` where the layer asks for it on ROCm, :mod:`.aiter_fallback`).
-* :func:`post`: the W_UV up-projection (MXFP4 :func:`kimi_ops.bmm_a16wfp4` or a bf16 bmm)
-  times the gate: o_proj's input ``[T, H * v]`` bf16.
+* :func:`post`: the W_UV up-projection (MXFP4 or bf16) times the gate, one op
+  (:func:`kimi_ops.mla_v_up_proj`): o_proj's input ``[T, H * v]`` bf16.
 
 ``layer(module, hidden, kv_cache, md) = post(attend(pre(...)))``. Pure decode only
 (every query row a decode row). Every function is torch ops and kimi_ops custom ops
@@ -110,13 +109,6 @@ def project(x: torch.Tensor, proj) -> torch.Tensor:
 
 # --- pieces -----------------------------------------------------------------------------------
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm in float32, one rounding back to x's dtype."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (xf * weight.float()).to(x.dtype)
-
-
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
                mscale: float = 1.0) -> torch.Tensor:
     """DeepSeek's rotary (interleaved pairs ``(2i, 2i+1)``, vLLM's ``is_neox_style=False``) of
@@ -151,28 +143,28 @@ def pre(layer, hidden: torch.Tensor, kv_cache: torch.Tensor, md, bf16: bool | No
         qkv, g = qkv.split([c.qkv_a_rows, c.gate_rows], -1)
     else:
         g = None
+    if md.dcp_world_size != layer.dcp_world_size:
+        raise ValueError(f"kimi_ops.runtime.mla.pre: the metadata is built for DCP world size "
+                         f"{md.dcp_world_size}, the layer's group has {layer.dcp_world_size} ranks")
     q_c, kv_c, k_pe = qkv.split([c.q_lora_rank, KV_LORA_RANK, ROPE_DIM], -1)
-    q_c = rms_norm(q_c, layer.q_a_layernorm.weight, c.rms_norm_eps)
-    kv_c = rms_norm(kv_c, layer.kv_a_layernorm.weight, c.rms_norm_eps)
+    if c.rope:
+        k_pe = apply_rope(k_pe, md.positions, layer.rotary_inv_freq, c.rope_mscale)
+    # the q / kv RMSNorms, this step's KV rows into the cache, sigmoid(g): one kernel
+    q_c, gate = ops.mla_norm_cache_write(q_c, kv_c, k_pe, layer.q_a_layernorm.weight, layer.kv_a_layernorm.weight,
+                                         kv_cache, md.slot_mapping, g, eps=c.rms_norm_eps, kv_scale=layer.kv_scale,
+                                         constant_w=True)
     q = project(q_c, layer.q_b_proj).view(-1, layer.num_heads, nope + rope)
     q_nope, q_pe = q.split([nope, rope], -1)
     if c.rope:
         q_pe = apply_rope(q_pe, md.positions, layer.rotary_inv_freq, c.rope_mscale)
-        k_pe = apply_rope(k_pe, md.positions, layer.rotary_inv_freq, c.rope_mscale)
     bf16 = layer.query_bf16 if bf16 is None else bf16
-    q = ops.mla_query(q_nope, q_pe, layer.W_UK, layer.W_UK_scale)
-    if not bf16:
-        q = quantize_step_query(layer, q)
-    ops.mla_cache_write(kv_c, k_pe, kv_cache, md.slot_mapping, layer.kv_scale)
-    if md.dcp_world_size != layer.dcp_world_size:
-        raise ValueError(f"kimi_ops.runtime.mla.pre: the metadata is built for DCP world size "
-                         f"{md.dcp_world_size}, the layer's group has {layer.dcp_world_size} ranks")
+    q = ops.mla_query(q_nope, q_pe, layer.W_UK, layer.W_UK_scale, constant_w=True)
     if bf16:
         q = dcp.query_all_gather(q, layer.dcp_group)       # DCP: [T, H, 576] -> [T, W * H, 576]
     else:
+        q = quantize_step_query(layer, q)
         q = FP8Query(*dcp.query_all_gather_fp8(q.q8, q.q_scale, layer.dcp_group))
-    gate = torch.sigmoid(g) if g is not None else None
-    return q, gate
+    return q, (gate if g is not None else None)
 
 
 def attend(layer, q, kv_cache: torch.Tensor, md):
@@ -214,15 +206,10 @@ def m1c_inputs(layer, q, kv_cache: torch.Tensor, md, num_splits: int | None = No
 
 
 def post(layer, o: torch.Tensor, lse: torch.Tensor, md, gate: torch.Tensor | None):
-    """o_proj's input ``[T, H * v]`` bf16: W_UV applied to each head's latent output, times the gate."""
+    """o_proj's input ``[T, H * v]`` bf16: W_UV applied to each head's latent output, times the
+    gate (:func:`kimi_ops.mla_v_up_proj`: one kernel, the gate on the float32 product)."""
     latent, _ = dcp.combine(o, lse, layer.dcp_group, layer.dcp_combine)  # DCP: W * H -> H heads
-    x = latent.transpose(0, 1)                             # [H, T, 512], a view
-    if layer.W_UV_scale is not None:
-        core = ops.bmm_a16wfp4(x, layer.W_UV, layer.W_UV_scale)      # [H, T, v]
-    else:
-        core = torch.bmm(x, layer.W_UV.transpose(1, 2))
-    core = core.transpose(0, 1).reshape(o.shape[0], -1)   # [T, H * v]
-    return core * gate if gate is not None else core
+    return ops.mla_v_up_proj(latent, layer.W_UV, layer.W_UV_scale, gate, constant_w=True)
 
 
 def layer(module, hidden: torch.Tensor, kv_cache: torch.Tensor, md) -> torch.Tensor:
