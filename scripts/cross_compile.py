@@ -62,7 +62,7 @@ def load_specs(only=None):
 def _attrs(kernel, signature, divisible=()):
     # pointers 16-byte aligned, as torch allocations are: lets the compiler vectorize loads; and
     # the integer arguments in ``divisible`` multiples of 16, as Triton's JIT specializes an int
-    # whose value is one at launch (without it a masked load of a K tail may not vectorize, and
+    # whose value is a multiple of 16 at launch (without it a masked load may not vectorize, and
     # Hopper's loop pipeliner leaves such a loop unpipelined: the sm90 compile is then not the one
     # that runs)
     attrs = {}
