@@ -76,7 +76,9 @@ def check_shards_merge(device: str, world: int, qlen: int) -> None:
 
 
 def test_dcp_bounds_in_the_triton_kernel_interpreted():
-    code = "import test_dcp; [test_dcp.check_shards_merge('cpu', w, q) for w, q in ((2, 1), (3, 2), (4, 4))]"
+    # two shardings (an even and an odd world, qlen 1 and 2): the reference test above sweeps
+    # worlds 2-8 and qlen 1-4 through the same bounds; this checks the Triton kernel applies them
+    code = "import test_dcp; [test_dcp.check_shards_merge('cpu', w, q) for w, q in ((2, 1), (3, 2))]"
     here = os.path.dirname(os.path.abspath(__file__))
     path = os.pathsep.join([os.path.dirname(here), os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, TRITON_INTERPRET="1", KIMI_OPS_BACKEND="triton", CUDA_VISIBLE_DEVICES="", PYTHONPATH=path)
