@@ -291,6 +291,13 @@ def _gemv_chunk(part, x_b, w_rows, s_rows, k0, m3, n3, M, N, K, stride_xm, strid
     mask_k = kp < K // 2                                          # K % 32 == 0: 2 kp < K iff kp < K/2
     xe, xo = _gemv_x_tile(x_b, kp, mask_k, m3, M, stride_xm, stride_xk, BLOCK_M, BLOCK_K, X_PAIRS)
     we, wo = _gemv_w_tile(w_rows, s_rows, kp, (n3 < N) & mask_k, stride_wk, stride_sk, W_BF16)
+    return _gemv_add(part, xe, xo, we, wo)
+
+
+@triton.jit
+def _gemv_add(part, xe, xo, we, wo):
+    """part + one K chunk's products: the one expression every path sums with, so that W_FIRST
+    (the weight loaded before the PDL wait) changes no bit of the sums."""
     return part + xe * we + xo * wo
 
 
@@ -333,10 +340,10 @@ def _bmm_a16wfp4_gemv_kernel(
             we1, wo1 = _gemv_w_tile(w_rows, s_rows, kp1, (n3 < N) & (kp1 < K // 2), stride_wk, stride_sk, W_BF16)
         wait_prior_grid(PDL)
         xe, xo = _gemv_x_tile(x_b, kp0, kp0 < K // 2, m3, M, stride_xm, stride_xk, BLOCK_M, BLOCK_K, X_PAIRS)
-        part = xe * we0 + xo * wo0
+        part = _gemv_add(tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // 2), dtype=tl.float32), xe, xo, we0, wo0)
         if K_TILES == 2:
             xe, xo = _gemv_x_tile(x_b, kp1, kp1 < K // 2, m3, M, stride_xm, stride_xk, BLOCK_M, BLOCK_K, X_PAIRS)
-            part = part + xe * we1 + xo * wo1
+            part = _gemv_add(part, xe, xo, we1, wo1)
         acc = tl.sum(part, axis=2)
     else:
         wait_prior_grid(PDL)
@@ -461,15 +468,15 @@ def gemv_config(m: int, n: int, k: int, constant_w: bool = False) -> tuple[int, 
       the later chunks' loads after the first chunk's math, up to a second DRAM round trip.
     * ``constant_w`` (the caller's promise that lets the weight load before the PDL wait,
       W_FIRST) and K >= 512: BLOCK_K = 256 (W_UV: two chunks, both loaded before the wait under
-      PDL, so the second round trip above is gone). With or without PDL: the chunking sets the
-      order of the float32 sums, and PDL must not change a bit of the output (tests/test_pdl.py:
-      on the H200, 2026-12-05, 512 without PDL and 256 with it gave the fp8 layer's decode loop
-      outputs 2.25e-4 apart).
-      x's row tile is then 128 elements, a cheap load again; at 512 (as many elements as threads)
-      both loads are anchors to Triton 3.6-3.8's layout pass, whose conflict rule takes the
-      later-defined one: x's, once the weight is loaded first. The decoded weight then goes
-      through 16 KB of shared memory and the K sum becomes a cross-warp reduction (the sm_90
-      compile with the launch's specialization; unmeasured on a GPU).
+      PDL, so the second round trip above is gone). x's row tile is then 128 elements, a cheap
+      load again; at 512 (as many elements as threads) both loads are anchors to Triton
+      3.6-3.8's layout pass, whose conflict rule takes the later-defined one: x's, once the
+      weight is loaded first. The decoded weight then goes through 16 KB of shared memory and the
+      K sum becomes a cross-warp reduction (the sm_90 compile with the launch's specialization;
+      unmeasured on a GPU). 256 with or without PDL: the chunking sets the order of the float32
+      sums, and PDL must not change a bit of the output (tests/test_pdl.py: on the H200,
+      2026-12-05, 512 without PDL and 256 with it gave the fp8 layer's decode loop outputs
+      2.25e-4 apart).
     """
     bm = triton.next_power_of_2(max(1, m))
     if k >= 512:
