@@ -11,6 +11,13 @@ def multiprocessor_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@functools.cache
+def compute_capability(device_index: int) -> tuple[int, int]:
+    """(major, minor) of GPU ``device_index`` (ROCm reports its own numbering: check
+    ``torch.version.hip`` first)."""
+    return torch.cuda.get_device_capability(device_index)
+
+
 def device_index(device: torch.device) -> int:
     """``device``'s index, the current device where it names none."""
     return device.index if device.index is not None else torch.cuda.current_device()

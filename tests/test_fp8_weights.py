@@ -341,10 +341,11 @@ for m, n, k, bn, bk, cfg in [
 ]:
     w, s = random_fp8(n, k, bn, bk, seed=m)
     x = torch.randn(m, 2 * k)[:, ::2].to(torch.bfloat16)   # strided x
-    y = gemm_a16w8_block(x, w, s, block_n=bn, block_k=bk, config=cfg, gemv=False)   # the tl.dot kernel
     ref = gemm64(x, w, s, bn, bk)
-    err = ((y.double() - ref).abs() / (2.0 ** -8 * ref.abs() + 1e-5 * ref.abs().max())).max().item()
-    assert y.shape == (m, n) and err <= 1.0, (m, n, k, cfg, err)
+    for swap in (False, True):   # the tl.dot kernel, y = x w^T and y^T = w x^T
+        y = gemm_a16w8_block(x, w, s, block_n=bn, block_k=bk, config=cfg, gemv=False, swap=swap)
+        err = ((y.double() - ref).abs() / (2.0 ** -8 * ref.abs() + 1e-5 * ref.abs().max())).max().item()
+        assert y.shape == (m, n) and err <= 1.0, (m, n, k, cfg, swap, err)
 print("OK")
 """
 
@@ -537,6 +538,31 @@ def test_gemm_config_env(monkeypatch):
     assert (bm, bn, bk, split) == (16, 32, 128, 2)
     assert fp8_gemm.gemm_config(1, 64, 256, 128, 132)[3] == 1, "at least 2 K tiles a split"
     assert fp8_gemm.gemm_config(1, 64, 256, 64, 132)[2] == 64, "BLOCK_K divides block_k"
+
+
+def test_gemm_swap_rule(monkeypatch):
+    from kimi_ops.kernels import fp8_gemm
+    monkeypatch.delenv(fp8_gemm.SWAP_ENV, raising=False)
+    # measured on the H200 (use_swap's docstring): transposed from 33 rows, on sm_90 only
+    assert [fp8_gemm.use_swap(m, 64, hopper=True) for m in (16, 32, 33, 64, 256)] == [False, False, True, True, True]
+    assert not fp8_gemm.use_swap(64, 64, hopper=False)
+    monkeypatch.setenv(fp8_gemm.SWAP_ENV, "1")
+    assert fp8_gemm.use_swap(8, 16, hopper=False) and not fp8_gemm.use_swap(8, 8, hopper=True), "BLOCK_M >= 16"
+    monkeypatch.setenv(fp8_gemm.SWAP_ENV, "0")
+    assert not fp8_gemm.use_swap(64, 64, hopper=True)
+    monkeypatch.setenv(fp8_gemm.SWAP_ENV, "yes")
+    with pytest.raises(ValueError, match="KIMI_OPS_FP8_GEMM_SWAP must be 0 or 1"):
+        fp8_gemm.use_swap(64, 64, hopper=True)
+    monkeypatch.delenv(fp8_gemm.SWAP_ENV)
+    w, s = random_fp8(64, 128, 64, 128, seed=0)
+    with pytest.raises(ValueError, match="swap needs BLOCK_M >= 16"):
+        fp8_gemm.gemm_a16w8_block(torch.randn(2, 128).to(torch.bfloat16), w, s, block_n=64,
+                                  config=(8, 32, 64, 1, 4, 2), gemv=False, swap=True)
+    # the sm90 cross-compile builds the transposed form where the default runs it
+    swapped = {sp["constexprs"]["BLOCK_M"] for sp in fp8_gemm.CROSS_COMPILE_SPECS
+               if sp["targets"] == ("sm90",) and sp["constexprs"].get("SWAP")}
+    assert swapped == {64} and not any(sp["constexprs"].get("SWAP") for sp in fp8_gemm.CROSS_COMPILE_SPECS
+                                       if sp["targets"] != ("sm90",))
 
 
 # --- GPU ----------------------------------------------------------------------------------------

@@ -13,6 +13,9 @@ that is multiplied by its columns' scales (``[BLOCK_N]``, one per output column 
 ``n // block_n``, so any ``block_n`` works, including the layer's 64-row grid of a fused
 ``[q_a | kv_a | gate]`` weight) before it is added to the accumulator: the sum is exactly
 ``sum_k x w s`` up to float32 rounding, as the reference computes it.
+On sm_90 at M >= 33 (:func:`use_swap`) the same kernel computes the transpose, ``y^T = w x^T``:
+the converted weight tile is the MMA's A operand straight from registers, x's rows its N; the
+same products and sums, in the same order of K tiles.
 
 Split K (``SPLIT_K > 1``): decode's M is 1..64 rows, so an [N, K] weight gives few (N, M) tiles
 (Kimi-K3's fused qkv_a + gate: N 3648; at BLOCK_N 128 that is 29 programs for 132 SMs); the K
@@ -83,6 +86,7 @@ def _gemm_a16w8_block_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     K_TILES: tl.constexpr, TILES_PER_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr, INTERP: tl.constexpr,
     W_BYTES: tl.constexpr = 0,  # 0: w as its fp8 type; 1 / 2: e4m3fn / e4m3fnuz codes (uint8), decoded
+    SWAP: tl.constexpr = False,  # y^T = w x^T: the weight tile is the MMA's A (M), x's rows its N
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -95,7 +99,10 @@ def _gemm_a16w8_block_kernel(
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
     s_rows = s_ptr + (offs_n // block_n) * stride_sn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for i in range(TILES_PER_SPLIT):
         kt = pid_s * TILES_PER_SPLIT + i
         k0 = kt * BLOCK_K
@@ -106,8 +113,12 @@ def _gemm_a16w8_block_kernel(
         s = tl.load(s_rows + (k0 // block_k) * stride_sk, mask=mask_n & (kt < K_TILES), other=0.0)
         if W_BYTES:
             w = fp8_value(w, W_BYTES == 2)
-        part = tl.dot(_operand(x, INTERP), tl.trans(_operand(w, INTERP)))
-        acc += part * s[None, :]
+        if SWAP:
+            acc += tl.dot(_operand(w, INTERP), tl.trans(_operand(x, INTERP))) * s[:, None]
+        else:
+            acc += tl.dot(_operand(x, INTERP), tl.trans(_operand(w, INTERP))) * s[None, :]
+    if SWAP:
+        acc = tl.trans(acc)
     if SPLIT_K == 1:
         y = y_ptr + offs_m[:, None] * N + offs_n[None, :]
         tl.store(y, _to_bf16(acc, INTERP), mask=mask_m[:, None] & mask_n[None, :])
@@ -239,6 +250,13 @@ def _sm_count(device: torch.device) -> int:
     return multiprocessor_count(device_index(device))
 
 
+def _is_hopper(device: torch.device) -> bool:
+    if device.type != "cuda" or torch.version.hip is not None:
+        return False
+    from ..device import compute_capability, device_index
+    return compute_capability(device_index(device)) == (9, 0)
+
+
 def _pow2_floor(v: int) -> int:
     return 1 << (max(1, int(v)).bit_length() - 1)
 
@@ -329,6 +347,29 @@ def _env_ints(name: str, valid, expected: str) -> tuple[int, ...] | None:
 def _env_config() -> tuple[int, ...] | None:
     return _env_ints(CONFIG_ENV, lambda v: len(v) == 6 and min(v) >= 1,
                      "'BLOCK_M,BLOCK_N,BLOCK_K,SPLIT_K,num_warps,num_stages' (positive integers)")
+
+
+SWAP_ENV = "KIMI_OPS_FP8_GEMM_SWAP"
+SWAP_MIN_M = 33
+
+
+def use_swap(m: int, block_m: int, hopper: bool) -> bool:
+    """Whether the tl.dot kernel computes ``y^T = w x^T`` (the fp8 weight tile, converted to bf16
+    in registers, as the MMA's A operand; x's BLOCK_M rows as its N, from shared memory) rather
+    than ``y = x w^T`` (the converted weight stored to shared memory as the MMA's B, x's rows
+    padded to the MMA's M). Default: on sm_90 (``hopper``) at ``m >= SWAP_MIN_M`` (33), off
+    elsewhere (not timed there). ``KIMI_OPS_FP8_GEMM_SWAP`` (read at each call): ``1`` / ``0`` forces it on / off.
+    Either way only where ``block_m >= 16`` (tl.dot's smallest N).
+
+    Measured (H200, 2026-12-05, the fp8 layer compiled + CUDA graph, 8k context, two alternating
+    rounds of off / on, us a step): batch 16 91.7 / 91.3 -> 94.9 / 95.0, 32 115.4 / 115.5 -> 118.4
+    / 118.5, 48 160.6 / 159.6 -> 153.9 / 154.5, 64 178.3 / 178.1 -> 172.4 / 172.4, 128 311.2 /
+    308.4 -> 298.0 / 297.7: slower up to 32 rows (the 16- and 32-row tiles), 3-4% faster above."""
+    env = os.environ.get(SWAP_ENV, "").strip()
+    if env not in ("", "0", "1"):
+        raise ValueError(f"{SWAP_ENV} must be 0 or 1, got {env!r}")
+    on = env == "1" if env else (hopper and m >= SWAP_MIN_M)
+    return on and block_m >= 16
 
 
 GEMV_ENV = "KIMI_OPS_FP8_GEMV"
@@ -448,7 +489,8 @@ def _gemv(x, w, w_scale_inv, y, block_n, block_k, cfg):
 
 def gemm_a16w8_block(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor, *, block_n: int = 128,
                      block_k: int = 128, config: tuple[int, ...] | None = None, gemv: bool | None = None,
-                     out: torch.Tensor | None = None, constant_w: bool = False) -> torch.Tensor:
+                     out: torch.Tensor | None = None, constant_w: bool = False,
+                     swap: bool | None = None) -> torch.Tensor:
     """``y = x @ dequant(w)^T`` -> bf16 ``[M, N]`` (inputs validated by the op layer; the op's
     ``constant_w`` is not used: these kernels wait for the previous one before any load).
 
@@ -458,7 +500,8 @@ def gemm_a16w8_block(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor
     (BLOCK_K must divide ``block_k`` and be a power of two >= 16, else ValueError); for the GEMV
     (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, DEPTH, X_AHEAD), default ``KIMI_OPS_FP8_GEMV_CONFIG``, else
     :func:`gemv_config` (DEPTH 1..4, X_AHEAD 0 / 1, else ValueError). ``out``: a
-    contiguous bf16 [M, N] tensor to write (tests); every element is written.
+    contiguous bf16 [M, N] tensor to write (tests); every element is written. ``swap``: the tl.dot
+    kernel's transposed form on / off (ValueError with a BLOCK_M below 16); None: :func:`use_swap`.
     """
     m, k = x.shape
     n = w.shape[0]
@@ -494,11 +537,15 @@ def gemm_a16w8_block(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor
     partial = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split)
     w, w_bytes = _as_codes(w)
+    if swap is None:
+        swap = use_swap(m, bm, hopper=_is_hopper(x.device))
+    elif swap and bm < 16 and not interpreting():
+        raise ValueError(f"gemm_a16w8_block: swap needs BLOCK_M >= 16 (the MMA's N), got {bm}")
     _gemm_a16w8_block_kernel[grid](
         x, w, w_scale_inv, y, partial, m, n, k, block_n, block_k,
         *x.stride(), *w.stride(), *w_scale_inv.stride(),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, K_TILES=k_tiles, TILES_PER_SPLIT=per_split, SPLIT_K=split,
-        INTERP=interpreting(), W_BYTES=w_bytes, num_warps=warps, num_stages=stages,
+        INTERP=interpreting(), W_BYTES=w_bytes, SWAP=bool(swap), num_warps=warps, num_stages=stages,
     )
     if split > 1:
         _reduce(partial, y, split)
@@ -575,16 +622,18 @@ def _specs():
             for m in (5, 8, 16, 32, 64, 256):
                 bm, bn, bk, split, warps, stages = gemm_config(m, n, k, 128, sms, amd=amd)
                 split, per = _split_plan(-(-k // bk), split)
-                dots[(bm, bn, bk, -(-k // bk), per, split, warps, stages)] = None
+                swap = target == "sm90" and m >= SWAP_MIN_M and bm >= 16   # use_swap's default
+                dots[(bm, bn, bk, -(-k // bk), per, split, warps, stages, swap)] = None
             for m in range(1, (GEMV_LIMIT_M if target == "sm90" else GEMV_MAX_M) + 1):
                 gemvs[_gemv_spec_name(m, n, k, sms)] = _gemv_launch(m, n, k, sms=sms)
-        for bm, bn, bk, k_tiles, per, split, warps, stages in dots:
+        for bm, bn, bk, k_tiles, per, split, warps, stages, swap in dots:
             splits.add(split)
             specs.append({
-                "name": f"gemm_a16w8_block_m{bm}n{bn}k{bk}t{k_tiles}p{per}s{split}w{warps}st{stages}",
-                "kernel": _gemm_a16w8_block_kernel, "signature": dict(tsig),
+                "name": f"gemm_a16w8_block_m{bm}n{bn}k{bk}t{k_tiles}p{per}s{split}w{warps}st{stages}"
+                        + ("_swap" if swap else ""),
+                "kernel": _gemm_a16w8_block_kernel, "signature": dict(tsig, SWAP="constexpr"),
                 "constexprs": {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "K_TILES": k_tiles,
-                               "TILES_PER_SPLIT": per, "SPLIT_K": split, **tunit},
+                               "TILES_PER_SPLIT": per, "SPLIT_K": split, "SWAP": swap, **tunit},
                 "num_warps": warps, "num_stages": stages, "targets": (target,), "divisible_16": DIVISIBLE_16})
         for name, (bm, bn, bk, vec, per, split, warps, depth, ahead) in gemvs.items():
             splits.add(split)
