@@ -85,7 +85,7 @@ def test_gpu_bf16_kimi_k3_shapes(m):
 
 @requires_sm90
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 4, 7, 8])
+@pytest.mark.parametrize("m", [1, 4, 7, 8, 9, 13, 16])
 def test_gpu_fp8_kimi_k3_shapes(m):
     from kimi_ops.kernels import sm90_gemv
     for (n, k), bn in zip(KIMI_K3, (64, 128, 128)):   # the fused qkv_a + gate on its 64-row scale grid
@@ -104,6 +104,22 @@ def test_gpu_fp8_kimi_k3_shapes(m):
 
 @requires_sm90
 @pytest.mark.gpu
+@pytest.mark.parametrize("m", [9, 12, 16])
+def test_gpu_fp8_two_token_tiles_equal_two_launches(m):
+    # 9..16 rows take two 8-token MMA tiles a launch and two k-blocks a step; a token's sums keep
+    # their order (gemv.cuh), so the rows come out bit for bit as from launches of <= 8 rows
+    op = torch.ops.kimi_ops._gemv_sm90
+    for (n, k), bn in zip(KIMI_K3, (64, 128, 128)):
+        w, s = random_fp8(n, k, bn, 128, seed=n - m)
+        wd, sd = w.cuda(), s.cuda()
+        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        whole = op(x, wd, sd, bn, False)
+        halves = torch.cat([op(x[:8].contiguous(), wd, sd, bn, False), op(x[8:].contiguous(), wd, sd, bn, False)])
+        assert torch.equal(whole, halves), (m, n, k)
+
+
+@requires_sm90
+@pytest.mark.gpu
 def test_gpu_ragged_shapes_and_strides():
     """N not a multiple of 16, K with a partial last k-block, small scale blocks, strided and
     offset x, M at the kernel's limit and past it, misaligned x or w (the fallback)."""
@@ -116,7 +132,8 @@ def test_gpu_ragged_shapes_and_strides():
         _poison(m, n)
         y = kimi_ops.gemm_a16w16(x, w)
         assert bound_ok(y, x.cpu().double() @ w.cpu().double().T) <= 1.0, (m, n, k)
-    for m, n, k, bn in ((1, 200, 192, 16), (8, 40, 320, 64), (5, 130, 1024, 128), (2, 7, 64, 16)):
+    for m, n, k, bn in ((1, 200, 192, 16), (8, 40, 320, 64), (5, 130, 1024, 128), (2, 7, 64, 16), (16, 40, 320, 64),
+                        (11, 130, 1024, 128)):
         w, s = random_fp8(n, k, bn, 128, seed=n)
         x = torch.randn(m, k).to(torch.bfloat16)
         wd, sd = w.cuda(), s.cuda()
@@ -132,7 +149,7 @@ def test_gpu_ragged_shapes_and_strides():
     x1 = torch.randn(2, 96, device="cuda").to(torch.bfloat16)
     assert w_off.is_contiguous() and not sm90_gemv.serves(x1, w_off)
     assert bound_ok(kimi_ops.gemm_a16w16(x1, w_off), x1.cpu().double() @ w_off.cpu().double().T) <= 1.0
-    for x in (torch.randn(9, 96, device="cuda").to(torch.bfloat16),                    # M > 8
+    for x in (torch.randn(9, 96, device="cuda").to(torch.bfloat16),                    # M > 8 (bf16 w)
               torch.randn(2, 97, device="cuda").to(torch.bfloat16)[:, 1:],            # misaligned rows
               torch.randn(0, 96, device="cuda").to(torch.bfloat16)):                  # M = 0
         assert not sm90_gemv.serves(x, w)
@@ -145,6 +162,10 @@ def test_gpu_ragged_shapes_and_strides():
     assert not sm90_gemv.serves(x2.cuda(), w2.cuda(), s2.cuda())
     y2 = kimi_ops.gemm_a16w8_block(x2.cuda(), w2.cuda(), s2.cuda())
     assert bound_ok(y2, gemm64(x2, w2, s2, 128, 128)) <= 1.0
+    w3, s3 = random_fp8(64, 128, 128, 128, seed=2)                                      # M > 16 (fp8 w)
+    x3 = torch.randn(17, 128).to(torch.bfloat16)
+    assert not sm90_gemv.serves(x3.cuda(), w3.cuda(), s3.cuda())
+    assert bound_ok(kimi_ops.gemm_a16w8_block(x3.cuda(), w3.cuda(), s3.cuda()), gemm64(x3, w3, s3, 128, 128)) <= 1.0
 
 
 @requires_sm90
@@ -161,8 +182,11 @@ def test_gpu_private_op_checks():
         op(x[:2, :48], w[:, :48], None, 0)
     with pytest.raises(RuntimeError, match="w_scale_inv is required"):
         op(x[:2], w.to(torch.float8_e4m3fn), None, 128)
-    with pytest.raises(RuntimeError, match="at most 8 rows"):
+    with pytest.raises(RuntimeError, match="at most 8 rows of x with a bf16 w"):
         op(x, w, None, 0)
+    x17 = torch.randn(17, 128, device="cuda").to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="at most 16 rows"):
+        op(x17, torch.zeros(32, 128, device="cuda").to(torch.float8_e4m3fn), torch.ones(1, 1, device="cuda"), 32)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         op(x[:2, :48], w[:, :48].contiguous(), None, 0)
 
