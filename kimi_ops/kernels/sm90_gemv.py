@@ -26,7 +26,8 @@ What it takes (:func:`serves`; anything else runs the other backend's code: cuBL
 Triton kernels for fp8): ``1 <= M <= 8`` (bf16 w) or ``<= 16`` (fp8 w, MAX_M_FP8); x bf16 with contiguous, 16-byte aligned rows; w
 contiguous and 16-byte aligned; bf16 w with ``K % 32 == 0``; fp8 (``float8_e4m3fn``) w with
 ``K % 64 == 0``, ``block_k == 128``, ``block_n % 16 == 0`` and a scale of unit stride along K.
-``KIMI_OPS_SM90_GEMV=0`` (read at each call) turns the kernel off, for A/B measurements.
+``KIMI_OPS_SM90_GEMV=0`` (read at each call) turns the kernel off, ``=8`` keeps an fp8 weight's
+to 8 rows (the path before the 9-16-row tiles), for A/B measurements.
 """
 import os
 
@@ -49,9 +50,10 @@ def serves(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor | None = 
            block_k: int = 128) -> bool:
     """Whether the kernel computes ``x @ w^T`` (with ``w_scale_inv``'s block scales for an fp8
     w): the conditions in the module's docstring."""
-    if os.environ.get(ENV, "1") == "0" or not (x.is_cuda and w.is_cuda and w.is_contiguous()
-                                                 and w.data_ptr() % 16 == 0
-                                                 and _x_ok(x, MAX_M if w.dtype == torch.bfloat16 else MAX_M_FP8)):
+    env = os.environ.get(ENV, "1")
+    max_m = MAX_M if w.dtype == torch.bfloat16 or env == "8" else MAX_M_FP8
+    if env == "0" or not (x.is_cuda and w.is_cuda and w.is_contiguous() and w.data_ptr() % 16 == 0
+                          and _x_ok(x, max_m)):
         return False
     k = x.shape[1]
     if w.dtype == torch.bfloat16:
