@@ -85,7 +85,7 @@ def test_gpu_bf16_kimi_k3_shapes(m):
 
 @requires_sm90
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 4, 7, 8, 9, 13, 16])
+@pytest.mark.parametrize("m", [1, 4, 7, 8, 9, 13, 16, 17, 24, 32])
 def test_gpu_fp8_kimi_k3_shapes(m):
     from kimi_ops.kernels import sm90_gemv
     for (n, k), bn in zip(KIMI_K3, (64, 128, 128)):   # the fused qkv_a + gate on its 64-row scale grid
@@ -106,7 +106,7 @@ def test_gpu_fp8_kimi_k3_shapes(m):
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [9, 12, 16])
 def test_gpu_fp8_two_token_tiles_equal_two_launches(m):
-    # 9..16 rows take two 8-token MMA tiles a launch and two k-blocks a step; a token's sums keep
+    # 9..16 rows take two 8-token MMA tiles a launch and one k-block a step; a token's sums keep
     # their order (gemv.cuh), so the rows come out bit for bit as from launches of <= 8 rows
     op = torch.ops.kimi_ops._gemv_sm90
     for (n, k), bn in zip(KIMI_K3, (64, 128, 128)):
@@ -133,7 +133,7 @@ def test_gpu_ragged_shapes_and_strides():
         y = kimi_ops.gemm_a16w16(x, w)
         assert bound_ok(y, x.cpu().double() @ w.cpu().double().T) <= 1.0, (m, n, k)
     for m, n, k, bn in ((1, 200, 192, 16), (8, 40, 320, 64), (5, 130, 1024, 128), (2, 7, 64, 16), (16, 40, 320, 64),
-                        (11, 130, 1024, 128)):
+                        (11, 130, 1024, 128), (32, 40, 320, 64), (21, 7, 64, 16)):
         w, s = random_fp8(n, k, bn, 128, seed=n)
         x = torch.randn(m, k).to(torch.bfloat16)
         wd, sd = w.cuda(), s.cuda()
@@ -162,8 +162,8 @@ def test_gpu_ragged_shapes_and_strides():
     assert not sm90_gemv.serves(x2.cuda(), w2.cuda(), s2.cuda())
     y2 = kimi_ops.gemm_a16w8_block(x2.cuda(), w2.cuda(), s2.cuda())
     assert bound_ok(y2, gemm64(x2, w2, s2, 128, 128)) <= 1.0
-    w3, s3 = random_fp8(64, 128, 128, 128, seed=2)                                      # M > 16 (fp8 w)
-    x3 = torch.randn(17, 128).to(torch.bfloat16)
+    w3, s3 = random_fp8(64, 128, 128, 128, seed=2)                                      # M > 32 (fp8 w)
+    x3 = torch.randn(33, 128).to(torch.bfloat16)
     assert not sm90_gemv.serves(x3.cuda(), w3.cuda(), s3.cuda())
     assert bound_ok(kimi_ops.gemm_a16w8_block(x3.cuda(), w3.cuda(), s3.cuda()), gemm64(x3, w3, s3, 128, 128)) <= 1.0
 
@@ -184,9 +184,9 @@ def test_gpu_private_op_checks():
         op(x[:2], w.to(torch.float8_e4m3fn), None, 128)
     with pytest.raises(RuntimeError, match="at most 8 rows of x with a bf16 w"):
         op(x, w, None, 0)
-    x17 = torch.randn(17, 128, device="cuda").to(torch.bfloat16)
-    with pytest.raises(RuntimeError, match="at most 16 rows"):
-        op(x17, torch.zeros(32, 128, device="cuda").to(torch.float8_e4m3fn), torch.ones(1, 1, device="cuda"), 32)
+    x33 = torch.randn(33, 128, device="cuda").to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="at most 32 rows"):
+        op(x33, torch.zeros(32, 128, device="cuda").to(torch.float8_e4m3fn), torch.ones(1, 1, device="cuda"), 32)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         op(x[:2, :48], w[:, :48].contiguous(), None, 0)
 

@@ -1,4 +1,4 @@
-// Small-M projections of the decode layer: y [M, N] = x [M, K] @ W^T for M <= 8 tokens (16 with an
+// Small-M projections of the decode layer: y [M, N] = x [M, K] @ W^T for M <= 8 tokens (32 with an
 // fp8 W), W a bf16 weight or an fp8 e4m3 weight with 128 x 128-style block scales (gemv_kernel). At
 // such M the step is a stream of the weight's bytes; the kernel's job is to keep enough of them in
 // flight.
@@ -96,12 +96,13 @@ __device__ __forceinline__ void e4m3x16_to_bf16_pow2(const uint4& v, uint32_t (&
 constexpr float kXUp = 0x1p60f;  // fp8: x * 2^60 in bf16 (exact), so W * 2^-120 times it stays an
                                  // f32 normal down to |w x| = 2^-66; k-block sums * scale * 2^60
 
-// kNT: 8-token MMA tiles (1: M <= 8; 2: M <= 16, each lane then loads x rows g and g + 8). The
-// summation order of a token's outputs does not depend on kNT or kUnroll (k-blocks in order, one
-// MMA chain pair a k-block): a launch of 16 rows gives the bits of two launches of 8.
+// kNT: 8-token MMA tiles (1: M <= 8; 2: M <= 16; 4: M <= 32; each lane loads x rows g + 8t). Up
+// to kNT 2 the summation order of a token's outputs does not depend on kNT or kUnroll (k-blocks in
+// order, one MMA chain pair a k-block): a launch of 16 rows gives the bits of two launches of 8.
+// kNT 4 runs one MMA chain a tile (two took 128 registers and spilled): another order, same bound.
 template <int WARPS, bool kFp8, int kUnroll, int kNT = 1>
 __global__ void __launch_bounds__(WARPS * 32, 16 / WARPS) gemv_kernel(const GemvParams p) {
-  static_assert(kNT == 1 || kNT == 2, "8 or 16 tokens");
+  static_assert(kNT == 1 || kNT == 2 || kNT == 4, "8, 16 or 32 tokens");
   __shared__ float red[WARPS][kGemvRows][kGemvMaxM * kNT];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, c = lane % 4;
@@ -165,7 +166,9 @@ __global__ void __launch_bounds__(WARPS * 32, 16 / WARPS) gemv_kernel(const Gemv
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       if (kb + u >= lim) break;
-      float part[kNT][2][4] = {};  // two MMA chains a token tile: k-steps alternate between them
+      // two MMA chains a token tile (k-steps alternate between them); one at kNT 4 (registers)
+      constexpr int kChains = kNT == 4 ? 1 : 2;
+      float part[kNT][kChains][4] = {};
 #pragma unroll
       for (int ch = 0; ch < kChunks; ++ch) {
         const int i = u * kChunks + ch;
@@ -186,20 +189,21 @@ __global__ void __launch_bounds__(WARPS * 32, 16 / WARPS) gemv_kernel(const Gemv
             }
 #pragma unroll
             for (int s = 0; s < 4; ++s)
-              mma_bf16(part[t][s % 2], lo[2 * s], hi[2 * s], lo[2 * s + 1], hi[2 * s + 1], xb[2 * s], xb[2 * s + 1]);
+              mma_bf16(part[t][s % kChains], lo[2 * s], hi[2 * s], lo[2 * s + 1], hi[2 * s + 1], xb[2 * s], xb[2 * s + 1]);
           }
         } else {
 #pragma unroll
           for (int t = 0; t < kNT; ++t) {
             mma_bf16(part[t][0], a_lo[i].x, a_hi[i].x, a_lo[i].y, a_hi[i].y, xv[i][t][0].x, xv[i][t][0].y);
-            mma_bf16(part[t][1], a_lo[i].z, a_hi[i].z, a_lo[i].w, a_hi[i].w, xv[i][t][0].z, xv[i][t][0].w);
+            mma_bf16(part[t][kChains - 1], a_lo[i].z, a_hi[i].z, a_lo[i].w, a_hi[i].w, xv[i][t][0].z, xv[i][t][0].w);
           }
         }
       }
 #pragma unroll
       for (int t = 0; t < kNT; ++t)
 #pragma unroll
-        for (int r = 0; r < 4; ++r) acc[t][r] = fmaf(part[t][0][r] + part[t][1][r], sc[u], acc[t][r]);
+        for (int r = 0; r < 4; ++r)
+          acc[t][r] = fmaf(kChains == 2 ? part[t][0][r] + part[t][kChains - 1][r] : part[t][0][r], sc[u], acc[t][r]);
     }
   }
   wait_prior_grid();  // (a warp with no k-block: nothing of this grid writes before the previous grid is done)

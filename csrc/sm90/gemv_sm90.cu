@@ -1,6 +1,6 @@
 // Hopper (sm_90a) small-M projections: the host launcher of gemv_kernel (gemv.cuh) and its op,
 // _gemv_sm90 (schema in csrc/registration.cpp, entry point in ops.h):
-//   x [M, K] bf16 (M <= 8 with a bf16 w, <= 16 with an fp8 one; unit stride along K, rows 16-byte
+//   x [M, K] bf16 (M <= 8 with a bf16 w, <= 32 with an fp8 one; unit stride along K, rows 16-byte
 //   aligned), w [N, K] bf16 or fp8
 //   e4m3fn (contiguous, 16-byte aligned), w_scale_inv [ceil(N / block_n), ceil(K / 128)] f32 with
 //   an fp8 w (unit stride along K), else none; constant_w: w and w_scale_inv are not written by
@@ -43,7 +43,7 @@ at::Tensor gemv_sm90(const at::Tensor& x, const at::Tensor& w, const std::option
               "kimi_ops._C: w must be contiguous and 16-byte aligned");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   static_assert(kGemvMaxM == 8, "the messages below");
-  TORCH_CHECK(M <= 2 * kGemvMaxM, "kimi_ops._C: the GEMV takes at most 16 rows of x");
+  TORCH_CHECK(M <= 4 * kGemvMaxM, "kimi_ops._C: the GEMV takes at most 32 rows of x");
   TORCH_CHECK(fp8 || M <= kGemvMaxM, "kimi_ops._C: the GEMV takes at most 8 rows of x with a bf16 w");
   TORCH_CHECK(K % (fp8 ? 64 : 32) == 0, "kimi_ops._C: K must be a multiple of 32 (bf16 w) or 64 (fp8 w)");
   TORCH_CHECK(K <= INT32_MAX && N <= INT32_MAX, "kimi_ops._C: GEMV too large");
@@ -80,9 +80,12 @@ at::Tensor gemv_sm90(const at::Tensor& x, const at::Tensor& w, const std::option
   // the stream (constant_w: a model's weights): the kernel then streams W while the previous kernel
   // finishes (gemv.cuh).
   const bool pdl = constant_w && pdl_env_allows();
-  // 9..16 rows (fp8): two 8-token MMA tiles on each W fragment, one k-block a step (x's registers
-  // double: 88 registers; two k-blocks a step took 128 and spilled 8 bytes)
-  if (fp8 && M > kGemvMaxM)
+  // 9..32 rows (fp8): two / four 8-token MMA tiles on each W fragment, one k-block a step (x's
+  // registers double / quadruple: 88 / 128 registers; two k-blocks a step at 16 rows took 128 and
+  // spilled 8 bytes)
+  if (fp8 && M > 2 * kGemvMaxM)
+    wide ? launch_gemv<8, true, 1, 4>(p, pdl, stream) : launch_gemv<4, true, 1, 4>(p, pdl, stream);
+  else if (fp8 && M > kGemvMaxM)
     wide ? launch_gemv<8, true, 1, 2>(p, pdl, stream) : launch_gemv<4, true, 1, 2>(p, pdl, stream);
   else if (fp8)
     wide ? launch_gemv<8, true, 3>(p, pdl, stream) : launch_gemv<4, true, 3>(p, pdl, stream);
