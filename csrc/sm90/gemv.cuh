@@ -12,7 +12,8 @@
 //   shared  red [WARPS][16][8 kNT] f32: each warp's partial sums of the CTA's 16 x 8 kNT outputs
 //
 // gemv_kernel: one CTA of WARPS warps per 16 weight rows (the MMA's M; tokens are its N = 8, kNT
-// such MMAs on the same W fragments for up to 8 kNT tokens, the tokens past M read as zeros). The warps split K into whole k-blocks (kFp8BlockK = 128 fp8
+// such MMAs on the same W fragments for up to 8 kNT tokens, the tokens past M read as zeros). The
+// warps split K into whole k-blocks (kFp8BlockK = 128 fp8
 // columns, or kBf16BlockK = 256 bf16 columns, each a 512-byte run of a row) and each streams its
 // share with 16-byte loads (W's bypass L1), kUnroll k-blocks a step; their partials meet in shared
 // memory. mma.sync m16n8k16 bf16 with f32 accumulation; the K order inside a 32- (bf16) or 64-
