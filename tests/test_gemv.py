@@ -5,9 +5,9 @@ small-M Hopper kernel of csrc/sm90/gemv.cuh (kimi_ops/kernels/sm90_gemv.py).
 CPU (CI): the op's schema, errors, opcheck and torch.compile over it, its reference against
 float64. GPU (skipped without CUDA; the kernel needs sm_90 and kimi_ops._C): both weight types at
 Kimi-K3 TP8's shapes and at ragged ones (N not a multiple of 16, a partial last k-block, block_n
-16 / 64 / 128, strided x), M = 1..8, against float64, into NaN-poisoned memory; every e4m3 code
+16 / 64 / 128, strided x), M = 1..32 (one, two and four 8-token tiles), against float64, into NaN-poisoned memory; every e4m3 code
 (subnormals included) and x over 80 binades; chains launched with ``constant_w`` (programmatic
-dependent launch) bit for bit against plain launches; the calls the kernel does not take (M > 8,
+dependent launch) bit for bit against plain launches; the calls the kernel does not take (M > 32,
 K % 32, misaligned x) still correct.
 """
 from __future__ import annotations
@@ -68,7 +68,7 @@ def _poison(m, n):
 
 @requires_sm90
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 16, 17, 32])
 def test_gpu_bf16_kimi_k3_shapes(m):
     from kimi_ops.kernels import sm90_gemv
     for n, k in KIMI_K3:
@@ -124,7 +124,8 @@ def test_gpu_ragged_shapes_and_strides():
     """N not a multiple of 16, K with a partial last k-block, small scale blocks, strided and
     offset x, M at the kernel's limit and past it, misaligned x or w (the fallback)."""
     from kimi_ops.kernels import sm90_gemv
-    for m, n, k in ((1, 200, 96), (8, 37, 512), (6, 16, 32), (3, 1000, 4128)):
+    for m, n, k in ((1, 200, 96), (8, 37, 512), (6, 16, 32), (3, 1000, 4128), (25, 200, 96), (32, 16, 32),
+                    (16, 1000, 4128), (12, 37, 512)):
         big = torch.randn(m, k + 64, device="cuda").to(torch.bfloat16)
         x = big[:, 8:8 + k]                                    # rows k + 64 apart, 16-byte aligned
         w = torch.randn(n, k, device="cuda").to(torch.bfloat16)
@@ -149,7 +150,7 @@ def test_gpu_ragged_shapes_and_strides():
     x1 = torch.randn(2, 96, device="cuda").to(torch.bfloat16)
     assert w_off.is_contiguous() and not sm90_gemv.serves(x1, w_off)
     assert bound_ok(kimi_ops.gemm_a16w16(x1, w_off), x1.cpu().double() @ w_off.cpu().double().T) <= 1.0
-    for x in (torch.randn(9, 96, device="cuda").to(torch.bfloat16),                    # M > 8 (bf16 w)
+    for x in (torch.randn(33, 96, device="cuda").to(torch.bfloat16),                   # M > 32
               torch.randn(2, 97, device="cuda").to(torch.bfloat16)[:, 1:],            # misaligned rows
               torch.randn(0, 96, device="cuda").to(torch.bfloat16)):                  # M = 0
         assert not sm90_gemv.serves(x, w)
@@ -182,11 +183,11 @@ def test_gpu_private_op_checks():
         op(x[:2, :48], w[:, :48], None, 0)
     with pytest.raises(RuntimeError, match="w_scale_inv is required"):
         op(x[:2], w.to(torch.float8_e4m3fn), None, 128)
-    with pytest.raises(RuntimeError, match="at most 8 rows of x with a bf16 w"):
-        op(x, w, None, 0)
-    x33 = torch.randn(33, 128, device="cuda").to(torch.bfloat16)
+    x33 = torch.randn(33, 64, device="cuda").to(torch.bfloat16)
     with pytest.raises(RuntimeError, match="at most 32 rows"):
-        op(x33, torch.zeros(32, 128, device="cuda").to(torch.float8_e4m3fn), torch.ones(1, 1, device="cuda"), 32)
+        op(x33, w, None, 0)
+    with pytest.raises(RuntimeError, match="at most 32 rows"):
+        op(x33, w.to(torch.float8_e4m3fn), torch.ones(1, 1, device="cuda"), 32)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         op(x[:2, :48], w[:, :48].contiguous(), None, 0)
 

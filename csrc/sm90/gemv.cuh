@@ -1,5 +1,4 @@
-// Small-M projections of the decode layer: y [M, N] = x [M, K] @ W^T for M <= 8 tokens (32 with an
-// fp8 W), W a bf16 weight or an fp8 e4m3 weight with 128 x 128-style block scales (gemv_kernel). At
+// Small-M projections of the decode layer: y [M, N] = x [M, K] @ W^T for M <= 32 tokens, W a bf16 weight or an fp8 e4m3 weight with 128 x 128-style block scales (gemv_kernel). At
 // such M the step is a stream of the weight's bytes; the kernel's job is to keep enough of them in
 // flight.
 //
@@ -97,10 +96,11 @@ __device__ __forceinline__ void e4m3x16_to_bf16_pow2(const uint4& v, uint32_t (&
 constexpr float kXUp = 0x1p60f;  // fp8: x * 2^60 in bf16 (exact), so W * 2^-120 times it stays an
                                  // f32 normal down to |w x| = 2^-66; k-block sums * scale * 2^60
 
-// kNT: 8-token MMA tiles (1: M <= 8; 2: M <= 16; 4: M <= 32; each lane loads x rows g + 8t). Up
-// to kNT 2 the summation order of a token's outputs does not depend on kNT or kUnroll (k-blocks in
-// order, one MMA chain pair a k-block): a launch of 16 rows gives the bits of two launches of 8.
-// kNT 4 runs one MMA chain a tile (two took 128 registers and spilled): another order, same bound.
+// kNT: 8-token MMA tiles (1: M <= 8; 2: M <= 16; 4: M <= 32; each lane loads x rows g + 8t). With
+// an fp8 W up to kNT 2 the summation order of a token's outputs does not depend on kNT or kUnroll
+// (k-blocks in order, one MMA chain pair a k-block): a launch of 16 rows gives the bits of two
+// launches of 8. kNT 4 runs one MMA chain a tile (two took 128 registers and spilled), and a bf16
+// W's k-block is 256 / kNT columns (x's registers stay those of kNT 1): other orders, same bound.
 template <int WARPS, bool kFp8, int kUnroll, int kNT = 1>
 __global__ void __launch_bounds__(WARPS * 32, 16 / WARPS) gemv_kernel(const GemvParams p) {
   static_assert(kNT == 1 || kNT == 2 || kNT == 4, "8, 16 or 32 tokens");
@@ -110,7 +110,7 @@ __global__ void __launch_bounds__(WARPS * 32, 16 / WARPS) gemv_kernel(const Gemv
   const int n0 = blockIdx.x * kGemvRows;
   const bool row_lo_ok = n0 + g < p.N, row_hi_ok = n0 + g + 8 < p.N;
 
-  constexpr int kBlockK = kFp8 ? kFp8BlockK : kBf16BlockK;
+  constexpr int kBlockK = kFp8 ? kFp8BlockK : kBf16BlockK / kNT;  // bf16: x's registers stay those of kNT 1
   constexpr int kBytesPerCol = kFp8 ? 1 : 2;
   constexpr int kChunkK = kFp8 ? 64 : 32;  // columns of one 16-byte load by each of a row's 4 lanes
   constexpr int kChunks = kBlockK / kChunkK;

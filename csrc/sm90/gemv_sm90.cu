@@ -1,7 +1,6 @@
 // Hopper (sm_90a) small-M projections: the host launcher of gemv_kernel (gemv.cuh) and its op,
 // _gemv_sm90 (schema in csrc/registration.cpp, entry point in ops.h):
-//   x [M, K] bf16 (M <= 8 with a bf16 w, <= 32 with an fp8 one; unit stride along K, rows 16-byte
-//   aligned), w [N, K] bf16 or fp8
+//   x [M, K] bf16 (M <= 32; unit stride along K, rows 16-byte aligned), w [N, K] bf16 or fp8
 //   e4m3fn (contiguous, 16-byte aligned), w_scale_inv [ceil(N / block_n), ceil(K / 128)] f32 with
 //   an fp8 w (unit stride along K), else none; constant_w: w and w_scale_inv are not written by
 //   the kernels before this one on the stream (the launch may then start while they run)
@@ -44,7 +43,6 @@ at::Tensor gemv_sm90(const at::Tensor& x, const at::Tensor& w, const std::option
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   static_assert(kGemvMaxM == 8, "the messages below");
   TORCH_CHECK(M <= 4 * kGemvMaxM, "kimi_ops._C: the GEMV takes at most 32 rows of x");
-  TORCH_CHECK(fp8 || M <= kGemvMaxM, "kimi_ops._C: the GEMV takes at most 8 rows of x with a bf16 w");
   TORCH_CHECK(K % (fp8 ? 64 : 32) == 0, "kimi_ops._C: K must be a multiple of 32 (bf16 w) or 64 (fp8 w)");
   TORCH_CHECK(K <= INT32_MAX && N <= INT32_MAX, "kimi_ops._C: GEMV too large");
   TORCH_CHECK(x.stride(1) == 1 && x.stride(0) % 8 == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0,
@@ -89,6 +87,11 @@ at::Tensor gemv_sm90(const at::Tensor& x, const at::Tensor& w, const std::option
     wide ? launch_gemv<8, true, 1, 2>(p, pdl, stream) : launch_gemv<4, true, 1, 2>(p, pdl, stream);
   else if (fp8)
     wide ? launch_gemv<8, true, 3>(p, pdl, stream) : launch_gemv<4, true, 3>(p, pdl, stream);
+  // bf16: 128- / 64-column k-blocks at two / four token tiles (the x registers of one)
+  else if (M > 2 * kGemvMaxM)
+    wide ? launch_gemv<8, false, 1, 4>(p, pdl, stream) : launch_gemv<4, false, 1, 4>(p, pdl, stream);
+  else if (M > kGemvMaxM)
+    wide ? launch_gemv<8, false, 1, 2>(p, pdl, stream) : launch_gemv<4, false, 1, 2>(p, pdl, stream);
   else
     wide ? launch_gemv<8, false, 1>(p, pdl, stream) : launch_gemv<4, false, 1>(p, pdl, stream);
   return y;

@@ -2,14 +2,15 @@
 launched by ``csrc/sm90/gemv_sm90.cu`` as the private op ``torch.ops.kimi_ops._gemv_sm90``).
 
 The ``cuda`` backend of :func:`kimi_ops.gemm_a16w16` and :func:`kimi_ops.gemm_a16w8_block`: at
-``M <= 8`` rows of x (32 with an fp8 weight) a projection is a stream of its weight's
+``M <= 32`` rows of x (a decode step of up to 32 tokens) a projection is a stream of its weight's
 bytes, which cuBLAS's bf16 kernels and the Triton fp8 GEMV move at 1.8-3.3 TB/s on the H200
 (docs/perf-history.md, sessions 20-25). The kernel takes 16 weight rows a CTA (the MMA's M) and
 the tokens as the MMA's N (two / four 8-token MMAs on each weight fragment at 9-16 / 17-32 rows),
-and keeps all of a lane's 16-byte loads of a step in flight at once (one 256-column k-block of a
-bf16 weight, three 128-column ones of an fp8 weight, one above 8 rows). Up to 16 rows a token's
-sums do not depend on M (16 rows in one launch give the bits of two launches of 8); at 17-32 one
-MMA chain a tile sums in another order (registers), within the same bound.
+and keeps all of a lane's 16-byte loads of a step in flight at once (a 256-column k-block of a
+bf16 weight, 128 / 64 columns at two / four token tiles; three 128-column ones of an fp8 weight,
+one above 8 rows). With an fp8 weight up to 16 rows a token's sums do not depend on M (16 rows in
+one launch give the bits of two launches of 8); elsewhere the order changes with the tiles,
+within the same bound.
 
 Numerics: the products are exact in float32 (bf16 x bf16; an fp8 e4m3 weight becomes bf16
 exactly, as its value times 2^-120, and x is multiplied by 2^60 to match: exact for |x| < 2^67);
@@ -24,11 +25,11 @@ us off the MXFP4 one (docs/perf-history.md, session 28). Only sound when nothing
 before writes w; ``KIMI_OPS_PDL=0`` turns it off.
 
 What it takes (:func:`serves`; anything else runs the other backend's code: cuBLAS for bf16, the
-Triton kernels for fp8): ``1 <= M <= 8`` (bf16 w) or ``<= 32`` (fp8 w, MAX_M_FP8); x bf16 with contiguous, 16-byte aligned rows; w
+Triton kernels for fp8): ``1 <= M <= 32`` (MAX_M); x bf16 with contiguous, 16-byte aligned rows; w
 contiguous and 16-byte aligned; bf16 w with ``K % 32 == 0``; fp8 (``float8_e4m3fn``) w with
 ``K % 64 == 0``, ``block_k == 128``, ``block_n % 16 == 0`` and a scale of unit stride along K.
-``KIMI_OPS_SM90_GEMV=0`` (read at each call) turns the kernel off, ``=8`` / ``=16`` keep an fp8 weight's
-to 8 / 16 rows (the paths before the 9-16- / 17-32-row tiles), for A/B measurements.
+``KIMI_OPS_SM90_GEMV=0`` (read at each call) turns the kernel off, ``=8`` / ``=16`` keep it to 8 / 16 rows
+(the paths before the 9-16- / 17-32-row tiles), for A/B measurements.
 """
 import os
 
@@ -37,8 +38,7 @@ import torch
 from ..reference.linear import gemm_a16w16 as _linear
 from .sm90 import _ops  # kimi_ops._C's private ops (importing it registers them)
 
-MAX_M = 8
-MAX_M_FP8 = 32
+MAX_M = 32
 ENV = "KIMI_OPS_SM90_GEMV"
 
 
@@ -52,7 +52,7 @@ def serves(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor | None = 
     """Whether the kernel computes ``x @ w^T`` (with ``w_scale_inv``'s block scales for an fp8
     w): the conditions in the module's docstring."""
     env = os.environ.get(ENV, "1")
-    max_m = MAX_M if w.dtype == torch.bfloat16 else {"8": 8, "16": 16}.get(env, MAX_M_FP8)
+    max_m = {"8": 8, "16": 16}.get(env, MAX_M)
     if env == "0" or not (x.is_cuda and w.is_cuda and w.is_contiguous() and w.data_ptr() % 16 == 0
                           and _x_ok(x, max_m)):
         return False
