@@ -60,15 +60,16 @@ def test_combine_on_one_rank_and_bad_method():
         dcp.combine(o, lse, None, method="ring")
 
 
-def check_shards_merge(device: str, world: int, qlen: int) -> None:
-    """Every rank's shard through the current backend, merged, against the oracle."""
+def check_shards_merge(device: str, world: int, qlen: int, splits: int = 3) -> None:
+    """Every rank's shard through the current backend (``splits`` KV splits a request), merged,
+    against the oracle."""
     case = make_decode_case([0, 1, world - 1, world, 2 * world + 5, 70], heads=12, qlen=qlen,
                             seed=world + 17 * qlen, device=device)
     seq_lens = torch.tensor(case.lengths, dtype=torch.int32, device=device)
     outs, lses = [], []
     for rank in range(world):
         indptr, indices = dcp_shard(case, rank, world)
-        o, lse = kimi_ops.mla_decode(case.q, case.kv_cache, indptr, indices, num_splits=3,
+        o, lse = kimi_ops.mla_decode(case.q, case.kv_cache, indptr, indices, num_splits=splits,
                                      seq_lens=seq_lens, dcp_rank=rank, dcp_world_size=world, **case.kwargs)
         outs.append(o)
         lses.append(lse)
@@ -76,9 +77,10 @@ def check_shards_merge(device: str, world: int, qlen: int) -> None:
 
 
 def test_dcp_bounds_in_the_triton_kernel_interpreted():
-    # two shardings (an even and an odd world, qlen 1 and 2): the reference test above sweeps
-    # worlds 2-8 and qlen 1-4 through the same bounds; this checks the Triton kernel applies them
-    code = "import test_dcp; [test_dcp.check_shards_merge('cpu', w, q) for w, q in ((2, 1), (3, 2))]"
+    # two shardings (an even and an odd world, qlen 1 and 2), one split a request (a third of
+    # the interpreter's time; the GPU test runs 3): the reference test above sweeps worlds 2-8
+    # and qlen 1-4 through the same bounds; this checks the Triton kernel applies them
+    code = "import test_dcp; [test_dcp.check_shards_merge('cpu', w, q, 1) for w, q in ((2, 1), (3, 2))]"
     here = os.path.dirname(os.path.abspath(__file__))
     path = os.pathsep.join([os.path.dirname(here), os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, TRITON_INTERPRET="1", KIMI_OPS_BACKEND="triton", CUDA_VISIBLE_DEVICES="", PYTHONPATH=path)

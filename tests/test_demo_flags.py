@@ -3,7 +3,10 @@ before any work (issue 30: --batch 0 / --context 0 / --splits 0 silently became 
 --qlen 9 was accepted, --device cuda without a GPU, --device bogus, --block-size 0 and
 --attention-only --batch -1 ended in tracebacks, --dcp N ran other defaults than --help said)."""
 
+import contextlib
+import io
 import os
+import re
 import subprocess
 import sys
 import time
@@ -45,30 +48,36 @@ elif torch.cuda.device_count() < 8:
     BAD_FLAGS.append((["--device", "cuda", "--dcp", "8"], r"argument --dcp: 8 ranks on --device cuda need 8 GPUs"))
 
 
-def test_every_bad_flag_says_what_is_wrong_in_one_line_and_exits_2():
-    import re
+def _check_refused(flags, message, returncode, out, err):
+    lines = err.strip().splitlines()
+    ok = (returncode == 2 and out == "" and len(lines) == 1
+          and re.search(message, lines[0]) and lines[0].startswith("python -m kimi_ops demo: error: "))
+    assert ok, (flags, returncode, out[-500:], err[-1500:])
+
+
+def test_a_bad_flag_on_the_command_line():
+    # the real entry point, in a fresh Python: one line on stderr, exit 2, before any work
+    flags, message = BAD_FLAGS[0]
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     start = time.perf_counter()
-    failures, running, pending = [], [], list(BAD_FLAGS)
+    proc = subprocess.run([sys.executable, "-m", "kimi_ops", "demo", *flags], env=env,
+                          capture_output=True, text=True, timeout=300)
+    _check_refused(flags, message, proc.returncode, proc.stdout, proc.stderr)
+    assert time.perf_counter() - start < 60, "refused after the work, not before"
 
-    def finish(flags, message, proc):
-        out, err = proc.communicate(timeout=300)
-        lines = err.strip().splitlines()
-        ok = (proc.returncode == 2 and out == "" and len(lines) == 1
-              and re.search(message, lines[0]) and lines[0].startswith("python -m kimi_ops demo: error: "))
-        if not ok:
-            failures.append((flags, proc.returncode, out[-500:], err[-1500:]))
 
-    while pending or running:      # four at a time (each imports torch: ~0.4 GB, ~2 s of CPU)
-        while pending and len(running) < 4:
-            flags, message = pending.pop()
-            running.append((flags, message, subprocess.Popen(
-                [sys.executable, "-m", "kimi_ops", "demo", *flags], env=env,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
-        finish(*running.pop(0))
-    assert not failures, failures
-    # they fail before any work: all of them together take about as long as importing torch
-    assert time.perf_counter() - start < 120
+@pytest.mark.parametrize("flags,message", BAD_FLAGS, ids=[" ".join(f) for f, _ in BAD_FLAGS])
+def test_every_bad_flag_says_what_is_wrong_in_one_line_and_exits_2(monkeypatch, flags, message):
+    # in this process (what __main__ runs, with stderr captured): refused before the demo starts
+    from kimi_ops import __main__ as cli
+
+    def no_work(*_):
+        raise AssertionError(f"{flags}: accepted, the demo started")
+    monkeypatch.setattr(demo, "run_demo", no_work)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exit_:
+        cli.main(["demo", *flags])
+    _check_refused(flags, message, exit_.value.code, out.getvalue(), err.getvalue())
 
 
 def _parse(*flags):

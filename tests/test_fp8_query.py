@@ -235,14 +235,19 @@ def _interp(body, seed=0, mma="bf16", timeout=300):
 
 @pytest.mark.parametrize("mma", ["bf16", "fp8"])
 def test_interp_fp8q_e4m3fn(mma):
-    _interp("""
-f.check_triton_fp8q([100, 0, 3, 70], 2, 12, 3, gen=g)     # zero-length and short requests, splits
+    # the first generation on an fp8 q; the KV side's edges (n < qlen, out-of-range rows,
+    # nothing visible) in one MMA scheme: the fp8 one takes them with a bf16 q in
+    # test_triton_attention.test_interp_decode_e4m3fn[fp8-first]
+    edges = "" if mma == "fp8" else """
 f.check_triton_fp8q([5, 1, 0, 2], 4, 3, 9, gen=g)         # more splits than tokens, n < qlen
 f.check_triton_fp8q([80, 9], 3, 12, 2, oob=6, gen=g)      # out-of-range indices read as zero rows
 f.check_triton_fp8q([0, 0], 2, 12, 4, gen=g)              # nothing visible at all
+"""
+    _interp("""
+f.check_triton_fp8q([100, 0, 3, 70], 2, 12, 3, gen=g)     # zero-length and short requests, splits
 f.check_triton_fp8q([40], 1, 12, 1, gen=g, q_gain=1e-3)   # a small query: a small q_scale
 f.check_triton_fp8q([40, 3], 2, 4, 2, gen=g, pow2_exact=False)   # the GPU cuda backend's check of 2^-5
-""", mma=mma)
+""" + edges, mma=mma)
 
 
 def test_interp_fp8q_fnuz():
