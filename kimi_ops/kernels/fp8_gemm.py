@@ -368,8 +368,15 @@ def use_swap(m: int, block_m: int, hopper: bool) -> bool:
     env = os.environ.get(SWAP_ENV, "").strip()
     if env not in ("", "0", "1"):
         raise ValueError(f"{SWAP_ENV} must be 0 or 1, got {env!r}")
-    on = env == "1" if env else (hopper and m >= SWAP_MIN_M)
-    return on and block_m >= 16
+    if env:
+        return env == "1" and block_m >= 16
+    return default_swap(m, block_m, hopper)
+
+
+def default_swap(m: int, block_m: int, hopper: bool) -> bool:
+    """:func:`use_swap` with no override: sm_90 at ``m >= SWAP_MIN_M`` rows and ``block_m >= 16``
+    (what the launch picks; the cross-compile registry builds the same)."""
+    return hopper and m >= SWAP_MIN_M and block_m >= 16
 
 
 GEMV_ENV = "KIMI_OPS_FP8_GEMV"
@@ -622,7 +629,7 @@ def _specs():
             for m in (5, 8, 16, 32, 64, 256):
                 bm, bn, bk, split, warps, stages = gemm_config(m, n, k, 128, sms, amd=amd)
                 split, per = _split_plan(-(-k // bk), split)
-                swap = target == "sm90" and m >= SWAP_MIN_M and bm >= 16   # use_swap's default
+                swap = default_swap(m, bm, hopper=target == "sm90")
                 dots[(bm, bn, bk, -(-k // bk), per, split, warps, stages, swap)] = None
             for m in range(1, (GEMV_LIMIT_M if target == "sm90" else GEMV_MAX_M) + 1):
                 gemvs[_gemv_spec_name(m, n, k, sms)] = _gemv_launch(m, n, k, sms=sms)
