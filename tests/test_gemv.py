@@ -43,6 +43,16 @@ def test_schema_errors_and_reference():
         kimi_ops.gemm_a16w16(x[:, :64], w)
 
 
+def test_row_limit_switch(monkeypatch):
+    from kimi_ops.kernels import sm90_gemv
+    x, w = torch.randn(2, 64).to(torch.bfloat16), torch.randn(16, 64).to(torch.bfloat16)
+    monkeypatch.setenv(sm90_gemv.ENV, "7")
+    with pytest.raises(ValueError, match="KIMI_OPS_SM90_GEMV must be 0, 1, 8, 16 or 32"):
+        sm90_gemv.serves(x, w)
+    monkeypatch.setenv(sm90_gemv.ENV, "32")
+    assert not sm90_gemv.serves(x, w)   # CPU tensors: never the kernel
+
+
 def test_opcheck_and_compile():
     x = torch.randn(5, 64).to(torch.bfloat16)
     w = torch.randn(48, 64).to(torch.bfloat16)
@@ -69,8 +79,10 @@ def _poison(m, n):
 @requires_sm90
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 16, 17, 32])
-def test_gpu_bf16_kimi_k3_shapes(m):
+def test_gpu_bf16_kimi_k3_shapes(m, monkeypatch):
     from kimi_ops.kernels import sm90_gemv
+    if m > sm90_gemv.BF16_MAX_M:   # past the bf16 default (cuBLAS there): the four-tile path, opted in
+        monkeypatch.setenv(sm90_gemv.ENV, "32")
     for n, k in KIMI_K3:
         w = (torch.randn(n, k, device="cuda") / k ** 0.5).to(torch.bfloat16)
         x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
@@ -120,10 +132,13 @@ def test_gpu_fp8_two_token_tiles_equal_two_launches(m):
 
 @requires_sm90
 @pytest.mark.gpu
-def test_gpu_ragged_shapes_and_strides():
+def test_gpu_ragged_shapes_and_strides(monkeypatch):
     """N not a multiple of 16, K with a partial last k-block, small scale blocks, strided and
     offset x, M at the kernel's limit and past it, misaligned x or w (the fallback)."""
     from kimi_ops.kernels import sm90_gemv
+    x17, w17 = torch.randn(17, 64, device="cuda").to(torch.bfloat16), torch.randn(16, 64, device="cuda").to(torch.bfloat16)
+    assert not sm90_gemv.serves(x17, w17)                 # bf16 weights: 16 rows by default
+    monkeypatch.setenv(sm90_gemv.ENV, "32")
     for m, n, k in ((1, 200, 96), (8, 37, 512), (6, 16, 32), (3, 1000, 4128), (25, 200, 96), (32, 16, 32),
                     (16, 1000, 4128), (12, 37, 512)):
         big = torch.randn(m, k + 64, device="cuda").to(torch.bfloat16)

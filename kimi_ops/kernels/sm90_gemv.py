@@ -25,11 +25,14 @@ us off the MXFP4 one (docs/perf-history.md, session 28). Only sound when nothing
 before writes w; ``KIMI_OPS_PDL=0`` turns it off.
 
 What it takes (:func:`serves`; anything else runs the other backend's code: cuBLAS for bf16, the
-Triton kernels for fp8): ``1 <= M <= 32`` (MAX_M); x bf16 with contiguous, 16-byte aligned rows; w
+Triton kernels for fp8): ``1 <= M <= 32`` (MAX_M) with an fp8 w, ``1 <= M <= 16`` (BF16_MAX_M)
+with a bf16 w (at 24 and 32 rows cuBLAS was faster on the K-1536 projections: q_b 6.1 against
+8.4 / 9.0 us, o_proj 10.8 against 12.4 / 13.1 on an H100, session 34); x bf16 with contiguous, 16-byte aligned rows; w
 contiguous and 16-byte aligned; bf16 w with ``K % 32 == 0``; fp8 (``float8_e4m3fn``) w with
 ``K % 64 == 0``, ``block_k == 128``, ``block_n % 16 == 0`` and a scale of unit stride along K.
-``KIMI_OPS_SM90_GEMV=0`` (read at each call) turns the kernel off, ``=8`` / ``=16`` keep it to 8 / 16 rows
-(the paths before the 9-16- / 17-32-row tiles), for A/B measurements.
+``KIMI_OPS_SM90_GEMV`` (read at each call), for A/B measurements: ``0`` turns the kernel off;
+``8`` / ``16`` / ``32`` set the row limit for both weight dtypes (``32`` lets bf16 weights take
+the four-tile path).
 """
 import os
 
@@ -38,7 +41,8 @@ import torch
 from ..reference.linear import gemm_a16w16 as _linear
 from .sm90 import _ops  # kimi_ops._C's private ops (importing it registers them)
 
-MAX_M = 32
+MAX_M = 32        # the kernel's limit (fp8 weights take it by default)
+BF16_MAX_M = 16   # bf16 weights by default: at 24 / 32 rows cuBLAS is faster on q_b and o_proj (K 1536)
 ENV = "KIMI_OPS_SM90_GEMV"
 
 
@@ -51,10 +55,13 @@ def serves(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor | None = 
            block_k: int = 128) -> bool:
     """Whether the kernel computes ``x @ w^T`` (with ``w_scale_inv``'s block scales for an fp8
     w): the conditions in the module's docstring."""
-    env = os.environ.get(ENV, "1")
-    max_m = {"8": 8, "16": 16}.get(env, MAX_M)
-    if env == "0" or not (x.is_cuda and w.is_cuda and w.is_contiguous() and w.data_ptr() % 16 == 0
-                          and _x_ok(x, max_m)):
+    env = os.environ.get(ENV, "").strip()
+    if env not in ("", "0", "1", "8", "16", "32"):
+        raise ValueError(f"{ENV} must be 0, 1, 8, 16 or 32, got {env!r}")
+    if env == "0":
+        return False
+    max_m = int(env) if env not in ("", "1") else (BF16_MAX_M if w.dtype == torch.bfloat16 else MAX_M)
+    if not (x.is_cuda and w.is_cuda and w.is_contiguous() and w.data_ptr() % 16 == 0 and _x_ok(x, max_m)):
         return False
     k = x.shape[1]
     if w.dtype == torch.bfloat16:
