@@ -570,7 +570,7 @@ def gemm_a16w16(x, w, *, constant_w=False):
     """A bf16 projection: ``y = x @ w^T``.
 
     x [M, K] bf16 (any strides); w [N, K] bf16 -> y [M, N] bf16, float32 accumulation. On sm_90
-    with ``kimi_ops._C`` built, ``M <= 8`` runs a small-M tensor-core kernel that streams w
+    with ``kimi_ops._C`` built, ``M <= 16`` runs a small-M tensor-core kernel that streams w
     (csrc/sm90/gemv.cuh; :mod:`kimi_ops.kernels.sm90_gemv` says what it takes); every other
     call, and every other device, runs torch's ``F.linear`` (cuBLAS). The decode layer's bf16
     projections call it (:func:`kimi_ops.runtime.mla.project`). ``constant_w``: as in

@@ -5,9 +5,9 @@ small-M Hopper kernel of csrc/sm90/gemv.cuh (kimi_ops/kernels/sm90_gemv.py).
 CPU (CI): the op's schema, errors, opcheck and torch.compile over it, its reference against
 float64. GPU (skipped without CUDA; the kernel needs sm_90 and kimi_ops._C): both weight types at
 Kimi-K3 TP8's shapes and at ragged ones (N not a multiple of 16, a partial last k-block, block_n
-16 / 64 / 128, strided x), M = 1..8, against float64, into NaN-poisoned memory; every e4m3 code
+16 / 64 / 128, strided x), M = 1..32 (one, two and four 8-token tiles), against float64, into NaN-poisoned memory; every e4m3 code
 (subnormals included) and x over 80 binades; chains launched with ``constant_w`` (programmatic
-dependent launch) bit for bit against plain launches; the calls the kernel does not take (M > 8,
+dependent launch) bit for bit against plain launches; the calls the kernel does not take (M > 32,
 K % 32, misaligned x) still correct.
 """
 from __future__ import annotations
@@ -43,6 +43,16 @@ def test_schema_errors_and_reference():
         kimi_ops.gemm_a16w16(x[:, :64], w)
 
 
+def test_row_limit_switch(monkeypatch):
+    from kimi_ops.kernels import sm90_gemv
+    x, w = torch.randn(2, 64).to(torch.bfloat16), torch.randn(16, 64).to(torch.bfloat16)
+    monkeypatch.setenv(sm90_gemv.ENV, "7")
+    with pytest.raises(ValueError, match="KIMI_OPS_SM90_GEMV must be 0, 1, 8, 16 or 32"):
+        sm90_gemv.serves(x, w)
+    monkeypatch.setenv(sm90_gemv.ENV, "32")
+    assert not sm90_gemv.serves(x, w)   # CPU tensors: never the kernel
+
+
 def test_opcheck_and_compile():
     x = torch.randn(5, 64).to(torch.bfloat16)
     w = torch.randn(48, 64).to(torch.bfloat16)
@@ -68,9 +78,11 @@ def _poison(m, n):
 
 @requires_sm90
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 8])
-def test_gpu_bf16_kimi_k3_shapes(m):
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 16, 17, 32])
+def test_gpu_bf16_kimi_k3_shapes(m, monkeypatch):
     from kimi_ops.kernels import sm90_gemv
+    if m > sm90_gemv.BF16_MAX_M:   # past the bf16 default (cuBLAS there): the four-tile path, opted in
+        monkeypatch.setenv(sm90_gemv.ENV, "32")
     for n, k in KIMI_K3:
         w = (torch.randn(n, k, device="cuda") / k ** 0.5).to(torch.bfloat16)
         x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
@@ -85,7 +97,7 @@ def test_gpu_bf16_kimi_k3_shapes(m):
 
 @requires_sm90
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 4, 7, 8])
+@pytest.mark.parametrize("m", [1, 4, 7, 8, 9, 13, 16, 17, 24, 32])
 def test_gpu_fp8_kimi_k3_shapes(m):
     from kimi_ops.kernels import sm90_gemv
     for (n, k), bn in zip(KIMI_K3, (64, 128, 128)):   # the fused qkv_a + gate on its 64-row scale grid
@@ -104,11 +116,31 @@ def test_gpu_fp8_kimi_k3_shapes(m):
 
 @requires_sm90
 @pytest.mark.gpu
-def test_gpu_ragged_shapes_and_strides():
+@pytest.mark.parametrize("m", [9, 12, 16])
+def test_gpu_fp8_two_token_tiles_equal_two_launches(m):
+    # 9..16 rows take two 8-token MMA tiles a launch and one k-block a step; a token's sums keep
+    # their order (gemv.cuh), so the rows come out bit for bit as from launches of <= 8 rows
+    op = torch.ops.kimi_ops._gemv_sm90
+    for (n, k), bn in zip(KIMI_K3, (64, 128, 128)):
+        w, s = random_fp8(n, k, bn, 128, seed=n - m)
+        wd, sd = w.cuda(), s.cuda()
+        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        whole = op(x, wd, sd, bn, False)
+        halves = torch.cat([op(x[:8].contiguous(), wd, sd, bn, False), op(x[8:].contiguous(), wd, sd, bn, False)])
+        assert torch.equal(whole, halves), (m, n, k)
+
+
+@requires_sm90
+@pytest.mark.gpu
+def test_gpu_ragged_shapes_and_strides(monkeypatch):
     """N not a multiple of 16, K with a partial last k-block, small scale blocks, strided and
     offset x, M at the kernel's limit and past it, misaligned x or w (the fallback)."""
     from kimi_ops.kernels import sm90_gemv
-    for m, n, k in ((1, 200, 96), (8, 37, 512), (6, 16, 32), (3, 1000, 4128)):
+    x17, w17 = torch.randn(17, 64, device="cuda").to(torch.bfloat16), torch.randn(16, 64, device="cuda").to(torch.bfloat16)
+    assert not sm90_gemv.serves(x17, w17)                 # bf16 weights: 16 rows by default
+    monkeypatch.setenv(sm90_gemv.ENV, "32")
+    for m, n, k in ((1, 200, 96), (8, 37, 512), (6, 16, 32), (3, 1000, 4128), (25, 200, 96), (32, 16, 32),
+                    (16, 1000, 4128), (12, 37, 512)):
         big = torch.randn(m, k + 64, device="cuda").to(torch.bfloat16)
         x = big[:, 8:8 + k]                                    # rows k + 64 apart, 16-byte aligned
         w = torch.randn(n, k, device="cuda").to(torch.bfloat16)
@@ -116,7 +148,8 @@ def test_gpu_ragged_shapes_and_strides():
         _poison(m, n)
         y = kimi_ops.gemm_a16w16(x, w)
         assert bound_ok(y, x.cpu().double() @ w.cpu().double().T) <= 1.0, (m, n, k)
-    for m, n, k, bn in ((1, 200, 192, 16), (8, 40, 320, 64), (5, 130, 1024, 128), (2, 7, 64, 16)):
+    for m, n, k, bn in ((1, 200, 192, 16), (8, 40, 320, 64), (5, 130, 1024, 128), (2, 7, 64, 16), (16, 40, 320, 64),
+                        (11, 130, 1024, 128), (32, 40, 320, 64), (21, 7, 64, 16)):
         w, s = random_fp8(n, k, bn, 128, seed=n)
         x = torch.randn(m, k).to(torch.bfloat16)
         wd, sd = w.cuda(), s.cuda()
@@ -132,7 +165,7 @@ def test_gpu_ragged_shapes_and_strides():
     x1 = torch.randn(2, 96, device="cuda").to(torch.bfloat16)
     assert w_off.is_contiguous() and not sm90_gemv.serves(x1, w_off)
     assert bound_ok(kimi_ops.gemm_a16w16(x1, w_off), x1.cpu().double() @ w_off.cpu().double().T) <= 1.0
-    for x in (torch.randn(9, 96, device="cuda").to(torch.bfloat16),                    # M > 8
+    for x in (torch.randn(33, 96, device="cuda").to(torch.bfloat16),                   # M > 32
               torch.randn(2, 97, device="cuda").to(torch.bfloat16)[:, 1:],            # misaligned rows
               torch.randn(0, 96, device="cuda").to(torch.bfloat16)):                  # M = 0
         assert not sm90_gemv.serves(x, w)
@@ -145,6 +178,10 @@ def test_gpu_ragged_shapes_and_strides():
     assert not sm90_gemv.serves(x2.cuda(), w2.cuda(), s2.cuda())
     y2 = kimi_ops.gemm_a16w8_block(x2.cuda(), w2.cuda(), s2.cuda())
     assert bound_ok(y2, gemm64(x2, w2, s2, 128, 128)) <= 1.0
+    w3, s3 = random_fp8(64, 128, 128, 128, seed=2)                                      # M > 32 (fp8 w)
+    x3 = torch.randn(33, 128).to(torch.bfloat16)
+    assert not sm90_gemv.serves(x3.cuda(), w3.cuda(), s3.cuda())
+    assert bound_ok(kimi_ops.gemm_a16w8_block(x3.cuda(), w3.cuda(), s3.cuda()), gemm64(x3, w3, s3, 128, 128)) <= 1.0
 
 
 @requires_sm90
@@ -161,8 +198,11 @@ def test_gpu_private_op_checks():
         op(x[:2, :48], w[:, :48], None, 0)
     with pytest.raises(RuntimeError, match="w_scale_inv is required"):
         op(x[:2], w.to(torch.float8_e4m3fn), None, 128)
-    with pytest.raises(RuntimeError, match="at most 8 rows"):
-        op(x, w, None, 0)
+    x33 = torch.randn(33, 64, device="cuda").to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="at most 32 rows"):
+        op(x33, w, None, 0)
+    with pytest.raises(RuntimeError, match="at most 32 rows"):
+        op(x33, w.to(torch.float8_e4m3fn), torch.ones(1, 1, device="cuda"), 32)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         op(x[:2, :48], w[:, :48].contiguous(), None, 0)
 

@@ -1,6 +1,6 @@
-// Small-M projections of the decode layer: y [M, N] = x [M, K] @ W^T for M <= 8 tokens, W a bf16
-// weight or an fp8 e4m3 weight with 128 x 128-style block scales (gemv_kernel). At M <= 8 the step
-// is a stream of the weight's bytes; the kernel's job is to keep enough of them in flight.
+// Small-M projections of the decode layer: y [M, N] = x [M, K] @ W^T for M <= 32 tokens, W a bf16 weight or an fp8 e4m3 weight with 128 x 128-style block scales (gemv_kernel). At
+// such M the step is a stream of the weight's bytes; the kernel's job is to keep enough of them in
+// flight.
 //
 // Byte layouts:
 //   reads   x [M, K] bf16 (rows x_stride elements apart, 16-byte aligned); W [N, K] row-major,
@@ -8,10 +8,11 @@
 //           scale[n / block_n][k / kFp8BlockK]); scale [ceil(N / block_n), ceil(K / 128)] f32,
 //           rows scale_stride apart
 //   writes  y [M, N] bf16, contiguous; every element of the M rows
-//   shared  red [WARPS][16][8] f32: each warp's partial sums of the CTA's 16 x 8 outputs
+//   shared  red [WARPS][16][8 kNT] f32: each warp's partial sums of the CTA's 16 x 8 kNT outputs
 //
-// gemv_kernel: one CTA of WARPS warps per 16 weight rows (the MMA's M; tokens are its N = 8,
-// the tokens past M read as zeros). The warps split K into whole k-blocks (kFp8BlockK = 128 fp8
+// gemv_kernel: one CTA of WARPS warps per 16 weight rows (the MMA's M; tokens are its N = 8, kNT
+// such MMAs on the same W fragments for up to 8 kNT tokens, the tokens past M read as zeros). The
+// warps split K into whole k-blocks (kFp8BlockK = 128 fp8
 // columns, or kBf16BlockK = 256 bf16 columns, each a 512-byte run of a row) and each streams its
 // share with 16-byte loads (W's bypass L1), kUnroll k-blocks a step; their partials meet in shared
 // memory. mma.sync m16n8k16 bf16 with f32 accumulation; the K order inside a 32- (bf16) or 64-
@@ -37,7 +38,7 @@ namespace kimi_ops::sm90 {
 namespace {
 
 constexpr int kGemvRows = 16;     // weight rows (outputs) a CTA
-constexpr int kGemvMaxM = 8;      // tokens a launch
+constexpr int kGemvMaxM = 8;      // tokens an MMA tile (N = 8); a launch takes kNT of them
 constexpr int kFp8BlockK = 128;   // fp8: the scale's k-block (the kernel's only one)
 constexpr int kBf16BlockK = 256;  // bf16: columns a warp takes at a time (512 bytes a row)
 
@@ -95,15 +96,21 @@ __device__ __forceinline__ void e4m3x16_to_bf16_pow2(const uint4& v, uint32_t (&
 constexpr float kXUp = 0x1p60f;  // fp8: x * 2^60 in bf16 (exact), so W * 2^-120 times it stays an
                                  // f32 normal down to |w x| = 2^-66; k-block sums * scale * 2^60
 
-template <int WARPS, bool kFp8, int kUnroll>
+// kNT: 8-token MMA tiles (1: M <= 8; 2: M <= 16; 4: M <= 32; each lane loads x rows g + 8t). With
+// an fp8 W up to kNT 2 the summation order of a token's outputs does not depend on kNT or kUnroll
+// (k-blocks in order, one MMA chain pair a k-block): a launch of 16 rows gives the bits of two
+// launches of 8. kNT 4 runs one MMA chain a tile (two took 128 registers and spilled), and a bf16
+// W's k-block is 256 / kNT columns (x's registers stay those of kNT 1): other orders, same bound.
+template <int WARPS, bool kFp8, int kUnroll, int kNT = 1>
 __global__ void __launch_bounds__(WARPS * 32, 16 / WARPS) gemv_kernel(const GemvParams p) {
-  __shared__ float red[WARPS][kGemvRows][kGemvMaxM];
+  static_assert(kNT == 1 || kNT == 2 || kNT == 4, "8, 16 or 32 tokens");
+  __shared__ float red[WARPS][kGemvRows][kGemvMaxM * kNT];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, c = lane % 4;
   const int n0 = blockIdx.x * kGemvRows;
-  const bool row_lo_ok = n0 + g < p.N, row_hi_ok = n0 + g + 8 < p.N, tok_ok = g < p.M;
+  const bool row_lo_ok = n0 + g < p.N, row_hi_ok = n0 + g + 8 < p.N;
 
-  constexpr int kBlockK = kFp8 ? kFp8BlockK : kBf16BlockK;
+  constexpr int kBlockK = kFp8 ? kFp8BlockK : kBf16BlockK / kNT;  // bf16: x's registers stay those of kNT 1
   constexpr int kBytesPerCol = kFp8 ? 1 : 2;
   constexpr int kChunkK = kFp8 ? 64 : 32;  // columns of one 16-byte load by each of a row's 4 lanes
   constexpr int kChunks = kBlockK / kChunkK;
@@ -113,10 +120,10 @@ __global__ void __launch_bounds__(WARPS * 32, 16 / WARPS) gemv_kernel(const Gemv
 
   const uint8_t* w_lo = static_cast<const uint8_t*>(p.w) + static_cast<int64_t>(n0 + g) * p.K * kBytesPerCol;
   const uint8_t* w_hi = w_lo + static_cast<int64_t>(8) * p.K * kBytesPerCol;
-  const __nv_bfloat16* x_row = p.x + static_cast<int64_t>(g) * p.x_stride;
+  const __nv_bfloat16* x_row = p.x + static_cast<int64_t>(g) * p.x_stride;  // token g + 8t: + 8t rows
   const float* scale_row = kFp8 ? p.scale + static_cast<int64_t>(n0 / p.block_n) * p.scale_stride : nullptr;
 
-  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  float acc[kNT][4] = {};
   // steps of kUnroll k-blocks up to kb1 (the last one shorter); odd warps take the short one first,
   // so that half the warps convert and multiply while the other half's loads are in flight
   const int short_step = (kb1 - kb0) % kUnroll;
@@ -125,7 +132,7 @@ __global__ void __launch_bounds__(WARPS * 32, 16 / WARPS) gemv_kernel(const Gemv
     // all of the step's loads first (kUnroll k-blocks: 16 bytes of W a load, 12 loads a lane in
     // flight for fp8's three k-blocks, 16 for bf16's one), then its MMAs; a row past N loads zeros
     constexpr int kLoads = kUnroll * kChunks;
-    uint4 a_lo[kLoads], a_hi[kLoads], xv[kLoads][kFp8 ? 2 : 1];
+    uint4 a_lo[kLoads], a_hi[kLoads], xv[kLoads][kNT][kFp8 ? 2 : 1];
     auto lane_k = [&](int i, bool& in_k) {  // the lane's first column of load i; whether it is in K
       const int blk = kb + i / kChunks;
       const int k = blk * kBlockK + (i % kChunks) * kChunkK + c * (kChunkK / 4);
@@ -146,7 +153,11 @@ __global__ void __launch_bounds__(WARPS * 32, 16 / WARPS) gemv_kernel(const Gemv
       bool in_k;
       const int k = lane_k(i, in_k);
 #pragma unroll
-      for (int j = 0; j < (kFp8 ? 2 : 1); ++j) xv[i][j] = ld16_or_zero<false>(x_row + k + 8 * j, tok_ok && in_k);
+      for (int t = 0; t < kNT; ++t)
+#pragma unroll
+        for (int j = 0; j < (kFp8 ? 2 : 1); ++j)
+          xv[i][t][j] = ld16_or_zero<false>(x_row + static_cast<int64_t>(8 * t) * p.x_stride + k + 8 * j,
+                                            g + 8 * t < p.M && in_k);
     }
     float sc[kUnroll];  // each k-block's scale
 #pragma unroll
@@ -156,44 +167,59 @@ __global__ void __launch_bounds__(WARPS * 32, 16 / WARPS) gemv_kernel(const Gemv
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       if (kb + u >= lim) break;
-      float part[2][4] = {};  // two MMA chains: k-steps alternate between them
+      // two MMA chains a token tile (k-steps alternate between them); one at kNT 4 (registers)
+      constexpr int kChains = kNT == 4 ? 1 : 2;
+      float part[kNT][kChains][4] = {};
 #pragma unroll
       for (int ch = 0; ch < kChunks; ++ch) {
         const int i = u * kChunks + ch;
         if constexpr (kFp8) {
-          uint32_t lo[8], hi[8], xb[8];
+          uint32_t lo[8], hi[8];
           e4m3x16_to_bf16_pow2(a_lo[i], lo);
           e4m3x16_to_bf16_pow2(a_hi[i], hi);
-          const uint32_t xr[8] = {xv[i][0].x, xv[i][0].y, xv[i][0].z, xv[i][0].w,
-                                  xv[i][1].x, xv[i][1].y, xv[i][1].z, xv[i][1].w};
-          const __nv_bfloat162 up = __floats2bfloat162_rn(kXUp, kXUp);
 #pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            const __nv_bfloat162 t = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&xr[j]), up);
-            xb[j] = *reinterpret_cast<const uint32_t*>(&t);
+          for (int t = 0; t < kNT; ++t) {
+            uint32_t xb[8];
+            const uint32_t xr[8] = {xv[i][t][0].x, xv[i][t][0].y, xv[i][t][0].z, xv[i][t][0].w,
+                                    xv[i][t][1].x, xv[i][t][1].y, xv[i][t][1].z, xv[i][t][1].w};
+            const __nv_bfloat162 up = __floats2bfloat162_rn(kXUp, kXUp);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+              const __nv_bfloat162 xu = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&xr[j]), up);
+              xb[j] = *reinterpret_cast<const uint32_t*>(&xu);
+            }
+#pragma unroll
+            for (int s = 0; s < 4; ++s)
+              mma_bf16(part[t][s % kChains], lo[2 * s], hi[2 * s], lo[2 * s + 1], hi[2 * s + 1], xb[2 * s], xb[2 * s + 1]);
           }
-#pragma unroll
-          for (int s = 0; s < 4; ++s)
-            mma_bf16(part[s % 2], lo[2 * s], hi[2 * s], lo[2 * s + 1], hi[2 * s + 1], xb[2 * s], xb[2 * s + 1]);
         } else {
-          mma_bf16(part[0], a_lo[i].x, a_hi[i].x, a_lo[i].y, a_hi[i].y, xv[i][0].x, xv[i][0].y);
-          mma_bf16(part[1], a_lo[i].z, a_hi[i].z, a_lo[i].w, a_hi[i].w, xv[i][0].z, xv[i][0].w);
+#pragma unroll
+          for (int t = 0; t < kNT; ++t) {
+            mma_bf16(part[t][0], a_lo[i].x, a_hi[i].x, a_lo[i].y, a_hi[i].y, xv[i][t][0].x, xv[i][t][0].y);
+            mma_bf16(part[t][kChains - 1], a_lo[i].z, a_hi[i].z, a_lo[i].w, a_hi[i].w, xv[i][t][0].z, xv[i][t][0].w);
+          }
         }
       }
 #pragma unroll
-      for (int r = 0; r < 4; ++r) acc[r] = fmaf(part[0][r] + part[1][r], sc[u], acc[r]);
+      for (int t = 0; t < kNT; ++t)
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+          acc[t][r] = fmaf(kChains == 2 ? part[t][0][r] + part[t][kChains - 1][r] : part[t][0][r], sc[u], acc[t][r]);
     }
   }
   wait_prior_grid();  // (a warp with no k-block: nothing of this grid writes before the previous grid is done)
   allow_next_grid();
-  // acc: (row g, token 2c), (g, 2c + 1), (g + 8, 2c), (g + 8, 2c + 1)
-  red[warp][g][2 * c] = acc[0];
-  red[warp][g][2 * c + 1] = acc[1];
-  red[warp][g + 8][2 * c] = acc[2];
-  red[warp][g + 8][2 * c + 1] = acc[3];
+  // acc[t]: (row g, token 8t + 2c), (g, 8t + 2c + 1), (g + 8, 8t + 2c), (g + 8, 8t + 2c + 1)
+#pragma unroll
+  for (int t = 0; t < kNT; ++t) {
+    red[warp][g][8 * t + 2 * c] = acc[t][0];
+    red[warp][g][8 * t + 2 * c + 1] = acc[t][1];
+    red[warp][g + 8][8 * t + 2 * c] = acc[t][2];
+    red[warp][g + 8][8 * t + 2 * c + 1] = acc[t][3];
+  }
   __syncthreads();
-  if (threadIdx.x < kGemvRows * kGemvMaxM) {
-    const int tok = threadIdx.x / kGemvRows, r = threadIdx.x % kGemvRows;
+  for (int idx = threadIdx.x; idx < kGemvRows * kGemvMaxM * kNT; idx += WARPS * 32) {
+    const int tok = idx / kGemvRows, r = idx % kGemvRows;
     if (tok < p.M && n0 + r < p.N) {
       float sum = 0.f;
 #pragma unroll

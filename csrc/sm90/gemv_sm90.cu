@@ -1,6 +1,6 @@
 // Hopper (sm_90a) small-M projections: the host launcher of gemv_kernel (gemv.cuh) and its op,
 // _gemv_sm90 (schema in csrc/registration.cpp, entry point in ops.h):
-//   x [M, K] bf16 (M <= 8; unit stride along K, rows 16-byte aligned), w [N, K] bf16 or fp8
+//   x [M, K] bf16 (M <= 32; unit stride along K, rows 16-byte aligned), w [N, K] bf16 or fp8
 //   e4m3fn (contiguous, 16-byte aligned), w_scale_inv [ceil(N / block_n), ceil(K / 128)] f32 with
 //   an fp8 w (unit stride along K), else none; constant_w: w and w_scale_inv are not written by
 //   the kernels before this one on the stream (the launch may then start while they run)
@@ -21,10 +21,10 @@
 namespace kimi_ops::sm90 {
 namespace {
 
-template <int WARPS, bool kFp8, int kUnroll>
+template <int WARPS, bool kFp8, int kUnroll, int kNT = 1>
 void launch_gemv(const GemvParams& p, bool pdl, cudaStream_t stream) {
   const dim3 grid((p.N + kGemvRows - 1) / kGemvRows);
-  launch(gemv_kernel<WARPS, kFp8, kUnroll>, grid, WARPS * 32, 0, stream, p, pdl);
+  launch(gemv_kernel<WARPS, kFp8, kUnroll, kNT>, grid, WARPS * 32, 0, stream, p, pdl);
 }
 
 // The messages are literals: on the H200 image (torch 2.11, nvcc 13 with /opt/gcc) a failing
@@ -41,8 +41,8 @@ at::Tensor gemv_sm90(const at::Tensor& x, const at::Tensor& w, const std::option
   TORCH_CHECK(w.is_contiguous() && reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0,
               "kimi_ops._C: w must be contiguous and 16-byte aligned");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  static_assert(kGemvMaxM == 8, "the message below");
-  TORCH_CHECK(M <= kGemvMaxM, "kimi_ops._C: the GEMV takes at most 8 rows of x");
+  static_assert(kGemvMaxM == 8, "the messages below");
+  TORCH_CHECK(M <= 4 * kGemvMaxM, "kimi_ops._C: the GEMV takes at most 32 rows of x");
   TORCH_CHECK(K % (fp8 ? 64 : 32) == 0, "kimi_ops._C: K must be a multiple of 32 (bf16 w) or 64 (fp8 w)");
   TORCH_CHECK(K <= INT32_MAX && N <= INT32_MAX, "kimi_ops._C: GEMV too large");
   TORCH_CHECK(x.stride(1) == 1 && x.stride(0) % 8 == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0,
@@ -78,8 +78,20 @@ at::Tensor gemv_sm90(const at::Tensor& x, const at::Tensor& w, const std::option
   // the stream (constant_w: a model's weights): the kernel then streams W while the previous kernel
   // finishes (gemv.cuh).
   const bool pdl = constant_w && pdl_env_allows();
-  if (fp8)
+  // 9..32 rows (fp8): two / four 8-token MMA tiles on each W fragment, one k-block a step (x's
+  // registers double / quadruple: 88 / 128 registers; two k-blocks a step at 16 rows took 128 and
+  // spilled 8 bytes)
+  if (fp8 && M > 2 * kGemvMaxM)
+    wide ? launch_gemv<8, true, 1, 4>(p, pdl, stream) : launch_gemv<4, true, 1, 4>(p, pdl, stream);
+  else if (fp8 && M > kGemvMaxM)
+    wide ? launch_gemv<8, true, 1, 2>(p, pdl, stream) : launch_gemv<4, true, 1, 2>(p, pdl, stream);
+  else if (fp8)
     wide ? launch_gemv<8, true, 3>(p, pdl, stream) : launch_gemv<4, true, 3>(p, pdl, stream);
+  // bf16: 128- / 64-column k-blocks at two / four token tiles (the x registers of one)
+  else if (M > 2 * kGemvMaxM)
+    wide ? launch_gemv<8, false, 1, 4>(p, pdl, stream) : launch_gemv<4, false, 1, 4>(p, pdl, stream);
+  else if (M > kGemvMaxM)
+    wide ? launch_gemv<8, false, 1, 2>(p, pdl, stream) : launch_gemv<4, false, 1, 2>(p, pdl, stream);
   else
     wide ? launch_gemv<8, false, 1>(p, pdl, stream) : launch_gemv<4, false, 1>(p, pdl, stream);
   return y;

@@ -2,11 +2,15 @@
 launched by ``csrc/sm90/gemv_sm90.cu`` as the private op ``torch.ops.kimi_ops._gemv_sm90``).
 
 The ``cuda`` backend of :func:`kimi_ops.gemm_a16w16` and :func:`kimi_ops.gemm_a16w8_block`: at
-``M <= 8`` rows of x (a decode step of up to 8 tokens) a projection is a stream of its weight's
+``M <= 32`` rows of x (a decode step of up to 32 tokens) a projection is a stream of its weight's
 bytes, which cuBLAS's bf16 kernels and the Triton fp8 GEMV move at 1.8-3.3 TB/s on the H200
 (docs/perf-history.md, sessions 20-25). The kernel takes 16 weight rows a CTA (the MMA's M) and
-the tokens as the MMA's N, and keeps all of a lane's 16-byte loads of a step in flight at once
-(one 256-column k-block of a bf16 weight, three 128-column ones of an fp8 weight).
+the tokens as the MMA's N (two / four 8-token MMAs on each weight fragment at 9-16 / 17-32 rows),
+and keeps all of a lane's 16-byte loads of a step in flight at once (a 256-column k-block of a
+bf16 weight, 128 / 64 columns at two / four token tiles; three 128-column ones of an fp8 weight,
+one above 8 rows). With an fp8 weight up to 16 rows a token's sums do not depend on M (16 rows in
+one launch give the bits of two launches of 8); elsewhere the order changes with the tiles,
+within the same bound.
 
 Numerics: the products are exact in float32 (bf16 x bf16; an fp8 e4m3 weight becomes bf16
 exactly, as its value times 2^-120, and x is multiplied by 2^60 to match: exact for |x| < 2^67);
@@ -21,10 +25,14 @@ us off the MXFP4 one (docs/perf-history.md, session 28). Only sound when nothing
 before writes w; ``KIMI_OPS_PDL=0`` turns it off.
 
 What it takes (:func:`serves`; anything else runs the other backend's code: cuBLAS for bf16, the
-Triton kernels for fp8): ``1 <= M <= 8``; x bf16 with contiguous, 16-byte aligned rows; w
+Triton kernels for fp8): ``1 <= M <= 32`` (MAX_M) with an fp8 w, ``1 <= M <= 16`` (BF16_MAX_M)
+with a bf16 w (at 24 and 32 rows cuBLAS was faster on the K-1536 projections: q_b 6.1 against
+8.4 / 9.0 us, o_proj 10.8 against 12.4 / 13.1 on an H100, session 34); x bf16 with contiguous, 16-byte aligned rows; w
 contiguous and 16-byte aligned; bf16 w with ``K % 32 == 0``; fp8 (``float8_e4m3fn``) w with
 ``K % 64 == 0``, ``block_k == 128``, ``block_n % 16 == 0`` and a scale of unit stride along K.
-``KIMI_OPS_SM90_GEMV=0`` (read at each call) turns the kernel off, for A/B measurements.
+``KIMI_OPS_SM90_GEMV`` (read at each call), for A/B measurements: ``0`` turns the kernel off;
+``8`` / ``16`` / ``32`` set the row limit for both weight dtypes (``32`` lets bf16 weights take
+the four-tile path).
 """
 import os
 
@@ -33,12 +41,13 @@ import torch
 from ..reference.linear import gemm_a16w16 as _linear
 from .sm90 import _ops  # kimi_ops._C's private ops (importing it registers them)
 
-MAX_M = 8
+MAX_M = 32        # the kernel's limit (fp8 weights take it by default)
+BF16_MAX_M = 16   # bf16 weights by default: at 24 / 32 rows cuBLAS is faster on q_b and o_proj (K 1536)
 ENV = "KIMI_OPS_SM90_GEMV"
 
 
-def _x_ok(x: torch.Tensor) -> bool:
-    return (x.dtype == torch.bfloat16 and 1 <= x.shape[0] <= MAX_M and x.stride(1) == 1
+def _x_ok(x: torch.Tensor, max_m: int) -> bool:
+    return (x.dtype == torch.bfloat16 and 1 <= x.shape[0] <= max_m and x.stride(1) == 1
             and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0)
 
 
@@ -46,8 +55,13 @@ def serves(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor | None = 
            block_k: int = 128) -> bool:
     """Whether the kernel computes ``x @ w^T`` (with ``w_scale_inv``'s block scales for an fp8
     w): the conditions in the module's docstring."""
-    if os.environ.get(ENV, "1") == "0" or not (x.is_cuda and w.is_cuda and w.is_contiguous()
-                                                 and w.data_ptr() % 16 == 0 and _x_ok(x)):
+    env = os.environ.get(ENV, "").strip()
+    if env not in ("", "0", "1", "8", "16", "32"):
+        raise ValueError(f"{ENV} must be 0, 1, 8, 16 or 32, got {env!r}")
+    if env == "0":
+        return False
+    max_m = int(env) if env not in ("", "1") else (BF16_MAX_M if w.dtype == torch.bfloat16 else MAX_M)
+    if not (x.is_cuda and w.is_cuda and w.is_contiguous() and w.data_ptr() % 16 == 0 and _x_ok(x, max_m)):
         return False
     k = x.shape[1]
     if w.dtype == torch.bfloat16:
