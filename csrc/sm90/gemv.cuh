@@ -1,6 +1,6 @@
-// Small-M projections of the decode layer: y [M, N] = x [M, K] @ W^T for M <= 32 tokens, W a bf16 weight or an fp8 e4m3 weight with 128 x 128-style block scales (gemv_kernel). At
-// such M the step is a stream of the weight's bytes; the kernel's job is to keep enough of them in
-// flight.
+// Small-M projections of the decode layer: y [M, N] = x [M, K] @ W^T for M <= 32 tokens, W a bf16
+// weight or an fp8 e4m3 weight with 128 x 128-style block scales (gemv_kernel). At such M the step
+// is a stream of the weight's bytes; the kernel's job is to keep enough of them in flight.
 //
 // Byte layouts:
 //   reads   x [M, K] bf16 (rows x_stride elements apart, 16-byte aligned); W [N, K] row-major,
