@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import torch
 
-from .device import device_index, multiprocessor_count
+from .device import compute_capability, device_index, multiprocessor_count
 
 BACKENDS = ("auto", "reference", "triton", "cuda")
 ENV_VAR = "KIMI_OPS_BACKEND"
@@ -126,7 +126,7 @@ def unavailable_reason(backend: str, device: torch.device) -> str | None:
     if backend == "cuda":
         if device.type != "cuda" or torch.version.hip is not None or not torch.cuda.is_available():
             return "the cuda backend needs CUDA tensors on an NVIDIA GPU"
-        if torch.cuda.get_device_capability(device) != (9, 0):
+        if compute_capability(device_index(device)) != (9, 0):
             return "the cuda backend's kernels are built for sm_90 (Hopper) only"
         return cuda_extension_unavailable_reason()
     raise AssertionError(backend)

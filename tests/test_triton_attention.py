@@ -408,7 +408,7 @@ def test_f16_dots_where_taken(monkeypatch):
     assert A._f16_dots("bf16", cpu) and not A._f16_dots("fp8", cpu)
     monkeypatch.setattr(torch.version, "hip", None)
     for cc, taken in (((8, 0), False), ((8, 6), False), ((8, 9), True), ((9, 0), True), ((10, 0), True)):
-        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, cc=cc: cc)
+        monkeypatch.setattr(A, "compute_capability", lambda index, cc=cc: cc)
         assert A._f16_dots("bf16", gpu) == taken, cc
     monkeypatch.setattr(torch.version, "hip", "6.4")
     assert not A._f16_dots("bf16", gpu)

@@ -44,6 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..device import compute_capability, device_index
 from ..formats import KV_LORA_RANK, KV_ROW
 from . import interpreting
 from .cache import fp8_bits, fp8_value
@@ -679,7 +680,7 @@ def _f16_dots(mma: str, device: torch.device) -> bool:
         return False
     if device.type != "cuda":
         return True
-    return torch.version.hip is None and torch.cuda.get_device_capability(device) >= (8, 9)
+    return torch.version.hip is None and compute_capability(device_index(device)) >= (8, 9)
 
 
 WORDS_ENV = "KIMI_OPS_TRITON_WORDS"
@@ -751,7 +752,7 @@ def native_e4m3fn(device: torch.device) -> bool:
     fp8e4nv not supported in this architecture") the launchers pass its bytes."""
     if device.type != "cuda" or torch.version.hip is not None:
         return True
-    return torch.cuda.get_device_capability(device) >= (8, 9)
+    return compute_capability(device_index(device)) >= (8, 9)
 
 
 def _as_codes(x: torch.Tensor):

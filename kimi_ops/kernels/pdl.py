@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..device import device_index
+from ..device import compute_capability, device_index
 from . import interpreting
 
 try:
@@ -38,7 +38,7 @@ def _triton_takes_launch_pdl() -> bool:
 
 @functools.cache
 def _device_has_pdl(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
+    return compute_capability(index)[0] >= 9
 
 
 def pdl_args(device: torch.device) -> dict:

@@ -67,6 +67,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..device import compute_capability, device_index
 from . import interpreting
 from .attention import (FNUZ_BYTES, NATIVE, _as_codes, _fp8_to16, _interpreter_steps, _kv_mode, _launch_shape,
                         _partials, _program_rows, _row_inv, _row_lse, _score_scale, _split_f32, _to_bf16)
@@ -265,7 +266,7 @@ def arch_of(device: torch.device) -> str:
         if torch.version.hip is not None:
             name = getattr(torch.cuda.get_device_properties(device), "gcnArchName", "")
             return "gfx950" if name.startswith("gfx950") else "gfx942"
-        return "sm90" if torch.cuda.get_device_capability(device) == (9, 0) else "nvidia"
+        return "sm90" if compute_capability(device_index(device)) == (9, 0) else "nvidia"
     except (RuntimeError, AssertionError):  # no such device here (shape-only callers)
         return "gfx942" if torch.version.hip is not None else "nvidia"
 
