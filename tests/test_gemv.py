@@ -5,10 +5,10 @@ small-M Hopper kernel of csrc/sm90/gemv.cuh (kimi_ops/kernels/sm90_gemv.py).
 CPU (CI): the op's schema, errors, opcheck and torch.compile over it, its reference against
 float64. GPU (skipped without CUDA; the kernel needs sm_90 and kimi_ops._C): both weight types at
 Kimi-K3 TP8's shapes and at ragged ones (N not a multiple of 16, a partial last k-block, block_n
-16 / 64 / 128, strided x), M = 1..32 (one, two and four 8-token tiles), against float64, into NaN-poisoned memory; every e4m3 code
-(subnormals included) and x over 80 binades; chains launched with ``constant_w`` (programmatic
-dependent launch) bit for bit against plain launches; the calls the kernel does not take (M > 32,
-K % 32, misaligned x) still correct.
+16 / 64 / 128, strided x), M = 1..32 (one, two and four 8-token tiles), against float64, into
+NaN-poisoned memory; every e4m3 code (subnormals included) and x over 80 binades; chains
+launched with ``constant_w`` (programmatic dependent launch) bit for bit against plain launches;
+the calls the kernel does not take (M > 32, K % 32, misaligned x) still correct.
 """
 from __future__ import annotations
 

@@ -27,9 +27,10 @@ before writes w; ``KIMI_OPS_PDL=0`` turns it off.
 What it takes (:func:`serves`; anything else runs the other backend's code: cuBLAS for bf16, the
 Triton kernels for fp8): ``1 <= M <= 32`` (MAX_M) with an fp8 w, ``1 <= M <= 16`` (BF16_MAX_M)
 with a bf16 w (at 24 and 32 rows cuBLAS was faster on the K-1536 projections: q_b 6.1 against
-8.4 / 9.0 us, o_proj 10.8 against 12.4 / 13.1 on an H100, session 34); x bf16 with contiguous, 16-byte aligned rows; w
-contiguous and 16-byte aligned; bf16 w with ``K % 32 == 0``; fp8 (``float8_e4m3fn``) w with
-``K % 64 == 0``, ``block_k == 128``, ``block_n % 16 == 0`` and a scale of unit stride along K.
+8.4 / 9.0 us, o_proj 10.8 against 12.4 / 13.1 on an H100, session 34); x bf16 with contiguous,
+16-byte aligned rows; w contiguous and 16-byte aligned; bf16 w with ``K % 32 == 0``; fp8
+(``float8_e4m3fn``) w with ``K % 64 == 0``, ``block_k == 128``, ``block_n % 16 == 0`` and a scale
+of unit stride along K.
 ``KIMI_OPS_SM90_GEMV`` (read at each call), for A/B measurements: ``0`` turns the kernel off;
 ``8`` / ``16`` / ``32`` set the row limit for both weight dtypes (``32`` lets bf16 weights take
 the four-tile path).
