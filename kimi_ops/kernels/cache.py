@@ -85,6 +85,14 @@ def fp8_value(code, FNUZ: tl.constexpr):
 
 
 @triton.jit
+def store_kv_row(row_ptr, c, pe, kv_scale, ok, FNUZ: tl.constexpr, DC: tl.constexpr, DP: tl.constexpr):
+    """One cache row at row_ptr (uint8 [DC + DP]) where ``ok``: ``fp8(cat(c, pe) / kv_scale)``, c
+    float32 [DC] and pe float32 [DP] (the division correctly rounded, then :func:`fp8_bits`)."""
+    tl.store(row_ptr + tl.arange(0, DC), fp8_bits(tl.math.div_rn(c, kv_scale), FNUZ).to(tl.uint8), mask=ok)
+    tl.store(row_ptr + DC + tl.arange(0, DP), fp8_bits(tl.math.div_rn(pe, kv_scale), FNUZ).to(tl.uint8), mask=ok)
+
+
+@triton.jit
 def _cache_write_kernel(
     kvc_ptr, kpe_ptr, kv_ptr, slot_ptr,
     N, kv_scale,
@@ -103,13 +111,7 @@ def _cache_write_kernel(
     t64 = t.to(tl.int64)
     xc = tl.load(kvc_ptr + t64 * stride_c + offs_c).to(tl.float32)
     xp = tl.load(kpe_ptr + t64 * stride_pe + offs_p).to(tl.float32)
-    xc = tl.math.div_rn(xc, kv_scale)
-    xp = tl.math.div_rn(xp, kv_scale)
-    cc = fp8_bits(xc, FNUZ).to(tl.uint8)
-    cp = fp8_bits(xp, FNUZ).to(tl.uint8)
-    row = kv_ptr + slot * 576
-    tl.store(row + offs_c, cc, mask=(offs_c < BLOCK_C) & ok)
-    tl.store(row + BLOCK_C + offs_p, cp, mask=(offs_p < BLOCK_PE) & ok)
+    store_kv_row(kv_ptr + slot * 576, xc, xp, kv_scale, ok, FNUZ, BLOCK_C, BLOCK_PE)
 
 
 def mla_cache_write(kv_c, k_pe, kv_rows, slot_mapping, kv_scale: float) -> None:

@@ -59,6 +59,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..device import compute_capability, device_index, multiprocessor_count
 from . import interpreting
 from .attention import FN_BYTES, NATIVE, _as_codes
 from .cache import fp8_value
@@ -246,14 +247,12 @@ def _reduce_splits_kernel(p_ptr, y_ptr, total, SPLIT_K: tl.constexpr, BLOCK: tl.
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 132
-    from ..device import device_index, multiprocessor_count
     return multiprocessor_count(device_index(device))
 
 
 def _is_hopper(device: torch.device) -> bool:
     if device.type != "cuda" or torch.version.hip is not None:
         return False
-    from ..device import compute_capability, device_index
     return compute_capability(device_index(device)) == (9, 0)
 
 

@@ -36,7 +36,6 @@ def _triton_takes_launch_pdl() -> bool:
     return gdc_wait is not None and "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
 
 
-@functools.cache
 def _device_has_pdl(index: int) -> bool:
     return compute_capability(index)[0] >= 9
 

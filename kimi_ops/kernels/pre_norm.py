@@ -20,7 +20,7 @@ import triton.language as tl
 
 from ..formats import KV_LORA_RANK, KV_ROW, ROPE_DIM
 from . import interpreting
-from .cache import FP8_FNUZ, fp8_bits
+from .cache import FP8_FNUZ, store_kv_row
 from .mxfp4 import _to_bf16
 from .pdl import pdl_args, wait_prior_grid, weights_first
 
@@ -63,13 +63,11 @@ def _norm_cache_write_kernel(
     elif part == 1:
         slot = tl.load(slot_ptr + t).to(tl.int64)
         if (slot >= 0) & (slot < N):
-            y, offs_c, _ = _rms_norm_row(kvc_ptr + t * stride_kvc, kv_w, DC, eps, DC)
+            y, _, _ = _rms_norm_row(kvc_ptr + t * stride_kvc, kv_w, DC, eps, DC)
             y = _to_bf16(y, INTERP).to(tl.float32)    # the bf16 kv_c the unfused step writes
             offs_p = tl.arange(0, DP)
             pe = tl.load(kpe_ptr + t * stride_pe + offs_p).to(tl.float32)
-            row = kv_ptr + slot * (DC + DP)
-            tl.store(row + offs_c, fp8_bits(tl.math.div_rn(y, kv_scale), FNUZ).to(tl.uint8))
-            tl.store(row + DC + offs_p, fp8_bits(tl.math.div_rn(pe, kv_scale), FNUZ).to(tl.uint8))
+            store_kv_row(kv_ptr + slot * (DC + DP), y, pe, kv_scale, True, FNUZ, DC, DP)
     else:
         offs = tl.arange(0, BLOCK_G)
         mask = offs < G

@@ -11,9 +11,10 @@ The kernels are :mod:`kimi_ops.kernels.mxfp4`'s, writing straight into ``[T, H *
 strided views (batch = head), the gate in their epilogue: an MXFP4 W_UV runs as
 :func:`kimi_ops.kernels.mxfp4.bmm_a16wfp4` picks (the dot-free GEMV at small T, else the tl.dot
 kernel); a bf16 one the GEMV where :func:`kimi_ops.kernels.mxfp4.use_gemv` takes it (T <= 8 on
-NVIDIA, rows contiguous and 4-byte aligned: its weights read as bf16 pairs), else ``torch.bmm`` and one ``torch.mul`` into the output. What the fusion saves
-in a compiled step: the gate multiply (an Inductor kernel reading the bmm's output and writing
-``[T, H * v]``) and, for a bf16 W_UV, the bmm's transpose copy.
+NVIDIA, rows contiguous and 4-byte aligned: its weights read as bf16 pairs), else ``torch.bmm``
+and one ``torch.mul`` into the output. What the fusion saves in a compiled step: the gate
+multiply (an Inductor kernel reading the bmm's output and writing ``[T, H * v]``) and, for a bf16
+W_UV, the bmm's transpose copy.
 """
 import torch
 
