@@ -340,11 +340,13 @@ def test_merge(monkeypatch):
     import kimi_ops.kernels.attention as triton_kernels
     monkeypatch.setattr(triton_kernels, "mla_merge", hopper.mla_merge)  # check_merge calls it from there
     g = torch.Generator().manual_seed(5)
-    # rows 12..1536, 1..130 splits: merge_kernel's column block counts (4, 8 of 128, 64) for S > 16,
-    # merge_rows_kernel (a warp a row, 4 rows a CTA) for S <= 16 in rounds of 4 (S <= 4) or 8 split
-    # rows, one round or two (S = 9, 13), its last CTA part empty (15, 18, 45 rows)
+    # rows 12..1536, 1..256 splits: merge_kernel's column block counts (4, 8, 16 of 128, 64, 32
+    # columns; 16 where a row has more than 64 splits: one load round up to 128, two at 130 / 256)
+    # for S > 16, merge_rows_kernel (a warp a row, 4 rows a CTA) for S <= 16 in rounds of 4 (S <= 4)
+    # or 8 split rows, one round or two (S = 9, 13), its last CTA part empty (15, 18, 45 rows)
     for S, T, H in [(64, 40, 12), (1, 3, 128), (5, 6, 3), (17, 2, 96), (130, 1, 12), (5, 64, 12), (9, 128, 12),
-                    (2, 96, 12), (4, 7, 16), (3, 1, 12), (3, 5, 3), (8, 33, 4), (13, 9, 5)]:
+                    (2, 96, 12), (4, 7, 16), (3, 1, 12), (3, 5, 3), (8, 33, 4), (13, 9, 5), (128, 1, 12),
+                    (256, 2, 12), (100, 1, 3)]:
         check_merge(S, T, H, device="cuda", gen=g)
         check_merge(S, T, H, device="cuda", gen=g, spread=80.0)
         # the kernel loads an empty split's o with its lse (one round of latency less): NaN there

@@ -25,17 +25,19 @@ namespace {
 
 constexpr int kMergeThreads = 128;   // merge_kernel's CTA
 constexpr int kMergeUnroll = 8;      // merge_kernel: split rows a thread loads a round
+constexpr int kMergeMaxBlocks = 16;  // merge_kernel: column blocks a row at most (32 columns each)
 constexpr int kMergeFewSplits = 16;  // rows of about this many splits or fewer: merge_rows_kernel
 constexpr int kMergeWarpRows = 4;    // merge_rows_kernel: rows a CTA (a warp each)
 
 // Two kernels, both with two rounds of global-memory latency before the sums (the request's
 // kv_indptr bounds with its first slot, then the first round's lse and o with the lse loads of the
 // row's max):
-//   merge_kernel       one CTA per (row, block of `cols` output columns: 64..512, launch_merge
-//                      picks 64 or 128 for the rows of more splits it is used for). Thread t reads
-//                      4 columns (8 bytes) of split rows t / (cols / 4), + slots, ...: with 64
-//                      columns a CTA has 8 x kMergeUnroll split rows in flight, so a few rows with
-//                      many splits (one request, long context) take ~1 round of latency.
+//   merge_kernel       one CTA per (row, block of `cols` output columns: 32..512, launch_merge
+//                      picks 32, 64 or 128 for the rows of more splits it is used for). Thread t
+//                      reads 4 columns (8 bytes) of split rows t / (cols / 4), + slots, ...: with
+//                      32 columns a CTA has 16 x kMergeUnroll split rows in flight, so a few rows
+//                      with many splits (one request, long context: 128 at 8k) take one round of
+//                      latency.
 //   merge_rows_kernel  one warp per row (kMergeWarpRows a CTA), lane l reading columns
 //                      [16l, 16l+16) (32 bytes) of ROUND (4 or 8) split rows a round: for rows
 //                      of few splits, where a CTA a row spends most of its time starting.
@@ -110,7 +112,7 @@ struct MergeRound {
 __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const MergeParams p) {
   __shared__ float red[kMergeThreads / 32];
   __shared__ float red_acc[kLatent];         // [slots][cols]
-  __shared__ float red_sum[kLatent / 64];    // [slots], at most 8
+  __shared__ float red_sum[kMergeThreads / 8];  // [slots], at most 16 (32 columns)
   const int row = blockIdx.x, cols = p.cols, col0 = blockIdx.y * cols;
   wait_prior_grid();
   allow_next_grid();

@@ -215,8 +215,10 @@ void launch_splitkv(const SplitKVParams& params, int64_t rows_per_cta, int64_t s
 
 // Rows of about kMergeFewSplits splits or fewer: merge_rows_kernel, in rounds of 4 split rows up to
 // 4 splits, else 8 (docs/PERF.md, session 17). Else merge_kernel, one CTA per (row, column block):
-// as few blocks (1, 2, 4 or 8: 512..64 columns) as cover a row's splits (about splits_hint) in one
-// load round of kMergeUnroll x blocks split rows a CTA, and at least one CTA a SM. (The previous
+// as few blocks (1, 2, 4, 8 or 16: 512..32 columns) as cover a row's splits (about splits_hint) in
+// one load round of kMergeUnroll x blocks split rows a CTA, and, up to 8 blocks, at least one CTA
+// a SM; KIMI_OPS_SM90_MERGE_BLOCKS=8 keeps the limit of 8 (64 columns) it had before 16 (A/B
+// measurements: at 1 x 8k, 128 splits, 16 blocks take one load round where 8 took two). (The previous
 // rule, blocks doubled while the grid stayed within 16 CTAs a SM, launched twice the CTAs at b32
 // 8k / 32k and was 1-3% slower there: docs/PERF.md, session 11.)
 void launch_merge(MergeParams params) {
@@ -230,9 +232,11 @@ void launch_merge(MergeParams params) {
   int device = 0, sms = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int max_blocks = env_equals("KIMI_OPS_SM90_MERGE_BLOCKS", "8") ? 8 : kMergeMaxBlocks;
   int col_blocks = 1;
-  while (col_blocks < 8 && (kMergeUnroll * col_blocks < params.splits_hint ||
-                            static_cast<int64_t>(params.rows) * col_blocks < static_cast<int64_t>(sms)))
+  while (col_blocks < max_blocks &&
+         (kMergeUnroll * col_blocks < params.splits_hint ||
+          (col_blocks < 8 && static_cast<int64_t>(params.rows) * col_blocks < static_cast<int64_t>(sms))))
     col_blocks *= 2;
   params.cols = kLatent / col_blocks;
   const dim3 grid(static_cast<unsigned>(params.rows), static_cast<unsigned>(col_blocks));
