@@ -115,28 +115,45 @@ void check_cuda_tensor(const at::Tensor& t, const char* name, at::ScalarType dty
   TORCH_CHECK(t.is_contiguous(), message(name, " must be contiguous"));
 }
 
-// kFp8Q: the kernel's fp8-query instance (its own `configured`: the attribute is per function)
+// kFp8Q: the kernel's fp8-query instance (its own `configured`: the attribute is per function).
+// smem: the launch's dynamic shared memory, sizeof(Smem) or more (one_cta_per_sm_smem).
 template <typename Smem, bool kFp8Q, typename Kernel>
-void launch_kernel(Kernel* kernel, int threads, const SplitKVParams& params, dim3 grid, cudaStream_t stream) {
-  constexpr size_t smem = sizeof(Smem);
-  static bool configured[64] = {};  // per device: the dynamic smem limit is a per-context attribute
+void launch_kernel(Kernel* kernel, int threads, const SplitKVParams& params, dim3 grid, cudaStream_t stream,
+                   size_t smem = sizeof(Smem)) {
+  static size_t configured[64] = {};  // per device: the dynamic smem limit is a per-context attribute
   int device = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
-  if (device >= 64 || !configured[device]) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    if (device < 64) configured[device] = true;
+  if (device >= 64 || configured[device] < smem) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    if (device < 64) configured[device] = smem;
   }
   launch(kernel, grid, threads, smem, stream, params, pdl_enabled() || params.kv_before_wait);
+}
+
+// The 16-row kernel's shared memory where its grid has at most one CTA a SM and it launches before
+// the previous kernel is done (kv_before_wait): half a SM's, so that no SM takes two of its CTAs
+// while another has none (the scheduler places them while the previous kernel still holds SMs;
+// two one-tile CTAs on one SM share its copies and set the grid's time). Else sizeof(Smem).
+template <typename Smem>
+size_t rows16_smem(const SplitKVParams& params, dim3 grid) {
+  if (!params.kv_before_wait || env_equals("KIMI_OPS_SM90_ONE_CTA", "0")) return sizeof(Smem);
+  int device = 0, sms = 0, smem_per_sm = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
+  const int64_t ctas = static_cast<int64_t>(grid.x) * grid.y * grid.z;
+  return ctas <= sms ? std::max(sizeof(Smem), static_cast<size_t>(smem_per_sm / 2)) : sizeof(Smem);
 }
 
 // the fp8-query instance where params.q_scale is set
 template <int STAGES>
 void launch_splitkv(const SplitKVParams& params, dim3 grid, cudaStream_t stream) {
   using Smem = SplitKVSmem<STAGES>;
+  const size_t smem = rows16_smem<Smem>(params, grid);
   if (params.q_scale != nullptr)
-    launch_kernel<Smem, true>(splitkv_kernel<STAGES, true>, kSplitKVThreads, params, grid, stream);
+    launch_kernel<Smem, true>(splitkv_kernel<STAGES, true>, kSplitKVThreads, params, grid, stream, smem);
   else
-    launch_kernel<Smem, false>(splitkv_kernel<STAGES>, kSplitKVThreads, params, grid, stream);
+    launch_kernel<Smem, false>(splitkv_kernel<STAGES>, kSplitKVThreads, params, grid, stream, smem);
 }
 
 template <int NT, int STAGES, int TILE = kTileN>
