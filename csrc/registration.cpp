@@ -42,11 +42,12 @@ TORCH_LIBRARY_FRAGMENT(kimi_ops, m) {
       "_mla_decode_splitkv_sm90(Tensor q, Tensor kv_cache, Tensor kv_indptr, Tensor kv_indices, "
       "Tensor? seq_lens, int qlen, float qk_scale_log2, float kv_scale, int num_splits, int dcp_rank, "
       "int dcp_world_size, int rows_per_cta, int stages, int balance_ctas, bool zero_empty, "
-      "Tensor? q_scale=None) -> (Tensor, Tensor)");
+      "Tensor? q_scale=None, bool constant_kv=False) -> (Tensor, Tensor)");
   m.def(
       "_mla_decode_sm90(Tensor q, Tensor kv_cache, Tensor kv_indptr, Tensor kv_indices, "
       "Tensor? seq_lens, int qlen, float qk_scale_log2, float kv_scale, int num_splits, int dcp_rank, "
-      "int dcp_world_size, int rows_per_cta, int stages, int balance_ctas, Tensor? q_scale=None) -> (Tensor, Tensor)");
+      "int dcp_world_size, int rows_per_cta, int stages, int balance_ctas, Tensor? q_scale=None, "
+      "bool constant_kv=False) -> (Tensor, Tensor)");
   m.def("_mla_merge_sm90(Tensor o_part, Tensor lse_part) -> (Tensor, Tensor)");
   m.def("_gemv_sm90(Tensor x, Tensor w, Tensor? w_scale_inv, int block_n, bool constant_w=False) -> Tensor");
 }

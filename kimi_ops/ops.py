@@ -27,7 +27,7 @@ SCHEMAS: dict[str, str] = {
         "mla_decode(Tensor q, Tensor kv_cache, Tensor kv_indptr, Tensor kv_indices, *, "
         "int qlen, float scale, float kv_scale, int? num_splits=None, Tensor? q_scale=None, Tensor? seq_lens=None, "
         "int dcp_rank=0, "
-        "int dcp_world_size=1) -> (Tensor o, Tensor lse)"
+        "int dcp_world_size=1, bool constant_kv=False) -> (Tensor o, Tensor lse)"
     ),
     "mla_cache_write": (
         "mla_cache_write(Tensor kv_c, Tensor k_pe, Tensor(a!) kv_cache, Tensor slot_mapping, "
@@ -129,7 +129,7 @@ _register("mla_merge", fake=_merge_fake, real=_merge_real)
 # --- mla_decode (M1c + M1b) ---------------------------------------------------------------------
 
 def _decode_fake(q, kv_cache, kv_indptr, kv_indices, *, qlen, scale, kv_scale, num_splits=None,
-                 q_scale=None, seq_lens=None, dcp_rank=0, dcp_world_size=1):
+                 q_scale=None, seq_lens=None, dcp_rank=0, dcp_world_size=1, constant_kv=False):
     _check_decode("mla_decode", q, kv_cache, kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits, q_scale,
                   seq_lens, dcp_rank, dcp_world_size)
     num_rows, num_heads, _ = q.shape
@@ -138,13 +138,14 @@ def _decode_fake(q, kv_cache, kv_indptr, kv_indices, *, qlen, scale, kv_scale, n
 
 
 def _decode_real(q, kv_cache, kv_indptr, kv_indices, *, qlen, scale, kv_scale, num_splits=None,
-                 q_scale=None, seq_lens=None, dcp_rank=0, dcp_world_size=1):
+                 q_scale=None, seq_lens=None, dcp_rank=0, dcp_world_size=1, constant_kv=False):
     _check_decode("mla_decode", q, kv_cache, kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits, q_scale,
                   seq_lens, dcp_rank, dcp_world_size)
     if dispatch.backend_for("mla_decode_splitkv", q.device) == "cuda":
         from .kernels.sm90 import mla_decode as cuda_decode
         return cuda_decode(q.contiguous(), _flat_rows(kv_cache), kv_indptr, kv_indices, qlen, scale, kv_scale,
-                           num_splits, seq_lens, dcp_rank, dcp_world_size, q_scale=q_scale)
+                           num_splits, seq_lens, dcp_rank, dcp_world_size, q_scale=q_scale,
+                           constant_kv=constant_kv)
     if num_splits is None:
         num_splits = dispatch.default_num_splits(
             kv_indptr.shape[0] - 1, q.shape[0], q.shape[1], kv_indices.shape[0], q.device)
@@ -406,15 +407,21 @@ def mla_merge(o_part, lse_part):
 
 
 def mla_decode(q, kv_cache, kv_indptr, kv_indices, *, qlen, scale, kv_scale, num_splits=None,
-               q_scale=None, seq_lens=None, dcp_rank=0, dcp_world_size=1):
+               q_scale=None, seq_lens=None, dcp_rank=0, dcp_world_size=1, constant_kv=False):
     """M1c + M1b: MLA decode attention, (o [T, H, 512] bf16, lse [T, H] f32).
 
     Arguments as :func:`mla_decode_splitkv`; ``num_splits=None`` picks the split
     count on the host from shapes and the device (:func:`kimi_ops.dispatch.default_num_splits`).
+    ``constant_kv=True`` promises that the kernel queued just before this call on the stream
+    writes neither ``kv_cache`` nor ``kv_indptr`` / ``kv_indices`` / ``seq_lens`` (the decode
+    layer: M1a's query kernel comes right before, the cache write two kernels earlier). The
+    cuda backend (sm_90) then starts gathering the cache while that kernel finishes
+    (programmatic dependent launch); elsewhere it changes nothing. The result is the same.
     """
     return torch.ops.kimi_ops.mla_decode(
         q, kv_cache, kv_indptr, kv_indices, qlen=qlen, scale=scale, kv_scale=kv_scale, num_splits=num_splits,
-        q_scale=q_scale, seq_lens=seq_lens, dcp_rank=dcp_rank, dcp_world_size=dcp_world_size)
+        q_scale=q_scale, seq_lens=seq_lens, dcp_rank=dcp_rank, dcp_world_size=dcp_world_size,
+        constant_kv=constant_kv)
 
 
 def mla_cache_write(kv_c, k_pe, kv_cache, slot_mapping, kv_scale):

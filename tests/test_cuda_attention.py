@@ -32,8 +32,8 @@ def test_private_op_schemas():
     merge = ops._mla_merge_sm90.default._schema
     common = ["q", "kv_cache", "kv_indptr", "kv_indices", "seq_lens", "qlen", "qk_scale_log2", "kv_scale",
               "num_splits", "dcp_rank", "dcp_world_size", "rows_per_cta", "stages", "balance_ctas"]
-    assert [a.name for a in split.arguments] == common + ["zero_empty", "q_scale"]
-    assert [a.name for a in decode.arguments] == common + ["q_scale"]
+    assert [a.name for a in split.arguments] == common + ["zero_empty", "q_scale", "constant_kv"]
+    assert [a.name for a in decode.arguments] == common + ["q_scale", "constant_kv"]
     assert [a.name for a in merge.arguments] == ["o_part", "lse_part"]
 
 
@@ -368,6 +368,57 @@ def test_public_ops_and_cuda_graph(work_list, monkeypatch):
 
 
 @requires_sm90
+@pytest.mark.parametrize("work_list", ["0", "1"])
+@pytest.mark.parametrize("H,qlen", [(12, 1), (12, 2), (96, 1)])
+def test_constant_kv_reads_q_after_the_wait(H, qlen, work_list, monkeypatch):
+    """constant_kv=True (the split kernel's CTAs find their work and start gathering the cache
+    before griddepcontrol.wait) right after M1a, a PDL kernel that lets its dependents start
+    before it writes q: the same bits as constant_kv=False and within the oracle's contract, on
+    the 16-row and token-major kernels, both grids, one split and many, empty requests, eager and
+    in a CUDA graph, q new each time (a q read before the wait would be the previous one)."""
+    import kimi_ops.kernels.sm90 as hopper
+    monkeypatch.setenv(hopper.WORK_LIST_ENV, work_list)
+    g = torch.Generator().manual_seed(31)
+    lens = [900, 0, 65, 3000, 1]
+    _, kv, indptr, idx = make_inputs(lens, qlen, H, device="cuda", gen=g)
+    T = len(lens) * qlen
+    w_uk = (torch.randn(H, 128, 512, generator=g) * 0.05).to(torch.bfloat16).cuda()
+    q_nope = torch.empty(T, H, 128, dtype=torch.bfloat16, device="cuda")
+    q_pe = torch.empty(T, H, 64, dtype=torch.bfloat16, device="cuda")
+
+    def step(splits, constant_kv):
+        q = kimi_ops.mla_query(q_nope, q_pe, w_uk, constant_w=True)
+        return q, kimi_ops.mla_decode(q, kv, indptr, idx, qlen=qlen, scale=SCALE, kv_scale=0.5,
+                                      num_splits=splits, constant_kv=constant_kv)
+
+    for splits in (1, 8):
+        graphs = {}
+        for constant_kv in (False, True):
+            step(splits, constant_kv)
+            torch.cuda.synchronize()
+            graphs[constant_kv] = (torch.cuda.CUDAGraph(), None)
+            with torch.cuda.graph(graphs[constant_kv][0]):
+                graphs[constant_kv] = (graphs[constant_kv][0], step(splits, constant_kv))
+        for trial in range(3):
+            q_nope.copy_(torch.randn(q_nope.shape, generator=g).to(torch.bfloat16))
+            q_pe.copy_(torch.randn(q_pe.shape, generator=g).to(torch.bfloat16))
+            got = {c: step(splits, c) for c in (False, True)}
+            for c in (False, True):
+                graphs[c][0].replay()
+            torch.cuda.synchronize()
+            q, (o, lse) = got[True]
+            for name, (q2, (o2, lse2)) in (("eager", got[False]), ("graph", graphs[False][1]),
+                                           ("graph, constant_kv", graphs[True][1])):
+                assert torch.equal(q, q2), name
+                assert torch.equal(o, o2) and torch.equal(lse, lse2), f"{name}: splits {splits}, trial {trial}"
+            ro, rl = oracle(q, kv, indptr, idx, qlen, SCALE, 0.5)
+            fin = ~torch.isneginf(rl)
+            assert torch.equal(torch.isneginf(lse), ~fin)
+            assert ((o.double() - ro).norm() / ro.norm()).item() <= 4e-3
+            assert (lse.double()[fin] - rl[fin]).abs().max().item() <= 1e-3
+
+
+@requires_sm90
 def test_agrees_with_triton():
     """The two GPU backends on one input: both within the contract of each other."""
     import kimi_ops.kernels.sm90 as hopper
@@ -391,17 +442,19 @@ class _RecordOps:
 
     def _mla_decode_splitkv_sm90(self, q, kv, indptr, indices, seq_lens, qlen, qk_scale_log2, kv_scale,
                                  num_splits, dcp_rank, dcp_world_size, rows, stages, balance, zero_empty,
-                                 q_scale=None):
+                                 q_scale=None, constant_kv=False):
         self.split_calls.append(dict(num_splits=num_splits, rows=rows, stages=stages, balance=balance,
-                                     zero_empty=zero_empty))
+                                     zero_empty=zero_empty, constant_kv=constant_kv))
         self.q_scales.append(q_scale)
         T, H, _ = q.shape
         return (torch.zeros(num_splits, T, H, 512, dtype=torch.bfloat16),
                 torch.zeros(num_splits, T, H, dtype=torch.float32))
 
     def _mla_decode_sm90(self, q, kv, indptr, indices, seq_lens, qlen, qk_scale_log2, kv_scale,
-                         num_splits, dcp_rank, dcp_world_size, rows, stages, balance, q_scale=None):
-        self.decode_calls.append(dict(num_splits=num_splits, rows=rows, stages=stages, balance=balance))
+                         num_splits, dcp_rank, dcp_world_size, rows, stages, balance, q_scale=None,
+                         constant_kv=False):
+        self.decode_calls.append(dict(num_splits=num_splits, rows=rows, stages=stages, balance=balance,
+                                      constant_kv=constant_kv))
         self.q_scales.append(q_scale)
         T, H, _ = q.shape
         return torch.zeros(T, H, 512, dtype=torch.bfloat16), torch.zeros(T, H, dtype=torch.float32)
@@ -431,12 +484,14 @@ def test_host_passes_the_switches(recorded_sm90, monkeypatch):
     hopper.mla_merge(*hopper.mla_decode_splitkv(*args))
     one_wave = hopper.one_wave_splits(2, 1, 12, idx.shape[0])
     balance = hopper.balance_waves() * 2 * one_wave
-    assert rec.split_calls[-1] == dict(num_splits=8, rows=16, stages=2, balance=balance, zero_empty=True)
+    assert rec.split_calls[-1] == dict(num_splits=8, rows=16, stages=2, balance=balance, zero_empty=True,
+                                       constant_kv=False)
     assert rec.merge_calls[-1] == 8
     monkeypatch.setenv(hopper.BALANCE_WAVES_ENV, "3")
     monkeypatch.setenv(hopper.STAGES_ENV, "4")
     hopper.mla_decode_splitkv(*args, zero_empty=False)
-    assert rec.split_calls[-1] == dict(num_splits=8, rows=16, stages=4, balance=3 * 2 * one_wave, zero_empty=False)
+    assert rec.split_calls[-1] == dict(num_splits=8, rows=16, stages=4, balance=3 * 2 * one_wave, zero_empty=False,
+                                       constant_kv=False)
 
 
 def test_mla_decode_runs_the_work_list(recorded_sm90, monkeypatch):
@@ -450,20 +505,23 @@ def test_mla_decode_runs_the_work_list(recorded_sm90, monkeypatch):
     balance = hopper.balance_waves() * 2 * hopper.one_wave_splits(2, 1, 12, idx.shape[0])
     o, lse = kimi_ops.mla_decode(q, kv, indptr, idx, qlen=1, scale=SCALE, kv_scale=0.5, num_splits=4)
     assert o.shape == (2, 12, 512) and lse.shape == (2, 12)
-    assert rec.decode_calls[-1] == dict(num_splits=4, rows=16, stages=2, balance=balance)
+    assert rec.decode_calls[-1] == dict(num_splits=4, rows=16, stages=2, balance=balance, constant_kv=False)
     assert not rec.split_calls and not rec.merge_calls
+    kimi_ops.mla_decode(q, kv, indptr, idx, qlen=1, scale=SCALE, kv_scale=0.5, num_splits=4, constant_kv=True)
+    assert rec.decode_calls[-1]["constant_kv"] is True
     kimi_ops.mla_decode(q, kv, indptr, idx, qlen=1, scale=SCALE, kv_scale=0.5)  # default: the cap
     # 2 requests x 27 one-tile splits fit the 132 SMs: one split a 64-token tile
     assert rec.decode_calls[-1]["num_splits"] == hopper._split_cap(2, idx.shape[0], 1, 12, 132) == -(-3400 // 2 // 64)
-    kimi_ops.mla_decode(q, kv, indptr, idx, qlen=1, scale=SCALE, kv_scale=0.5, num_splits=1)
+    kimi_ops.mla_decode(q, kv, indptr, idx, qlen=1, scale=SCALE, kv_scale=0.5, num_splits=1, constant_kv=True)
     assert rec.split_calls[-1]["num_splits"] == 1 and not rec.merge_calls
+    assert rec.split_calls[-1]["constant_kv"] is True  # the (split, request) grid takes it too
     monkeypatch.setenv(hopper.WORK_LIST_ENV, "0")
     kimi_ops.mla_decode(q, kv, indptr, idx, qlen=1, scale=SCALE, kv_scale=0.5, num_splits=4)
     assert rec.split_calls[-1]["zero_empty"] is False and rec.merge_calls == [4]
     monkeypatch.delenv(hopper.WORK_LIST_ENV)
     monkeypatch.setattr(hopper, "MAX_GRID_Y", 3)
     kimi_ops.mla_decode(q, kv, indptr, idx, qlen=1, scale=SCALE, kv_scale=0.5, num_splits=4)
-    assert rec.merge_calls == [4, 4] and len(rec.decode_calls) == 2
+    assert rec.merge_calls == [4, 4] and len(rec.decode_calls) == 3
     kimi_ops.mla_decode_splitkv(q, kv, indptr, idx, qlen=1, scale=SCALE, kv_scale=0.5, num_splits=4)
     assert rec.split_calls[-1]["zero_empty"] is True
 

@@ -62,6 +62,8 @@ def test_opcheck_decode_ops(case):
     torch.library.opcheck(ops.mla_decode.default, case.args, case.kwargs, test_utils=NO_SCHEMA_UTILS)
     torch.library.opcheck(ops.mla_decode.default, case.args, dict(num_splits=2, **case.kwargs),
                           test_utils=NO_SCHEMA_UTILS)
+    torch.library.opcheck(ops.mla_decode.default, case.args, dict(num_splits=2, constant_kv=True, **case.kwargs),
+                          test_utils=NO_SCHEMA_UTILS)
     assert_only_declared_mutations(lambda: kimi_ops.mla_decode(*case.args, num_splits=2, **case.kwargs),
                                    case.args)
     seq_lens = (torch.tensor(case.lengths, dtype=torch.int32) * 2 + 1).to(case.q.device)  # as rank 1 of 2

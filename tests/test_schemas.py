@@ -14,7 +14,7 @@ class TestSchemas(expecttest.TestCase):
     def test_attention_schemas(self):
         self.assertExpectedInline(schema("mla_decode_splitkv"), """kimi_ops::mla_decode_splitkv(Tensor q, Tensor kv_cache, Tensor kv_indptr, Tensor kv_indices, *, int qlen, float scale, float kv_scale, int num_splits, Tensor? q_scale=None, Tensor? seq_lens=None, int dcp_rank=0, int dcp_world_size=1) -> (Tensor o_part, Tensor lse_part)""")
         self.assertExpectedInline(schema("mla_merge"), """kimi_ops::mla_merge(Tensor o_part, Tensor lse_part) -> (Tensor o, Tensor lse)""")
-        self.assertExpectedInline(schema("mla_decode"), """kimi_ops::mla_decode(Tensor q, Tensor kv_cache, Tensor kv_indptr, Tensor kv_indices, *, int qlen, float scale, float kv_scale, int? num_splits=None, Tensor? q_scale=None, Tensor? seq_lens=None, int dcp_rank=0, int dcp_world_size=1) -> (Tensor o, Tensor lse)""")
+        self.assertExpectedInline(schema("mla_decode"), """kimi_ops::mla_decode(Tensor q, Tensor kv_cache, Tensor kv_indptr, Tensor kv_indices, *, int qlen, float scale, float kv_scale, int? num_splits=None, Tensor? q_scale=None, Tensor? seq_lens=None, int dcp_rank=0, int dcp_world_size=1, bool constant_kv=False) -> (Tensor o, Tensor lse)""")
         self.assertExpectedInline(schema("mla_cache_write"), """kimi_ops::mla_cache_write(Tensor kv_c, Tensor k_pe, Tensor(a!) kv_cache, Tensor slot_mapping, float kv_scale) -> ()""")
         self.assertExpectedInline(schema("mla_norm_cache_write"), """kimi_ops::mla_norm_cache_write(Tensor q_c, Tensor kv_c, Tensor k_pe, Tensor q_norm_weight, Tensor kv_norm_weight, Tensor(a!) kv_cache, Tensor slot_mapping, Tensor? g=None, *, float eps, float kv_scale, bool constant_w=False) -> (Tensor q_c_normed, Tensor gate)""")
 

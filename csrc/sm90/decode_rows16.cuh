@@ -217,12 +217,14 @@ __global__ void __launch_bounds__(kSplitKVThreads, 2) splitkv_kernel(const Split
   const int g = lane / 4, c = lane % 4;
   const int rows_per_req = p.qlen * p.heads;
   const int row0 = blockIdx.x * kRows;  // first row of this CTA within its request
-  wait_prior_grid();
+  if (!p.kv_before_wait) wait_prior_grid();
   const CtaWork work = cta_work(p, kRows);
   if (!work.exists) return;
   const int lo = work.lo, ntiles = work.ntiles, valid_rows = work.valid_rows;
   const int64_t flat0 = work.flat0;
   if (ntiles == 0) {  // an empty split: the slot goes to the next CTA at once
+    wait_prior_grid();  // (again: a no-op where it came first) every write after it
+    record_work_first(p, work);
     write_empty_split(p, work, tid, kSplitKVThreads);
     return;
   }
@@ -270,6 +272,8 @@ __global__ void __launch_bounds__(kSplitKVThreads, 2) splitkv_kernel(const Split
 
   // ---- consumers
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs) : "memory");
+  wait_prior_grid();  // q, and every write; with kv_before_wait the producer's copies are on their way
+  record_work_first(p, work);
   const int wq = warp;
   if constexpr (kFp8Q)
     stage_query_rows_fp8_f16(p, sm.q, sm.row_fac, flat0, valid_rows, kRows, warp, kWarps, lane);

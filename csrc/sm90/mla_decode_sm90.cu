@@ -94,6 +94,14 @@ namespace {
 // what its capture saw. (The Triton kernels around them take PDL by default: kimi_ops/kernels/pdl.py.)
 bool pdl_enabled() { return pdl_env_allows() && env_equals("KIMI_OPS_SM90_PDL", "1"); }
 
+// constant_kv (mla_decode's promise that the kernel queued before it writes neither the cache nor the
+// metadata): the split kernel launches with PDL and each CTA finds its work item and starts its first
+// tiles' copies before wait_prior_grid, so they overlap the previous kernel (M1a in the decode
+// layer); the merge stays a plain launch. KIMI_OPS_SM90_EARLY_KV=0 ignores the promise (A/Bs).
+bool kv_before_wait(bool constant_kv) {
+  return constant_kv && pdl_env_allows() && !env_equals("KIMI_OPS_SM90_EARLY_KV", "0");
+}
+
 // Each failing check's message is one std::string (or a literal), which TORCH_CHECK passes on as
 // is: c10::str formats two or more arguments through an ostringstream, and on the H200 image
 // (torch 2.11, nvcc 13 with /opt/gcc) a message formatting a number that way crashed the process
@@ -107,28 +115,45 @@ void check_cuda_tensor(const at::Tensor& t, const char* name, at::ScalarType dty
   TORCH_CHECK(t.is_contiguous(), message(name, " must be contiguous"));
 }
 
-// kFp8Q: the kernel's fp8-query instance (its own `configured`: the attribute is per function)
+// kFp8Q: the kernel's fp8-query instance (its own `configured`: the attribute is per function).
+// smem: the launch's dynamic shared memory, sizeof(Smem) or more (one_cta_per_sm_smem).
 template <typename Smem, bool kFp8Q, typename Kernel>
-void launch_kernel(Kernel* kernel, int threads, const SplitKVParams& params, dim3 grid, cudaStream_t stream) {
-  constexpr size_t smem = sizeof(Smem);
-  static bool configured[64] = {};  // per device: the dynamic smem limit is a per-context attribute
+void launch_kernel(Kernel* kernel, int threads, const SplitKVParams& params, dim3 grid, cudaStream_t stream,
+                   size_t smem = sizeof(Smem)) {
+  static size_t configured[64] = {};  // per device: the dynamic smem limit is a per-context attribute
   int device = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
-  if (device >= 64 || !configured[device]) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    if (device < 64) configured[device] = true;
+  if (device >= 64 || configured[device] < smem) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    if (device < 64) configured[device] = smem;
   }
-  launch(kernel, grid, threads, smem, stream, params, pdl_enabled());
+  launch(kernel, grid, threads, smem, stream, params, pdl_enabled() || params.kv_before_wait);
+}
+
+// The 16-row kernel's shared memory where its grid has at most one CTA a SM and it launches before
+// the previous kernel is done (kv_before_wait): half a SM's, so that no SM takes two of its CTAs
+// while another has none (the scheduler places them while the previous kernel still holds SMs;
+// two one-tile CTAs on one SM share its copies and set the grid's time). Else sizeof(Smem).
+template <typename Smem>
+size_t rows16_smem(const SplitKVParams& params, dim3 grid) {
+  if (!params.kv_before_wait || env_equals("KIMI_OPS_SM90_ONE_CTA", "0")) return sizeof(Smem);
+  int device = 0, sms = 0, smem_per_sm = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
+  const int64_t ctas = static_cast<int64_t>(grid.x) * grid.y * grid.z;
+  return ctas <= sms ? std::max(sizeof(Smem), static_cast<size_t>(smem_per_sm / 2)) : sizeof(Smem);
 }
 
 // the fp8-query instance where params.q_scale is set
 template <int STAGES>
 void launch_splitkv(const SplitKVParams& params, dim3 grid, cudaStream_t stream) {
   using Smem = SplitKVSmem<STAGES>;
+  const size_t smem = rows16_smem<Smem>(params, grid);
   if (params.q_scale != nullptr)
-    launch_kernel<Smem, true>(splitkv_kernel<STAGES, true>, kSplitKVThreads, params, grid, stream);
+    launch_kernel<Smem, true>(splitkv_kernel<STAGES, true>, kSplitKVThreads, params, grid, stream, smem);
   else
-    launch_kernel<Smem, false>(splitkv_kernel<STAGES>, kSplitKVThreads, params, grid, stream);
+    launch_kernel<Smem, false>(splitkv_kernel<STAGES>, kSplitKVThreads, params, grid, stream, smem);
 }
 
 template <int NT, int STAGES, int TILE = kTileN>
@@ -254,7 +279,8 @@ std::tuple<at::Tensor, at::Tensor> mla_decode_splitkv_sm90(const at::Tensor& q, 
                                                            int64_t dcp_rank, int64_t dcp_world_size,
                                                            int64_t rows_per_cta, int64_t stages,
                                                            int64_t balance_ctas, bool zero_empty,
-                                                           const std::optional<at::Tensor>& q_scale) {
+                                                           const std::optional<at::Tensor>& q_scale,
+                                                           bool constant_kv) {
   const c10::cuda::CUDAGuard guard(q.device());
   SplitKVParams params = splitkv_params(q, kv, indptr, indices, seq_lens, qlen, qk_scale_log2, kv_scale, num_splits,
                                         dcp_rank, dcp_world_size, rows_per_cta, stages, balance_ctas, q_scale);
@@ -265,6 +291,7 @@ std::tuple<at::Tensor, at::Tensor> mla_decode_splitkv_sm90(const at::Tensor& q, 
   params.o_part = reinterpret_cast<__nv_bfloat16*>(o_part.data_ptr());
   params.lse_part = lse_part.data_ptr<float>();
   params.zero_empty = zero_empty || num_splits == 1;  // one split: o_part[0] is the output
+  params.kv_before_wait = kv_before_wait(constant_kv);
   const int64_t groups = (qlen * H + rows_per_cta - 1) / rows_per_cta;
   launch_splitkv(params, rows_per_cta, stages,
                  dim3(static_cast<unsigned>(groups), static_cast<unsigned>(num_splits), static_cast<unsigned>(R)));
@@ -279,7 +306,7 @@ std::tuple<at::Tensor, at::Tensor> mla_decode_sm90(const at::Tensor& q, const at
                                                    int64_t qlen, double qk_scale_log2, double kv_scale,
                                                    int64_t num_splits, int64_t dcp_rank, int64_t dcp_world_size,
                                                    int64_t rows_per_cta, int64_t stages, int64_t balance_ctas,
-                                                   const std::optional<at::Tensor>& q_scale) {
+                                                   const std::optional<at::Tensor>& q_scale, bool constant_kv) {
   const c10::cuda::CUDAGuard guard(q.device());
   SplitKVParams params = splitkv_params(q, kv, indptr, indices, seq_lens, qlen, qk_scale_log2, kv_scale, num_splits,
                                         dcp_rank, dcp_world_size, rows_per_cta, stages, balance_ctas, q_scale);
@@ -299,6 +326,7 @@ std::tuple<at::Tensor, at::Tensor> mla_decode_sm90(const at::Tensor& q, const at
   params.work_first = work_first.data_ptr<int>();
   params.work_list = true;
   params.zero_empty = false;
+  params.kv_before_wait = kv_before_wait(constant_kv);
   const int64_t groups = (qlen * H + rows_per_cta - 1) / rows_per_cta;
   launch_splitkv(params, rows_per_cta, stages, dim3(static_cast<unsigned>(groups), static_cast<unsigned>(items), 1));
   MergeParams merge{};

@@ -3,12 +3,14 @@
 //   _mla_decode_splitkv_sm90  q [T, H, 576] bf16, kv_cache [N, 576] fp8 e4m3fn, kv_indptr
 //                             [T / qlen + 1] int32, kv_indices [kv_indptr[-1]] int32, seq_lens
 //                             [T / qlen] int32 or none, q_scale [1] f32 or none (with it q is fp8
-//                             e4m3fn [T, H, 576], real q = q * q_scale)
+//                             e4m3fn [T, H, 576], real q = q * q_scale), constant_kv (the cache
+//                             and metadata not written by the kernel before: programmatic
+//                             dependent launch, the first copies before the wait)
 //                             -> o_part [S, T, H, 512] bf16, lse_part [S, T, H] f32
 //   _mla_decode_sm90          the same inputs -> o [T, H, 512] bf16, lse [T, H] f32 (work-list grid + merge)
 //   _mla_merge_sm90           o_part [S, T, H, 512] bf16, lse_part [S, T, H] f32 -> o, lse
 // and by impl_sm90_gemv_ops, which gemv_sm90.cu defines:
-//   _gemv_sm90                x [M <= 8, K] bf16, w [N, K] bf16 or fp8 e4m3fn, w_scale_inv
+//   _gemv_sm90                x [M <= 32, K] bf16, w [N, K] bf16 or fp8 e4m3fn, w_scale_inv
 //                             [ceil(N / block_n), ceil(K / 128)] f32 with an fp8 w, constant_w
 //                             (programmatic dependent launch) -> y [M, N] bf16
 // (CUDA tensors, contiguous; kimi_ops/kernels/sm90.py calls them.)

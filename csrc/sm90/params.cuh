@@ -62,6 +62,9 @@ struct SplitKVParams {
   float qk_scale_log2;  // scale * kv_scale * log2(e)
   float kv_scale;
   const float* q_scale;  // fp8 query: its scale, [1] f32 on the device (real q = fp8 q * q_scale); else nullptr
+  bool kv_before_wait;   // a PDL launch whose caller promised kv, indptr, indices and seq_lens constant
+                         // (mla_decode's constant_kv): a CTA finds its work item and starts copying its
+                         // first tiles before wait_prior_grid; q, q_scale and every write come after it
 };
 
 }  // namespace

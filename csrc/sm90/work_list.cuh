@@ -4,7 +4,8 @@
 // (find_work_item), and each CTA's share (cta_work, write_empty_split).
 //
 // Byte layouts read: kv_indptr [R+1] int32, seq_lens [R] int32 (SplitKVParams, params.cuh).
-// Written: work_first [R] int32 (a request's first partials slot, by its split 0's first thread);
+// Written: work_first [R] int32 (a request's first partials slot, by its split 0's first thread:
+// record_work_first, after the kernel's wait_prior_grid);
 // an empty split's rows: lse [valid_rows] f32 = -inf and, if zero_o, o [valid_rows, 512] bf16 = 0
 // (16-byte stores), at lse_part / o_part row out0 (or lse_final / o_final when direct).
 // Partials rows: [S, T*H] (split s of flat row f at s*T*H + f), or on the work-list grid
@@ -150,6 +151,8 @@ struct CtaWork {
   int64_t out0;            // the CTA's first row in lse_part (x 512: o_part), or with `direct` in
   bool direct;             //   lse_final / o_final (work list: the request has one split)
   bool zero_o;             // an empty split must write o = 0 (the public partials, or the output)
+  int req, slot;           // the request, and (work list) its split's partials slot
+  bool first_split;        // split 0 of the request: its work item records work_first
 
   __device__ __forceinline__ __nv_bfloat16* o_out(const SplitKVParams& p) const {
     return (direct ? p.o_final : p.o_part) + out0 * kLatent;
@@ -164,7 +167,8 @@ struct CtaWork {
   }
 };
 
-// Every thread of the CTA calls this (find_work_item is warp-wide).
+// Every thread of the CTA calls this (find_work_item is warp-wide). It reads kv_indptr and seq_lens
+// and writes nothing, so with kv_before_wait it runs before wait_prior_grid.
 __device__ __forceinline__ CtaWork cta_work(const SplitKVParams& p, int rows_per_cta) {
   CtaWork w;
   const int balanced = balanced_tokens(p.indptr, p.num_requests, p.balance_ctas);
@@ -179,8 +183,8 @@ __device__ __forceinline__ CtaWork cta_work(const SplitKVParams& p, int rows_per
   const int row0 = blockIdx.x * rows_per_cta;
   w.flat0 = static_cast<int64_t>(req) * rows_per_req + row0;
   int64_t part0 = static_cast<int64_t>(split) * p.rows_total + w.flat0;  // [S, T*H] partials
+  w.req = req, w.slot = slot, w.first_split = split == 0;
   if (p.work_list) {
-    if (split == 0 && blockIdx.x == 0 && threadIdx.x == 0) p.work_first[req] = slot;
     part0 = static_cast<int64_t>(slot) * rows_per_req + row0;  // [W, qlen*H] partials
   }
   w.direct = used == 1;
@@ -197,6 +201,12 @@ __device__ __forceinline__ CtaWork cta_work(const SplitKVParams& p, int rows_per
   w.ntiles = w.hi > w.lo ? (w.hi - w.lo + kTileN - 1) / kTileN : 0;
   w.valid_rows = min(rows_per_cta, rows_per_req - row0);
   return w;
+}
+
+// Work list: a request's first partials slot into work_first (the merge reads it), by thread 0 of its
+// split 0's first row group. A write: after the kernel's wait_prior_grid.
+__device__ __forceinline__ void record_work_first(const SplitKVParams& p, const CtaWork& w) {
+  if (p.work_list && w.first_split && blockIdx.x == 0 && threadIdx.x == 0) p.work_first[w.req] = w.slot;
 }
 
 // An empty split's rows: lse = -inf, and o = 0 unless its o is never read (w.zero_o false).

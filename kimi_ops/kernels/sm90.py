@@ -104,7 +104,7 @@ def _triton_serves(q, kv_rows) -> bool:
 
 def mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: float, kv_scale: float,
                        num_splits: int, seq_lens=None, dcp_rank: int = 0, dcp_world_size: int = 1,
-                       zero_empty: bool = True, q_scale=None):
+                       zero_empty: bool = True, q_scale=None, constant_kv: bool = False):
     """M1c. q [T, H, 576] bf16 (or e4m3fn with q_scale [1] f32), kv_rows [N, 576] fp8 -> (o_part
     [S, T, H, 512] bf16, lse_part [S, T, H] f32).
 
@@ -113,7 +113,7 @@ def mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: floa
     o = 0, lse = -inf). The chunk length is computed on the device from kv_indptr, so a CUDA
     graph replayed on a new mix of lengths stays balanced. ``zero_empty=False`` lets an empty
     split leave its o unwritten (for a caller whose merge never reads a -inf split's o); with
-    one split o is always written."""
+    one split o is always written. ``constant_kv``: :func:`mla_decode`'s."""
     if _triton_serves(q, kv_rows):
         from .attention import mla_decode_splitkv as triton_splitkv
         return triton_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits,
@@ -121,7 +121,7 @@ def mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: floa
     balance = balance_ctas(q, kv_indptr, kv_indices, qlen)
     return _ops()._mla_decode_splitkv_sm90(
         *_kernel_args(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits, seq_lens, dcp_rank,
-                      dcp_world_size, balance), zero_empty, q_scale)
+                      dcp_world_size, balance), zero_empty, q_scale, constant_kv)
 
 
 def _kernel_args(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits, seq_lens, dcp_rank,
@@ -152,7 +152,8 @@ def work_list_enabled() -> bool:
 
 
 def mla_decode(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: float, kv_scale: float,
-               num_splits, seq_lens=None, dcp_rank: int = 0, dcp_world_size: int = 1, q_scale=None):
+               num_splits, seq_lens=None, dcp_rank: int = 0, dcp_world_size: int = 1, q_scale=None,
+               constant_kv: bool = False):
     """M1c + M1b: q [T, H, 576] bf16 (or e4m3fn with q_scale), kv_rows [N, 576] fp8 -> (o [T, H, 512] bf16,
     lse [T, H] f32).
 
@@ -165,7 +166,12 @@ def mla_decode(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: float, kv_sc
     :func:`_split_cap`'s one per 128 tokens of the average request, or one a 64-token tile where
     those CTAs fit one an SM, at most :func:`max_splits`; more only costs partials memory).
     With one split, more than 65535 work items, a non-e4m3fn cache or KIMI_OPS_SM90_WORK_LIST=0,
-    the (split, request) grid runs instead, its empty splits' o unwritten."""
+    the (split, request) grid runs instead, its empty splits' o unwritten.
+
+    ``constant_kv`` (the caller's promise that the kernel queued just before this call writes
+    neither kv_rows nor kv_indptr / kv_indices / seq_lens): the split kernel is launched with
+    programmatic dependent launch and its CTAs find their work items and start copying their
+    first tiles before they wait for that kernel (q is read after the wait)."""
     num_requests = kv_indptr.shape[0] - 1
     if num_requests <= 0:
         num_splits = 1
@@ -184,9 +190,10 @@ def mla_decode(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: float, kv_sc
     if work_list:
         return _ops()._mla_decode_sm90(*_kernel_args(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale,
                                                      num_splits, seq_lens, dcp_rank, dcp_world_size, balance),
-                                       q_scale)
+                                       q_scale, constant_kv)
     o_part, lse_part = mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen, scale, kv_scale, num_splits,
-                                          seq_lens, dcp_rank, dcp_world_size, zero_empty=False, q_scale=q_scale)
+                                          seq_lens, dcp_rank, dcp_world_size, zero_empty=False, q_scale=q_scale,
+                                          constant_kv=constant_kv)
     if num_splits == 1:
         return o_part[0], lse_part[0]
     return mla_merge(o_part, lse_part)

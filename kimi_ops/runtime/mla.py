@@ -182,7 +182,8 @@ def attend(layer, q, kv_cache: torch.Tensor, md):
                                            kv_scale=layer.kv_scale, return_lse=md.dcp_world_size > 1)
     return ops.mla_decode(q, kv_cache, md.kv_indptr, md.kv_indices, qlen=md.qlen,
                           scale=layer.config.softmax_scale, kv_scale=layer.kv_scale, num_splits=layer.num_splits,
-                          q_scale=q_scale, seq_lens=md.seq_lens, dcp_rank=md.dcp_rank, dcp_world_size=md.dcp_world_size)
+                          q_scale=q_scale, seq_lens=md.seq_lens, dcp_rank=md.dcp_rank, dcp_world_size=md.dcp_world_size,
+                          constant_kv=True)  # pre's last kernel (M1a / the fp8 query's) writes q only
 
 
 def m1c_inputs(layer, q, kv_cache: torch.Tensor, md, num_splits: int | None = None):
