@@ -413,10 +413,12 @@ def mla_decode(q, kv_cache, kv_indptr, kv_indices, *, qlen, scale, kv_scale, num
     Arguments as :func:`mla_decode_splitkv`; ``num_splits=None`` picks the split
     count on the host from shapes and the device (:func:`kimi_ops.dispatch.default_num_splits`).
     ``constant_kv=True`` promises that the kernel queued just before this call on the stream
-    writes neither ``kv_cache`` nor ``kv_indptr`` / ``kv_indices`` / ``seq_lens`` (the decode
-    layer: M1a's query kernel comes right before, the cache write two kernels earlier). The
-    cuda backend (sm_90) then starts gathering the cache while that kernel finishes
-    (programmatic dependent launch); elsewhere it changes nothing. The result is the same.
+    writes neither ``kv_cache`` nor ``kv_indptr`` / ``kv_indices`` / ``seq_lens``, nor does any
+    kernel that may still run when it starts (with programmatic dependent launch: one before it
+    that lets its dependents start before it waits). The decode layer: M1a's query kernel comes
+    right before, the cache write three kernels earlier, and each of ours waits before letting
+    the next start. The cuda backend (sm_90) then starts gathering the cache while that kernel
+    finishes; elsewhere it changes nothing. The result is the same.
     """
     return torch.ops.kimi_ops.mla_decode(
         q, kv_cache, kv_indptr, kv_indices, qlen=qlen, scale=scale, kv_scale=kv_scale, num_splits=num_splits,

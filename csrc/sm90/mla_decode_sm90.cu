@@ -116,7 +116,7 @@ void check_cuda_tensor(const at::Tensor& t, const char* name, at::ScalarType dty
 }
 
 // kFp8Q: the kernel's fp8-query instance (its own `configured`: the attribute is per function).
-// smem: the launch's dynamic shared memory, sizeof(Smem) or more (one_cta_per_sm_smem).
+// smem: the launch's dynamic shared memory, sizeof(Smem) or more (rows16_smem).
 template <typename Smem, bool kFp8Q, typename Kernel>
 void launch_kernel(Kernel* kernel, int threads, const SplitKVParams& params, dim3 grid, cudaStream_t stream,
                    size_t smem = sizeof(Smem)) {
