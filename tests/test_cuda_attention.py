@@ -396,9 +396,10 @@ def test_constant_kv_reads_q_after_the_wait(H, qlen, work_list, monkeypatch):
         for constant_kv in (False, True):
             step(splits, constant_kv)
             torch.cuda.synchronize()
-            graphs[constant_kv] = (torch.cuda.CUDAGraph(), None)
-            with torch.cuda.graph(graphs[constant_kv][0]):
-                graphs[constant_kv] = (graphs[constant_kv][0], step(splits, constant_kv))
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = step(splits, constant_kv)
+            graphs[constant_kv] = (graph, out)
         for trial in range(3):
             q_nope.copy_(torch.randn(q_nope.shape, generator=g).to(torch.bfloat16))
             q_pe.copy_(torch.randn(q_pe.shape, generator=g).to(torch.bfloat16))

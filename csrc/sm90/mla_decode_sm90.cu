@@ -115,6 +115,14 @@ void check_cuda_tensor(const at::Tensor& t, const char* name, at::ScalarType dty
   TORCH_CHECK(t.is_contiguous(), message(name, " must be contiguous"));
 }
 
+// An attribute of the current device (the SM count, the shared memory a SM has).
+int current_device_attribute(cudaDeviceAttr attr) {
+  int device = 0, value = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&value, attr, device));
+  return value;
+}
+
 // kFp8Q: the kernel's fp8-query instance (its own `configured`: the attribute is per function).
 // smem: the launch's dynamic shared memory, sizeof(Smem) or more (rows16_smem).
 template <typename Smem, bool kFp8Q, typename Kernel>
@@ -137,12 +145,10 @@ void launch_kernel(Kernel* kernel, int threads, const SplitKVParams& params, dim
 template <typename Smem>
 size_t rows16_smem(const SplitKVParams& params, dim3 grid) {
   if (!params.kv_before_wait || env_equals("KIMI_OPS_SM90_ONE_CTA", "0")) return sizeof(Smem);
-  int device = 0, sms = 0, smem_per_sm = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
   const int64_t ctas = static_cast<int64_t>(grid.x) * grid.y * grid.z;
-  return ctas <= sms ? std::max(sizeof(Smem), static_cast<size_t>(smem_per_sm / 2)) : sizeof(Smem);
+  if (ctas > current_device_attribute(cudaDevAttrMultiProcessorCount)) return sizeof(Smem);
+  return std::max(sizeof(Smem),
+                  static_cast<size_t>(current_device_attribute(cudaDevAttrMaxSharedMemoryPerMultiprocessor) / 2));
 }
 
 // the fp8-query instance where params.q_scale is set
@@ -254,9 +260,7 @@ void launch_merge(MergeParams params) {
     launch(kernel, dim3(ctas), 32 * kMergeWarpRows, 0, stream, params, pdl_enabled());
     return;
   }
-  int device = 0, sms = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int sms = current_device_attribute(cudaDevAttrMultiProcessorCount);
   const int max_blocks = env_equals("KIMI_OPS_SM90_MERGE_BLOCKS", "8") ? 8 : kMergeMaxBlocks;
   int col_blocks = 1;
   while (col_blocks < max_blocks &&
