@@ -368,18 +368,19 @@ def test_public_ops_and_cuda_graph(work_list, monkeypatch):
 
 
 @requires_sm90
+@pytest.mark.parametrize("lens", [[900, 0, 65, 3000, 1], [3000]], ids=["five", "one"])
 @pytest.mark.parametrize("work_list", ["0", "1"])
 @pytest.mark.parametrize("H,qlen", [(12, 1), (12, 2), (96, 1)])
-def test_constant_kv_reads_q_after_the_wait(H, qlen, work_list, monkeypatch):
+def test_constant_kv_reads_q_after_the_wait(H, qlen, work_list, lens, monkeypatch):
     """constant_kv=True (the split kernel's CTAs find their work and start gathering the cache
     before griddepcontrol.wait) right after M1a, a PDL kernel that lets its dependents start
     before it writes q: the same bits as constant_kv=False and within the oracle's contract, on
     the 16-row and token-major kernels, both grids, one split and many, empty requests, eager and
-    in a CUDA graph, q new each time (a q read before the wait would be the previous one)."""
+    in a CUDA graph, q new each time (a q read before the wait would be the previous one). One
+    request of several splits also takes the merge as a PDL launch (merge_after_early_grid)."""
     import kimi_ops.kernels.sm90 as hopper
     monkeypatch.setenv(hopper.WORK_LIST_ENV, work_list)
     g = torch.Generator().manual_seed(31)
-    lens = [900, 0, 65, 3000, 1]
     _, kv, indptr, idx = make_inputs(lens, qlen, H, device="cuda", gen=g)
     T = len(lens) * qlen
     w_uk = (torch.randn(H, 128, 512, generator=g) * 0.05).to(torch.bfloat16).cuda()

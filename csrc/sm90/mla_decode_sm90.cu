@@ -97,7 +97,8 @@ bool pdl_enabled() { return pdl_env_allows() && env_equals("KIMI_OPS_SM90_PDL", 
 // constant_kv (mla_decode's promise that the kernel queued before it writes neither the cache nor the
 // metadata): the split kernel launches with PDL and each CTA finds its work item and starts its first
 // tiles' copies before wait_prior_grid, so they overlap the previous kernel (M1a in the decode
-// layer); the merge stays a plain launch. KIMI_OPS_SM90_EARLY_KV=0 ignores the promise (A/Bs).
+// layer); the merge is a plain launch except at one request (merge_after_early_grid).
+// KIMI_OPS_SM90_EARLY_KV=0 ignores the promise (A/Bs).
 bool kv_before_wait(bool constant_kv) {
   return constant_kv && pdl_env_allows() && !env_equals("KIMI_OPS_SM90_EARLY_KV", "0");
 }
@@ -244,6 +245,18 @@ void launch_splitkv(const SplitKVParams& params, int64_t rows_per_cta, int64_t s
   }
 }
 
+// The merge after an early-started split grid of one request (batch 1 in the decode layer) of at
+// most one CTA a SM launches with PDL too: its CTAs are placed while the split CTAs finish. A/B on an
+// H100 (the fp8 / bf16 layer, compiled + graph, 8k context, two rounds, us; docs/perf-history.md,
+// session 36): batch 1 41.0, 41.0 -> 39.7, 39.8 / 57.7, 57.7 -> 57.4, 57.3. Taken at every grid of
+// at most one CTA a SM it cost batch 2 (128 CTAs of two tiles) 44.6, 44.7 -> 46.8, 46.8 / 58.6,
+// 58.7 -> 62.5, 62.3 (not understood), so one request only. KIMI_OPS_SM90_MERGE_PDL=0 keeps it
+// plain (A/Bs).
+bool merge_after_early_grid(const SplitKVParams& params, int64_t split_ctas) {
+  return params.kv_before_wait && params.num_requests == 1 && !env_equals("KIMI_OPS_SM90_MERGE_PDL", "0") &&
+         split_ctas <= current_device_attribute(cudaDevAttrMultiProcessorCount);
+}
+
 // Rows of about kMergeFewSplits splits or fewer: merge_rows_kernel, in rounds of 4 split rows up to
 // 4 splits, else 8 (docs/PERF.md, session 17). Else merge_kernel, one CTA per (row, column block):
 // as few blocks (1, 2, 4, 8 or 16: 512..32 columns) as cover a row's splits (about splits_hint) in
@@ -251,13 +264,14 @@ void launch_splitkv(const SplitKVParams& params, int64_t rows_per_cta, int64_t s
 // a SM; KIMI_OPS_SM90_MERGE_BLOCKS=8 keeps the limit of 8 (64 columns) it had before 16 (A/B
 // measurements: at 1 x 8k, 128 splits, 16 blocks take one load round where 8 took two). (The previous
 // rule, blocks doubled while the grid stayed within 16 CTAs a SM, launched twice the CTAs at b32
-// 8k / 32k and was 1-3% slower there: docs/PERF.md, session 11.)
-void launch_merge(MergeParams params) {
+// 8k / 32k and was 1-3% slower there: docs/PERF.md, session 11.) pdl: a launch with programmatic
+// dependent launch (the kernels wait for the split grid first thing).
+void launch_merge(MergeParams params, bool pdl) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   if (params.splits_hint <= kMergeFewSplits) {
     const unsigned ctas = static_cast<unsigned>((params.rows + kMergeWarpRows - 1) / kMergeWarpRows);
     auto kernel = params.splits_hint <= 4 ? merge_rows_kernel<4> : merge_rows_kernel<8>;
-    launch(kernel, dim3(ctas), 32 * kMergeWarpRows, 0, stream, params, pdl_enabled());
+    launch(kernel, dim3(ctas), 32 * kMergeWarpRows, 0, stream, params, pdl);
     return;
   }
   const int sms = current_device_attribute(cudaDevAttrMultiProcessorCount);
@@ -269,7 +283,7 @@ void launch_merge(MergeParams params) {
     col_blocks *= 2;
   params.cols = kLatent / col_blocks;
   const dim3 grid(static_cast<unsigned>(params.rows), static_cast<unsigned>(col_blocks));
-  launch(merge_kernel, grid, kMergeThreads, 0, stream, params, pdl_enabled());
+  launch(merge_kernel, grid, kMergeThreads, 0, stream, params, pdl);
 }
 
 }  // namespace
@@ -333,6 +347,7 @@ std::tuple<at::Tensor, at::Tensor> mla_decode_sm90(const at::Tensor& q, const at
   params.kv_before_wait = kv_before_wait(constant_kv);
   const int64_t groups = (qlen * H + rows_per_cta - 1) / rows_per_cta;
   launch_splitkv(params, rows_per_cta, stages, dim3(static_cast<unsigned>(groups), static_cast<unsigned>(items), 1));
+  const bool merge_pdl = pdl_enabled() || merge_after_early_grid(params, groups * items);
   MergeParams merge{};
   merge.o_part = params.o_part;
   merge.lse_part = params.lse_part;
@@ -348,7 +363,7 @@ std::tuple<at::Tensor, at::Tensor> mla_decode_sm90(const at::Tensor& q, const at
   // a request's used splits: about balance_ctas / R whole chunks and a partial one
   merge.splits_hint = static_cast<int>(
       balance_ctas > 0 ? std::min<int64_t>(num_splits, balance_ctas / std::max<int64_t>(R, 1) + 2) : num_splits);
-  launch_merge(merge);
+  launch_merge(merge, merge_pdl);
   return {o, lse};
 }
 
@@ -374,7 +389,7 @@ std::tuple<at::Tensor, at::Tensor> mla_merge_sm90(const at::Tensor& o_part, cons
   params.rows = static_cast<int>(rows);
   params.splits = static_cast<int>(S);
   params.splits_hint = params.splits;
-  launch_merge(params);
+  launch_merge(params, pdl_enabled());
   return {o, lse};
 }
 

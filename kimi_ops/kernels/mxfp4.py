@@ -484,6 +484,14 @@ def gemv_config(m: int, n: int, k: int, constant_w: bool = False) -> tuple[int, 
     return bm, 16, min(128, max(32, triton.next_power_of_2(k))), 4
 
 
+# An MXFP4 weight with K >= 512 (W_UV) above 4 rows ignores constant_w: one 512-wide chunk loaded
+# after the PDL wait beat two 256-wide ones loaded before it. H100, the MXFP4 layer compiled + in
+# a CUDA graph, two rounds, us (docs/perf-history.md, session 36): batch 8 78.4, 78.6 -> 77.3, 77.5;
+# batch 4 69.7, 69.6 -> 69.9, 69.9 (so not at 4); batch 1-2 within 0.1. 512-wide chunks loaded
+# before the wait were slower still (batch 8 80.8, 80.9; batch 4 71.2, 71.3).
+GEMV_MXFP4_W_FIRST_MAX_M = 4
+
+
 def gemv_x_pairs(x: torch.Tensor) -> bool:
     """Whether the GEMV kernel may read x's (even, odd) K pairs as uint32: K contiguous and every
     row start 4-byte aligned."""
@@ -557,13 +565,16 @@ def launch_gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None, 
     (BLOCK_M, BLOCK_N, BLOCK_K, num_warps), default :func:`gemv_config`. ``constant_w``: nothing
     queued before on the stream writes w (a model's weight): with PDL and one or two K chunks the
     kernel loads its weight tiles before it waits for the previous kernel (W_FIRST), and K >= 512
-    takes 256-wide chunks with or without PDL (:func:`gemv_config`)."""
+    takes 256-wide chunks with or without PDL (:func:`gemv_config`); not for an MXFP4 weight with
+    K >= 512 at more than ``GEMV_MXFP4_W_FIRST_MAX_M`` rows, which runs as without ``constant_w``."""
     batch, m, k = x.shape
     n = w.shape[1]
     if config is not None and len(config) != 4:
         raise ValueError(f"the GEMV kernel runs (M = {m}): config must be (BLOCK_M, BLOCK_N, "
                          f"BLOCK_K, num_warps), got {config}")
     pdl = pdl_args(x.device)
+    if w_scale is not None and m > GEMV_MXFP4_W_FIRST_MAX_M and k >= 512:
+        constant_w = False
     w_first = weights_first(constant_w, pdl)
     bm, bn, bk, warps = config or gemv_config(m, n, k, constant_w)
     if bm < m or bm & (bm - 1):
