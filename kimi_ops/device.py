@@ -21,3 +21,11 @@ def compute_capability(device_index: int) -> tuple[int, int]:
 def device_index(device: torch.device) -> int:
     """``device``'s index, the current device where it names none."""
     return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def is_sm90(device: torch.device) -> bool:
+    """Whether ``device`` is an NVIDIA GPU of compute capability 9.0 (H100 / H200: the cuda
+    backend's and the Hopper-only Triton configs' target)."""
+    if device.type != "cuda" or torch.version.hip is not None:
+        return False
+    return compute_capability(device_index(device)) == (9, 0)

@@ -59,7 +59,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..device import compute_capability, device_index, multiprocessor_count
+from ..device import device_index, is_sm90, multiprocessor_count
 from . import interpreting
 from .attention import FN_BYTES, NATIVE, _as_codes
 from .cache import fp8_value
@@ -248,12 +248,6 @@ def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 132
     return multiprocessor_count(device_index(device))
-
-
-def _is_hopper(device: torch.device) -> bool:
-    if device.type != "cuda" or torch.version.hip is not None:
-        return False
-    return compute_capability(device_index(device)) == (9, 0)
 
 
 def _pow2_floor(v: int) -> int:
@@ -544,7 +538,7 @@ def gemm_a16w8_block(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split)
     w, w_bytes = _as_codes(w)
     if swap is None:
-        swap = use_swap(m, bm, hopper=_is_hopper(x.device))
+        swap = use_swap(m, bm, hopper=is_sm90(x.device))
     elif swap and bm < 16 and not interpreting():
         raise ValueError(f"gemm_a16w8_block: swap needs BLOCK_M >= 16 (the MMA's N), got {bm}")
     _gemm_a16w8_block_kernel[grid](

@@ -59,7 +59,6 @@ bf16 in the kernel, exactly.
 """
 from __future__ import annotations
 
-import math
 import os
 from typing import NamedTuple
 
@@ -67,7 +66,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..device import compute_capability, device_index
+from ..device import is_sm90
 from . import interpreting
 from .attention import (FNUZ_BYTES, NATIVE, _as_codes, _fp8_to16, _interpreter_steps, _kv_mode, _launch_shape,
                         _partials, _program_rows, _row_inv, _row_lse, _score_scale, _split_f32, _to_bf16)
@@ -266,7 +265,7 @@ def arch_of(device: torch.device) -> str:
         if torch.version.hip is not None:
             name = getattr(torch.cuda.get_device_properties(device), "gcnArchName", "")
             return "gfx950" if name.startswith("gfx950") else "gfx942"
-        return "sm90" if compute_capability(device_index(device)) == (9, 0) else "nvidia"
+        return "sm90" if is_sm90(device) else "nvidia"
     except (RuntimeError, AssertionError):  # no such device here (shape-only callers)
         return "gfx942" if torch.version.hip is not None else "nvidia"
 
