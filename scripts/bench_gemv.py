@@ -3,7 +3,10 @@
 backend's small-M kernel (csrc/sm90/gemv.cuh) for bf16 and fp8 block-scaled weights, against
 cuBLAS's bf16 GEMM (``F.linear``) and the Triton fp8 kernels (what ran before it).
 
-    python scripts/bench_gemv.py [--out DIR] [--m 1,2,4,8]
+    python scripts/bench_gemv.py [--out DIR] [--m 1,2,4,8] [--shapes N:K,...]
+
+``--shapes`` times other [N, K] weights instead of the layer's three (e.g. ``2112:7168,4224:7168``:
+132 and 264 CTAs of 16 rows, to see what the CTA count's waves cost; perf-history.md, session 36).
 
 Each timing: scripts/bench_fp8_gemv.py's method (one CUDA graph of 24 calls rotating over enough
 weight copies that no call finds its weight in L2; median replay / 24). TB/s counts the weight's
@@ -29,12 +32,17 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--m", default="1,2,4,8")
+    ap.add_argument("--shapes", default="", help="comma list of N:K (fp8 block scales of 128 x 128); "
+                    "default: the layer's projections")
     args = ap.parse_args(argv)
     ms = [int(v) for v in args.m.split(",")]
+    shapes = SHAPES
+    if args.shapes:
+        shapes = [("weight", int(n), int(k), 128) for n, k in (v.split(":") for v in args.shapes.split(","))]
     lines = ["| projection [N, K] | M | cuBLAS bf16 us | kimi_ops bf16 us (TB/s, % of floor) | bf16 speed-up | "
              "Triton fp8 us | kimi_ops fp8 us (TB/s, % of floor) | fp8 speed-up |",
              "|---|---|---|---|---|---|---|---|"]
-    for name, n, k, bn in SHAPES:
+    for name, n, k, bn in shapes:
         gen = torch.Generator(device="cuda").manual_seed(n)
         w_bf = (torch.randn(n, k, device="cuda", generator=gen) / k ** 0.5).to(torch.bfloat16)
         w8, s = quantize_fp8_blocks(w_bf, bn, 128)
