@@ -124,6 +124,10 @@ int current_device_attribute(cudaDeviceAttr attr) {
   return value;
 }
 
+// Whether a grid of `ctas` CTAs has at most one a SM (the early-launch rules: rows16_smem,
+// merge_after_early_grid).
+bool at_most_one_cta_a_sm(int64_t ctas) { return ctas <= current_device_attribute(cudaDevAttrMultiProcessorCount); }
+
 // kFp8Q: the kernel's fp8-query instance (its own `configured`: the attribute is per function).
 // smem: the launch's dynamic shared memory, sizeof(Smem) or more (rows16_smem).
 template <typename Smem, bool kFp8Q, typename Kernel>
@@ -146,8 +150,7 @@ void launch_kernel(Kernel* kernel, int threads, const SplitKVParams& params, dim
 template <typename Smem>
 size_t rows16_smem(const SplitKVParams& params, dim3 grid) {
   if (!params.kv_before_wait || env_equals("KIMI_OPS_SM90_ONE_CTA", "0")) return sizeof(Smem);
-  const int64_t ctas = static_cast<int64_t>(grid.x) * grid.y * grid.z;
-  if (ctas > current_device_attribute(cudaDevAttrMultiProcessorCount)) return sizeof(Smem);
+  if (!at_most_one_cta_a_sm(static_cast<int64_t>(grid.x) * grid.y * grid.z)) return sizeof(Smem);
   return std::max(sizeof(Smem),
                   static_cast<size_t>(current_device_attribute(cudaDevAttrMaxSharedMemoryPerMultiprocessor) / 2));
 }
@@ -254,7 +257,7 @@ void launch_splitkv(const SplitKVParams& params, int64_t rows_per_cta, int64_t s
 // plain (A/Bs).
 bool merge_after_early_grid(const SplitKVParams& params, int64_t split_ctas) {
   return params.kv_before_wait && params.num_requests == 1 && !env_equals("KIMI_OPS_SM90_MERGE_PDL", "0") &&
-         split_ctas <= current_device_attribute(cudaDevAttrMultiProcessorCount);
+         at_most_one_cta_a_sm(split_ctas);
 }
 
 // Rows of about kMergeFewSplits splits or fewer: merge_rows_kernel, in rounds of 4 split rows up to
