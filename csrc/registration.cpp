@@ -50,6 +50,10 @@ TORCH_LIBRARY_FRAGMENT(kimi_ops, m) {
       "bool constant_kv=False) -> (Tensor, Tensor)");
   m.def("_mla_merge_sm90(Tensor o_part, Tensor lse_part) -> (Tensor, Tensor)");
   m.def("_gemv_sm90(Tensor x, Tensor w, Tensor? w_scale_inv, int block_n, bool constant_w=False) -> Tensor");
+  m.def(
+      "_norm_q_b_sm90(Tensor q_c, Tensor kv_c, Tensor k_pe, Tensor q_norm_weight, Tensor kv_norm_weight, "
+      "Tensor(a!) kv_cache, Tensor slot_mapping, Tensor w, Tensor? w_scale_inv, Tensor? g, int block_n, "
+      "float eps, float kv_scale, bool constant_w=False) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(kimi_ops, CUDA, m) {

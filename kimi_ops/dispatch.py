@@ -53,6 +53,11 @@ IMPLEMENTATIONS: dict[str, dict[str, str]] = {
         "reference": "kimi_ops.reference.attention:mla_norm_cache_write",
         "triton": "kimi_ops.kernels.pre_norm:mla_norm_cache_write",
     },
+    "mla_norm_cache_write_q_b": {
+        "reference": "kimi_ops.reference.attention:mla_norm_cache_write_q_b",
+        "triton": "kimi_ops.kernels.pre_norm:mla_norm_cache_write_q_b",
+        "cuda": "kimi_ops.kernels.sm90_gemv:mla_norm_cache_write_q_b",
+    },
     "mxfp4_quantize": {"reference": "kimi_ops.reference.mxfp4:mxfp4_quantize"},
     "mxfp4_dequantize": {"reference": "kimi_ops.reference.mxfp4:mxfp4_dequantize"},
     "bmm_a16wfp4": {

@@ -50,6 +50,11 @@ SCHEMAS: dict[str, str] = {
         "Tensor(a!) kv_cache, Tensor slot_mapping, Tensor? g=None, *, float eps, float kv_scale, "
         "bool constant_w=False) -> (Tensor q_c_normed, Tensor gate)"
     ),
+    "mla_norm_cache_write_q_b": (
+        "mla_norm_cache_write_q_b(Tensor q_c, Tensor kv_c, Tensor k_pe, Tensor q_norm_weight, Tensor kv_norm_weight, "
+        "Tensor(a!) kv_cache, Tensor slot_mapping, Tensor q_b_weight, Tensor? q_b_scale_inv=None, Tensor? g=None, *, "
+        "float eps, float kv_scale, int block_n=128, int block_k=128, bool constant_w=False) -> (Tensor q, Tensor gate)"
+    ),
     "mla_v_up_proj": (
         "mla_v_up_proj(Tensor o, Tensor w_uv, Tensor? w_uv_scale=None, Tensor? gate=None, *, "
         "bool constant_w=False) -> Tensor"
@@ -205,6 +210,40 @@ def _norm_cache_write_real(q_c, kv_c, k_pe, q_norm_weight, kv_norm_weight, kv_ca
 _register("mla_norm_cache_write", fake=_norm_cache_write_fake, real=_norm_cache_write_real)
 
 
+def _norm_cache_write_q_b_checks(q_c, kv_c, k_pe, q_norm_weight, kv_norm_weight, kv_cache, slot_mapping, q_b_weight,
+                                 q_b_scale_inv, g, eps, kv_scale, block_n, block_k):
+    name = "mla_norm_cache_write_q_b"
+    checks.check_norm_cache_write_args(name, q_c, kv_c, k_pe, q_norm_weight, kv_norm_weight, g, eps)
+    checks.check_cache_write_args(name, kv_c, k_pe, kv_cache, slot_mapping)
+    checks.check_cache_write_contract(name, slot_mapping, kv_scale)
+    if q_b_scale_inv is None:
+        _check_projection_args(name, q_c, q_b_weight, (torch.bfloat16,), "a bf16")
+        if q_c.device != q_b_weight.device:
+            raise ValueError(f"kimi_ops.{name}: q_c and q_b_weight must be on one device, got "
+                             f"{q_c.device}, {q_b_weight.device}")
+    else:
+        _check_gemm_a16w8_block_args(name, q_c, q_b_weight, q_b_scale_inv, block_n, block_k)
+
+
+def _norm_cache_write_q_b_fake(q_c, kv_c, k_pe, q_norm_weight, kv_norm_weight, kv_cache, slot_mapping, q_b_weight,
+                               q_b_scale_inv=None, g=None, *, eps, kv_scale, block_n=128, block_k=128,
+                               constant_w=False):
+    _norm_cache_write_q_b_checks(q_c, kv_c, k_pe, q_norm_weight, kv_norm_weight, kv_cache, slot_mapping, q_b_weight,
+                                 q_b_scale_inv, g, eps, kv_scale, block_n, block_k)
+    return (q_c.new_empty((q_c.shape[0], q_b_weight.shape[0])),
+            q_c.new_empty((q_c.shape[0], 0 if g is None else g.shape[1])))
+
+
+def _norm_cache_write_q_b_real(q_c, kv_c, k_pe, q_norm_weight, kv_norm_weight, kv_cache, slot_mapping, q_b_weight,
+                               q_b_scale_inv=None, g=None, *, eps, kv_scale, block_n=128, block_k=128,
+                               constant_w=False):
+    _norm_cache_write_q_b_checks(q_c, kv_c, k_pe, q_norm_weight, kv_norm_weight, kv_cache, slot_mapping, q_b_weight,
+                                 q_b_scale_inv, g, eps, kv_scale, block_n, block_k)
+    return dispatch.implementation("mla_norm_cache_write_q_b", kv_cache.device)(
+        q_c, kv_c, k_pe, q_norm_weight, kv_norm_weight, _flat_rows(kv_cache), slot_mapping, q_b_weight,
+        q_b_scale_inv, g, eps=eps, kv_scale=kv_scale, block_n=block_n, block_k=block_k, constant_w=constant_w)
+
+
 # --- MXFP4 --------------------------------------------------------------------------------------
 
 def _quantize_fake(w):
@@ -328,6 +367,7 @@ def _gemm_fp8_real(x, w, w_scale_inv, *, block_n=128, block_k=128, constant_w=Fa
 
 
 _register("gemm_a16w8_block", fake=_gemm_fp8_fake, real=_gemm_fp8_real)
+_register("mla_norm_cache_write_q_b", fake=_norm_cache_write_q_b_fake, real=_norm_cache_write_q_b_real)
 
 
 # --- bf16 projection ------------------------------------------------------------------------------
@@ -477,6 +517,34 @@ def mla_norm_cache_write(q_c, kv_c, k_pe, q_norm_weight, kv_norm_weight, kv_cach
                                                    constant_w=constant_w)
 
 
+def mla_norm_cache_write_q_b(q_c, kv_c, k_pe, q_norm_weight, kv_norm_weight, kv_cache, slot_mapping, q_b_weight,
+                             q_b_scale_inv=None, g=None, *, eps, kv_scale, block_n=128, block_k=128,
+                             constant_w=False):
+    """The layer's pre step between the qkv_a GEMM and M1a: :func:`mla_norm_cache_write` and then
+    q_b's projection of the normed q_c, ``q = rms_norm(q_c) @ dequant(q_b_weight)^T``.
+
+    Arguments as :func:`mla_norm_cache_write`, plus q_b's weight: ``q_b_weight [N, Q]`` bf16
+    (:func:`gemm_a16w16`), or ``float8_e4m3fn`` with ``q_b_scale_inv`` and ``block_n`` / ``block_k``
+    as in :func:`gemm_a16w8_block`. Returns ``(q [T, N] bf16, gate [T, G] bf16)``; the cache rows
+    as :func:`mla_norm_cache_write` writes them.
+
+    Numerics: the reference (and any call the fused kernel does not take) computes the two ops
+    in turn: the normed q_c rounded to bf16, then the projection. The ``cuda`` backend's kernel
+    (sm_90, the projection's small-M kernel: T <= 32 with an fp8 weight, T <= 16 with a bf16 one;
+    bf16 norm weights; an e4m3fn cache) does it in one launch: ``q = rstd * ((q_c * q_norm_weight)
+    @ W^T)``, ``q_c * q_norm_weight`` rounded to bf16 and the float32 sums scaled by each token's
+    ``rstd = rsqrt(mean(q_c^2) + eps)`` before the one rounding. Both are one bf16 rounding of the
+    projection's input away from the exact result, so both are within the projection's bound of it
+    plus that rounding (tests/test_norm_cache_write_q_b.py); they are not bit-equal. The cache rows and the gate
+    are the same values either way. ``KIMI_OPS_SM90_NORM_Q_B=0`` makes the cuda backend run the two
+    ops (A/B measurements). ``constant_w``: the norm weights and q_b's weight are constants (as in
+    :func:`gemm_a16w8_block`).
+    """
+    return torch.ops.kimi_ops.mla_norm_cache_write_q_b(
+        q_c, kv_c, k_pe, q_norm_weight, kv_norm_weight, kv_cache, slot_mapping, q_b_weight, q_b_scale_inv, g,
+        eps=eps, kv_scale=kv_scale, block_n=block_n, block_k=block_k, constant_w=constant_w)
+
+
 def mla_v_up_proj(o, w_uv, w_uv_scale=None, gate=None, *, constant_w=False):
     """The layer's W_UV up-projection and output gate (the seeds' ``post``): o_proj's input
     ``out [T, H * v]`` bf16, ``out[t, h*v + j] = (W_UV[h] @ o[t, h])[j] * gate[t, h*v + j]``.
@@ -591,5 +659,5 @@ def gemm_a16w16(x, w, *, constant_w=False):
 __all__ = [
     "mla_decode_splitkv", "mla_merge", "mla_decode", "mla_cache_write",
     "mxfp4_quantize", "mxfp4_dequantize", "bmm_a16wfp4", "mla_query", "quantize_query", "query_scale",
-    "gemm_a16w8_block", "gemm_a16w16", "mla_v_up_proj", "mla_norm_cache_write",
+    "gemm_a16w8_block", "gemm_a16w16", "mla_v_up_proj", "mla_norm_cache_write", "mla_norm_cache_write_q_b",
 ]

@@ -89,9 +89,9 @@ gt where .to .add_ .to sub add div .clamp_min .cumsum .clamp_max .new_zeros cat 
 searchsorted lt .clamp_max getitem sub .clamp_min div .clamp getitem mul .remainder add where arange
 div getitem sub .remainder add ge .remainder eq and_ .clamp_min div div .clamp getitem mul
 .remainder add where .to .to .clamp_min .copy_ .copy_ .copy_ .copy_ kimi_ops.gemm_a16w16 .split
-getitem getitem .split getitem getitem getitem kimi_ops.mla_norm_cache_write getitem getitem
-kimi_ops.gemm_a16w16 .view .split getitem getitem kimi_ops.mla_query kimi_ops.mla_decode getitem
-kimi_ops.mla_v_up_proj kimi_ops.gemm_a16w16""")
+getitem getitem .split getitem getitem getitem kimi_ops.mla_norm_cache_write_q_b getitem getitem
+.view .split getitem getitem kimi_ops.mla_query kimi_ops.mla_decode getitem kimi_ops.mla_v_up_proj
+kimi_ops.gemm_a16w16""")
         self.assertExpectedInline(heavy_ops(aten[0]), """\
 aten.cumsum.default
 aten.searchsorted.Tensor
@@ -101,7 +101,6 @@ aten.copy.default
 aten.copy.default
 kimi_ops.gemm_a16w16.default
 auto_functionalized_v2
-kimi_ops.gemm_a16w16.default
 kimi_ops.mla_query.default
 kimi_ops.mla_decode.default
 kimi_ops.mla_v_up_proj.default
@@ -120,7 +119,6 @@ aten.copy.default
 aten.copy.default
 kimi_ops.gemm_a16w16.default
 auto_functionalized_v2
-kimi_ops.gemm_a16w16.default
 kimi_ops.mla_query.default
 kimi_ops.mla_decode.default
 kimi_ops.mla_v_up_proj.default

@@ -26,12 +26,23 @@
 // weight loads go out before griddepcontrol.wait, so W streams while the previous kernel on the
 // stream finishes; x (that kernel's output, perhaps) is read after it. Without the attribute the
 // wait returns at once.
+//
+// kNorm (the decode layer's q_b, fused with its RMSNorm: _norm_q_b_sm90): y = rstd(x) * ((x * norm_w)
+// @ W^T), rstd(x) = rsqrt(mean(x^2) + eps) over x's K columns; the product takes x * norm_w
+// rounded to bf16 (as the unfused step takes the normed x rounded to bf16) and each output's f32
+// sum is multiplied by its token's rstd before the one rounding. Each lane adds up the squares of
+// the x it loads; the sums meet in shared memory beside the partial products. norm_w [K] bf16 is
+// copied into dynamic shared memory (cp.async, before the PDL wait: a model's constant), each warp
+// the columns of its own k-blocks, which are whole and at least one a warp (the host checks
+// k-blocks >= WARPS), so a warp's __syncwarp orders them. The CTAs after the product's
+// (blockIdx.x >= main_ctas) take one token each: pre_norm.cuh's kv norm, cache row and gate.
 #pragma once
 
 #include <cuda_bf16.h>
 
 #include <cstdint>
 
+#include "pre_norm.cuh"
 #include "ptx.cuh"
 
 namespace kimi_ops::sm90 {
@@ -41,6 +52,8 @@ constexpr int kGemvRows = 16;     // weight rows (outputs) a CTA
 constexpr int kGemvMaxM = 8;      // tokens an MMA tile (N = 8); a launch takes kNT of them
 constexpr int kFp8BlockK = 128;   // fp8: the scale's k-block (the kernel's only one)
 constexpr int kBf16BlockK = 256;  // bf16: columns a warp takes at a time (512 bytes a row)
+constexpr int kNormWarps = 4;     // kNorm: the warps of a CTA (the fused q_b's K is a q_lora rank)
+constexpr int kNormMaxK = 8192;   // kNorm: norm_w's shared memory, 2 K bytes, within the 48 KB
 
 struct GemvParams {
   const __nv_bfloat16* x;  // [M, K]
@@ -50,6 +63,11 @@ struct GemvParams {
   int64_t scale_stride;    // elements between scale rows
   __nv_bfloat16* y;        // [M, N], contiguous
   int M, N, K, block_n;
+  // kNorm only
+  const __nv_bfloat16* norm_w;  // [K] bf16, 16-byte aligned
+  float eps;
+  int main_ctas;                // ceil(N / 16): the product's CTAs; one a token after them
+  NormSideParams side;
 };
 
 // 16 bytes at p where `pred`, else zeros; no branch, so the loads of a step stay together in flight.
@@ -93,6 +111,16 @@ __device__ __forceinline__ void e4m3x16_to_bf16_pow2(const uint4& v, uint32_t (&
     out[2 * i + 1] = (prmt(words[i], 0u, 0xB3A2u) << 4) & 0x87F087F0u;  // bytes 2, 3
   }
 }
+// kNorm: a word of two x values times norm_w's two, rounded to bf16 (the product of two bf16 is
+// exact in f32, so one rounding), and their squares added to sumsq.
+__device__ __forceinline__ uint32_t norm_times_x(uint32_t x2, uint32_t w2, float& sumsq) {
+  const __nv_bfloat162 x = *reinterpret_cast<const __nv_bfloat162*>(&x2);
+  const float2 xf = __bfloat1622float2(x);
+  sumsq = fmaf(xf.x, xf.x, fmaf(xf.y, xf.y, sumsq));
+  const __nv_bfloat162 y = __hmul2(x, *reinterpret_cast<const __nv_bfloat162*>(&w2));
+  return *reinterpret_cast<const uint32_t*>(&y);
+}
+
 constexpr float kXUp = 0x1p60f;  // fp8: x * 2^60 in bf16 (exact), so W * 2^-120 times it stays an
                                  // f32 normal down to |w x| = 2^-66; k-block sums * scale * 2^60
 
@@ -101,10 +129,19 @@ constexpr float kXUp = 0x1p60f;  // fp8: x * 2^60 in bf16 (exact), so W * 2^-120
 // (k-blocks in order, one MMA chain pair a k-block): a launch of 16 rows gives the bits of two
 // launches of 8. kNT 4 runs one MMA chain a tile (two took 128 registers and spilled), and a bf16
 // W's k-block is 256 / kNT columns (x's registers stay those of kNT 1): other orders, same bound.
-template <int WARPS, bool kFp8, int kUnroll, int kNT = 1>
-__global__ void __launch_bounds__(WARPS * 32, 16 / WARPS) gemv_kernel(const GemvParams p) {
+// kNorm: two CTAs a SM (q_b's 144 + T on 132 SMs) leave 255 registers (at 128 the fp8 forms spilled)
+template <int WARPS, bool kFp8, int kUnroll, int kNT = 1, bool kNorm = false>
+__global__ void __launch_bounds__(WARPS * 32, kNorm ? 2 : 16 / WARPS) gemv_kernel(const GemvParams p) {
   static_assert(kNT == 1 || kNT == 2 || kNT == 4, "8, 16 or 32 tokens");
   __shared__ float red[WARPS][kGemvRows][kGemvMaxM * kNT];
+  __shared__ float red_ss[kNorm ? WARPS : 1][kGemvMaxM * kNT];  // kNorm: each warp's sums of x^2 a token
+  extern __shared__ __align__(16) __nv_bfloat16 norm_w_smem[];  // kNorm: norm_w [K]
+  if constexpr (kNorm) {
+    if (static_cast<int>(blockIdx.x) >= p.main_ctas) {
+      norm_side_cta<WARPS * 32>(p.side, blockIdx.x - p.main_ctas, p.eps, &red[0][0][0]);
+      return;
+    }
+  }
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, c = lane % 4;
   const int n0 = blockIdx.x * kGemvRows;
@@ -116,7 +153,14 @@ __global__ void __launch_bounds__(WARPS * 32, 16 / WARPS) gemv_kernel(const Gemv
   constexpr int kChunks = kBlockK / kChunkK;
   const int k_blocks = (p.K + kBlockK - 1) / kBlockK;
   const int per_warp = (k_blocks + WARPS - 1) / WARPS;
-  const int kb0 = warp * per_warp, kb1 = min(kb0 + per_warp, k_blocks);
+  // kNorm: every warp at least one k-block (k_blocks >= WARPS), its columns' norm_w its own to copy
+  const int kb0 = kNorm ? warp * k_blocks / WARPS : warp * per_warp;
+  const int kb1 = kNorm ? (warp + 1) * k_blocks / WARPS : min(kb0 + per_warp, k_blocks);
+  if constexpr (kNorm) {
+    const int c0 = kb0 * kBlockK, c1 = min(kb1 * kBlockK, p.K);  // K % 8 == 0: whole 16-byte chunks
+    for (int col = c0 + 8 * lane; col < c1; col += 8 * 32) cp_async_16(norm_w_smem + col, p.norm_w + col, 16);
+    cp_async_commit();
+  }
 
   const uint8_t* w_lo = static_cast<const uint8_t*>(p.w) + static_cast<int64_t>(n0 + g) * p.K * kBytesPerCol;
   const uint8_t* w_hi = w_lo + static_cast<int64_t>(8) * p.K * kBytesPerCol;
@@ -124,6 +168,7 @@ __global__ void __launch_bounds__(WARPS * 32, 16 / WARPS) gemv_kernel(const Gemv
   const float* scale_row = kFp8 ? p.scale + static_cast<int64_t>(n0 / p.block_n) * p.scale_stride : nullptr;
 
   float acc[kNT][4] = {};
+  float sumsq[kNT] = {};  // kNorm: the squares of the x this lane loads, token g + 8t
   // steps of kUnroll k-blocks up to kb1 (the last one shorter); odd warps take the short one first,
   // so that half the warps convert and multiply while the other half's loads are in flight
   const int short_step = (kb1 - kb0) % kUnroll;
@@ -159,6 +204,12 @@ __global__ void __launch_bounds__(WARPS * 32, 16 / WARPS) gemv_kernel(const Gemv
           xv[i][t][j] = ld16_or_zero<false>(x_row + static_cast<int64_t>(8 * t) * p.x_stride + k + 8 * j,
                                             g + 8 * t < p.M && in_k);
     }
+    if constexpr (kNorm) {
+      if (kb == kb0) {  // this warp's norm_w columns are in shared memory
+        cp_async_wait<0>();
+        __syncwarp();
+      }
+    }
     float sc[kUnroll];  // each k-block's scale
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) sc[u] = kFp8 && kb + u < lim ? scale_row[kb + u] * kXUp : 1.f;
@@ -177,11 +228,23 @@ __global__ void __launch_bounds__(WARPS * 32, 16 / WARPS) gemv_kernel(const Gemv
           uint32_t lo[8], hi[8];
           e4m3x16_to_bf16_pow2(a_lo[i], lo);
           e4m3x16_to_bf16_pow2(a_hi[i], hi);
+          uint4 nw[2];  // kNorm: norm_w at the lane's 16 columns
+          if constexpr (kNorm) {
+            bool in_k;
+            const int k = lane_k(i, in_k);
+            nw[0] = in_k ? *reinterpret_cast<const uint4*>(norm_w_smem + k) : uint4{};
+            nw[1] = in_k ? *reinterpret_cast<const uint4*>(norm_w_smem + k + 8) : uint4{};
+          }
 #pragma unroll
           for (int t = 0; t < kNT; ++t) {
             uint32_t xb[8];
-            const uint32_t xr[8] = {xv[i][t][0].x, xv[i][t][0].y, xv[i][t][0].z, xv[i][t][0].w,
-                                    xv[i][t][1].x, xv[i][t][1].y, xv[i][t][1].z, xv[i][t][1].w};
+            uint32_t xr[8] = {xv[i][t][0].x, xv[i][t][0].y, xv[i][t][0].z, xv[i][t][0].w,
+                              xv[i][t][1].x, xv[i][t][1].y, xv[i][t][1].z, xv[i][t][1].w};
+            if constexpr (kNorm) {
+              const uint32_t nr[8] = {nw[0].x, nw[0].y, nw[0].z, nw[0].w, nw[1].x, nw[1].y, nw[1].z, nw[1].w};
+#pragma unroll
+              for (int j = 0; j < 8; ++j) xr[j] = norm_times_x(xr[j], nr[j], sumsq[t]);
+            }
             const __nv_bfloat162 up = __floats2bfloat162_rn(kXUp, kXUp);
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
@@ -193,10 +256,23 @@ __global__ void __launch_bounds__(WARPS * 32, 16 / WARPS) gemv_kernel(const Gemv
               mma_bf16(part[t][s % kChains], lo[2 * s], hi[2 * s], lo[2 * s + 1], hi[2 * s + 1], xb[2 * s], xb[2 * s + 1]);
           }
         } else {
+          uint4 nw{};  // kNorm: norm_w at the lane's 8 columns
+          if constexpr (kNorm) {
+            bool in_k;
+            const int k = lane_k(i, in_k);
+            if (in_k) nw = *reinterpret_cast<const uint4*>(norm_w_smem + k);
+          }
 #pragma unroll
           for (int t = 0; t < kNT; ++t) {
-            mma_bf16(part[t][0], a_lo[i].x, a_hi[i].x, a_lo[i].y, a_hi[i].y, xv[i][t][0].x, xv[i][t][0].y);
-            mma_bf16(part[t][kChains - 1], a_lo[i].z, a_hi[i].z, a_lo[i].w, a_hi[i].w, xv[i][t][0].z, xv[i][t][0].w);
+            uint4 x = xv[i][t][0];
+            if constexpr (kNorm) {
+              x.x = norm_times_x(x.x, nw.x, sumsq[t]);
+              x.y = norm_times_x(x.y, nw.y, sumsq[t]);
+              x.z = norm_times_x(x.z, nw.z, sumsq[t]);
+              x.w = norm_times_x(x.w, nw.w, sumsq[t]);
+            }
+            mma_bf16(part[t][0], a_lo[i].x, a_hi[i].x, a_lo[i].y, a_hi[i].y, x.x, x.y);
+            mma_bf16(part[t][kChains - 1], a_lo[i].z, a_hi[i].z, a_lo[i].w, a_hi[i].w, x.z, x.w);
           }
         }
       }
@@ -217,6 +293,15 @@ __global__ void __launch_bounds__(WARPS * 32, 16 / WARPS) gemv_kernel(const Gemv
     red[warp][g + 8][8 * t + 2 * c] = acc[t][2];
     red[warp][g + 8][8 * t + 2 * c + 1] = acc[t][3];
   }
+  if constexpr (kNorm) {
+#pragma unroll
+    for (int t = 0; t < kNT; ++t) {  // a token's squares over the 4 lanes of its row, then the warps
+      float ss = sumsq[t];
+      ss += __shfl_xor_sync(0xffffffffu, ss, 1);
+      ss += __shfl_xor_sync(0xffffffffu, ss, 2);
+      if (c == 0) red_ss[warp][8 * t + g] = ss;
+    }
+  }
   __syncthreads();
   for (int idx = threadIdx.x; idx < kGemvRows * kGemvMaxM * kNT; idx += WARPS * 32) {
     const int tok = idx / kGemvRows, r = idx % kGemvRows;
@@ -224,6 +309,12 @@ __global__ void __launch_bounds__(WARPS * 32, 16 / WARPS) gemv_kernel(const Gemv
       float sum = 0.f;
 #pragma unroll
       for (int w = 0; w < WARPS; ++w) sum += red[w][r][tok];
+      if constexpr (kNorm) {
+        float ss = 0.f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) ss += red_ss[w][tok];
+        sum *= rsqrtf(ss / p.K + p.eps);
+      }
       p.y[static_cast<int64_t>(tok) * p.N + n0 + r] = __float2bfloat16_rn(sum);
     }
   }

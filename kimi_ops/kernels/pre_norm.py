@@ -99,6 +99,22 @@ def mla_norm_cache_write(q_c, kv_c, k_pe, q_norm_weight, kv_norm_weight, kv_rows
     return q_normed, gate
 
 
+def mla_norm_cache_write_q_b(q_c, kv_c, k_pe, q_norm_weight, kv_norm_weight, kv_rows, slot_mapping, q_b_weight,
+                             q_b_scale_inv=None, g=None, *, eps: float, kv_scale: float, block_n: int = 128,
+                             block_k: int = 128, constant_w: bool = False):
+    """The two ops in turn: :func:`mla_norm_cache_write` (this kernel), then q_b's projection by
+    whatever serves ``gemm_a16w16`` / ``gemm_a16w8_block`` on the device (kimi_ops.dispatch).
+    -> (q [T, N] bf16, gate [T, G] bf16)."""
+    from .. import dispatch
+
+    q_normed, gate = mla_norm_cache_write(q_c, kv_c, k_pe, q_norm_weight, kv_norm_weight, kv_rows, slot_mapping, g,
+                                          eps=eps, kv_scale=kv_scale, constant_w=constant_w)
+    if q_b_scale_inv is None:
+        return dispatch.implementation("gemm_a16w16", q_c.device)(q_normed, q_b_weight, constant_w=constant_w), gate
+    gemm = dispatch.implementation("gemm_a16w8_block", q_c.device)
+    return gemm(q_normed, q_b_weight, q_b_scale_inv, block_n=block_n, block_k=block_k, constant_w=constant_w), gate
+
+
 # ----------------------------------------------------------------------------------------------
 # cross-compilation registry (scripts/cross_compile.py; format in kimi_ops/kernels/__init__.py)
 

@@ -31,6 +31,11 @@ with a bf16 w (at 24 and 32 rows cuBLAS was faster on the K-1536 projections: q_
 16-byte aligned rows; w contiguous and 16-byte aligned; bf16 w with ``K % 32 == 0``; fp8
 (``float8_e4m3fn``) w with ``K % 64 == 0``, ``block_k == 128``, ``block_n % 16 == 0`` and a scale
 of unit stride along K.
+The decode layer's q_b runs in a form of the kernel fused with the step's norms
+(:func:`mla_norm_cache_write_q_b`, the op of the same name): each token's RMSNorm is applied to the
+float32 sums, the norm weight to x as it is loaded, and CTAs after the product's write the cache
+rows and the gate (csrc/sm90/pre_norm.cuh), so no kernel runs between qkv_a and q_b.
+
 ``KIMI_OPS_SM90_GEMV`` (read at each call), for A/B measurements: ``0`` turns the kernel off;
 ``8`` / ``16`` / ``32`` set the row limit for both weight dtypes (``32`` lets bf16 weights take
 the four-tile path).
@@ -45,6 +50,7 @@ from .sm90 import _ops  # kimi_ops._C's private ops (importing it registers them
 MAX_M = 32        # the kernel's limit (fp8 weights take it by default)
 BF16_MAX_M = 16   # bf16 weights by default: at 24 / 32 rows cuBLAS is faster on q_b and o_proj (K 1536)
 ENV = "KIMI_OPS_SM90_GEMV"
+NORM_Q_B_ENV = "KIMI_OPS_SM90_NORM_Q_B"  # "0": mla_norm_cache_write_q_b as two ops (A/B measurements)
 
 
 def _x_ok(x: torch.Tensor, max_m: int) -> bool:
@@ -69,6 +75,41 @@ def serves(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor | None = 
         return w_scale_inv is None and k % 32 == 0
     return (w.dtype == torch.float8_e4m3fn and w_scale_inv is not None and k % 64 == 0 and block_k == 128
             and block_n % 16 == 0 and w_scale_inv.stride(1) == 1)
+
+
+def norm_q_b_serves(q_c, kv_c, k_pe, g, q_norm_weight, kv_norm_weight, kv_rows, q_b_weight, q_b_scale_inv=None,
+                    block_n=128, block_k=128) -> bool:
+    """Whether the fused kernel (``_norm_q_b_sm90``: gemv.cuh's kNorm form with pre_norm.cuh's side
+    CTAs) takes a :func:`mla_norm_cache_write_q_b` call: the projection's kernel serves q_b
+    (:func:`serves`), K <= 8192 with at least 4 k-blocks (512 fp8 / 1024 bf16 columns), bf16 norm
+    weights (q_norm_weight 16-byte aligned), kv_c / k_pe / g rows in whole 4-byte words, an e4m3fn
+    cache, and ``KIMI_OPS_SM90_NORM_Q_B`` not ``0``."""
+    if os.environ.get(NORM_Q_B_ENV, "").strip() == "0":
+        return False
+    if not serves(q_c, q_b_weight, q_b_scale_inv, block_n, block_k):
+        return False
+    k = q_c.shape[1]
+    min_k = 512 if q_b_scale_inv is not None else 1024
+    words = all(x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0 for x in (kv_c, k_pe, g) if x is not None)
+    return (min_k <= k <= 8192 and words and kv_rows.dtype == torch.float8_e4m3fn
+            and q_norm_weight.dtype == kv_norm_weight.dtype == torch.bfloat16
+            and q_norm_weight.data_ptr() % 16 == 0 and kv_norm_weight.data_ptr() % 4 == 0)
+
+
+def mla_norm_cache_write_q_b(q_c, kv_c, k_pe, q_norm_weight, kv_norm_weight, kv_rows, slot_mapping, q_b_weight,
+                             q_b_scale_inv=None, g=None, *, eps: float, kv_scale: float, block_n: int = 128,
+                             block_k: int = 128, constant_w: bool = False):
+    """-> (q [T, N] bf16, gate [T, G] bf16): one launch where :func:`norm_q_b_serves`, else the two
+    ops in turn (kimi_ops.kernels.pre_norm). Inputs validated by the op layer; ``kv_rows`` the cache
+    as [N, 576] rows."""
+    if norm_q_b_serves(q_c, kv_c, k_pe, g, q_norm_weight, kv_norm_weight, kv_rows, q_b_weight, q_b_scale_inv,
+                       block_n, block_k):
+        return _ops()._norm_q_b_sm90(q_c, kv_c, k_pe, q_norm_weight, kv_norm_weight, kv_rows, slot_mapping,
+                                     q_b_weight, q_b_scale_inv, g, block_n, float(eps), float(kv_scale), constant_w)
+    from . import pre_norm
+    return pre_norm.mla_norm_cache_write_q_b(q_c, kv_c, k_pe, q_norm_weight, kv_norm_weight, kv_rows, slot_mapping,
+                                             q_b_weight, q_b_scale_inv, g, eps=eps, kv_scale=kv_scale,
+                                             block_n=block_n, block_k=block_k, constant_w=constant_w)
 
 
 def gemm_a16w16(x: torch.Tensor, w: torch.Tensor, *, constant_w: bool = False) -> torch.Tensor:

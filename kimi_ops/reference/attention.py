@@ -150,6 +150,20 @@ def mla_norm_cache_write(q_c, kv_c, k_pe, q_norm_weight, kv_norm_weight, kv_rows
     return rms_norm(q_c, q_norm_weight, eps), gate
 
 
+def mla_norm_cache_write_q_b(q_c, kv_c, k_pe, q_norm_weight, kv_norm_weight, kv_rows, slot_mapping, q_b_weight,
+                             q_b_scale_inv=None, g=None, *, eps, kv_scale, block_n=128, block_k=128,
+                             constant_w=False):
+    """:func:`mla_norm_cache_write`, then q_b's projection of the normed q_c (bf16 weight, or fp8
+    with its block scales): ``(q [T, N] bf16, gate [T, G] bf16)``."""
+    from . import fp8, linear
+
+    q_normed, gate = mla_norm_cache_write(q_c, kv_c, k_pe, q_norm_weight, kv_norm_weight, kv_rows, slot_mapping, g,
+                                          eps=eps, kv_scale=kv_scale)
+    if q_b_scale_inv is None:
+        return linear.gemm_a16w16(q_normed, q_b_weight), gate
+    return fp8.gemm_a16w8_block(q_normed, q_b_weight, q_b_scale_inv, block_n=block_n, block_k=block_k), gate
+
+
 def mla_cache_write(kv_c, k_pe, kv_rows, slot_mapping, kv_scale):
     """Write row slot_mapping[t] of kv_rows [N, 576] (in place); slots outside [0, N) are skipped."""
     valid = (slot_mapping >= 0) & (slot_mapping < kv_rows.shape[0])

@@ -2,8 +2,9 @@
 
 * :func:`pre`: the qkv_a GEMM (g_proj merged in or beside it; bf16, or fp8 block-scaled
   through :func:`project`); the q / kv RMSNorms, this step's KV rows into the fp8 cache and the
-  output gate ``sigmoid(g_proj)`` in one op (:func:`kimi_ops.mla_norm_cache_write`); q_b, RoPE
-  where the config has it, W_UK absorbed into the query (M1a, :func:`kimi_ops.mla_query`).
+  output gate ``sigmoid(g_proj)`` and q_b in one op (:func:`kimi_ops.mla_norm_cache_write_q_b`:
+  one kernel on sm_90 at decode batches); RoPE where the config has it, W_UK absorbed into the
+  query (M1a, :func:`kimi_ops.mla_query`).
 * :func:`attend`: the attention over the latent cache (M1c + M1b, :func:`kimi_ops.mla_decode`;
   AITER's ``mla_decode_fwd`` where the layer asks for it on ROCm, :mod:`.aiter_fallback`).
 * :func:`post`: the W_UV up-projection (MXFP4 or bf16) times the gate, one op
@@ -149,11 +150,14 @@ def pre(layer, hidden: torch.Tensor, kv_cache: torch.Tensor, md, bf16: bool | No
     q_c, kv_c, k_pe = qkv.split([c.q_lora_rank, KV_LORA_RANK, ROPE_DIM], -1)
     if c.rope:
         k_pe = apply_rope(k_pe, md.positions, layer.rotary_inv_freq, c.rope_mscale)
-    # the q / kv RMSNorms, this step's KV rows into the cache, sigmoid(g): one kernel
-    q_c, gate = ops.mla_norm_cache_write(q_c, kv_c, k_pe, layer.q_a_layernorm.weight, layer.kv_a_layernorm.weight,
-                                         kv_cache, md.slot_mapping, g, eps=c.rms_norm_eps, kv_scale=layer.kv_scale,
-                                         constant_w=True)
-    q = project(q_c, layer.q_b_proj).view(-1, layer.num_heads, nope + rope)
+    # the q / kv RMSNorms, this step's KV rows into the cache, sigmoid(g) and q_b: one kernel on sm_90
+    q_b = layer.q_b_proj
+    scale = getattr(q_b, "weight_scale_inv", None)
+    blocks = dict(block_n=q_b.block_n, block_k=q_b.block_k) if scale is not None else {}
+    q, gate = ops.mla_norm_cache_write_q_b(q_c, kv_c, k_pe, layer.q_a_layernorm.weight, layer.kv_a_layernorm.weight,
+                                           kv_cache, md.slot_mapping, q_b.weight, scale, g, eps=c.rms_norm_eps,
+                                           kv_scale=layer.kv_scale, constant_w=True, **blocks)
+    q = q.view(-1, layer.num_heads, nope + rope)
     q_nope, q_pe = q.split([nope, rope], -1)
     if c.rope:
         q_pe = apply_rope(q_pe, md.positions, layer.rotary_inv_freq, c.rope_mscale)
