@@ -3,7 +3,7 @@ against float64 math written here and against the two ops it replaces.
 
 q against float64 ``(rms_norm(q_c) * q_norm_weight) @ W^T`` within one bf16 rounding of the
 projection's input (2^-9 of sum |x_k w_k|) plus bf16's rounding of the result, and within 3e-3 in
-relative L2 (what two roundings of random sign give, ~1.6e-3); the cache rows and
+relative L2 (what the two roundings give: 2.35e-3 for the reference at Kimi-K3's q_b); the cache rows and
 the gate as tests/test_norm_cache_write.py checks them (within one fp8 step / bf16 rounding of
 float64, unwritten rows unchanged byte for byte). CPU (CI): the reference is the two ops bit for
 bit (bf16 and fp8 weights), errors, opcheck, and the Triton backend under TRITON_INTERPRET=1.
@@ -61,7 +61,7 @@ def check_q(q, inputs, w64):
     err = (q.cpu().double() - want).abs()
     bound = 2.0 ** -8 * want.abs() + 2.0 ** -9 * mag + 1e-30
     assert (err <= bound).all(), f"max err / bound {(err / bound).max().item():.2f}"
-    # and as a whole: two bf16 roundings of random sign are ~1.6e-3 (a lost norm weight of 1 +- 0.1: ~0.1)
+    # and as a whole: the two bf16 roundings give ~2.4e-3 (a lost norm weight of 1 +- 0.1: ~0.1)
     rel = (err.norm() / want.norm()).item()
     assert rel <= 3e-3, f"rel L2 {rel:.2e}"
 
@@ -187,10 +187,11 @@ def test_gpu_fused(fp8, t, monkeypatch):
     check_q(q2, inputs, w64)
     diff = (inputs[6].view(torch.uint8).cpu().int() - fused_cache.int()).abs()
     assert diff.max() <= 1 and (diff > 0).float().mean() < 1e-3, (diff.max(), (diff > 0).sum())
-    assert (gate.float() - gate2.float()).abs().max() <= 2 ** -9
+    assert gate.shape == gate2.shape and (gate.numel() == 0 or (gate.float() - gate2.float()).abs().max() <= 2 ** -9)
+    # each within ~2.4e-3 of float64 (check_q), the two roundings independent: ~3.3e-3 apart
     rel = ((q.double() - q2.double()).norm() / q2.double().norm()).item()
     print(f"fused vs two ops, fp8 {fp8}, T {t}: rel L2 of q {rel:.2e}")
-    assert rel < 4e-3
+    assert rel < 5e-3
     # a plain launch (no PDL): bit for bit
     q3, gate3 = call(inputs, w, s, constant_w=False)
     assert torch.equal(q3, q) and torch.equal(gate3, gate)
@@ -241,7 +242,7 @@ def test_gpu_private_op_checks():
     with pytest.raises(RuntimeError, match="q_norm_weight must be a contiguous, 16-byte aligned bf16"):
         op(q_c, kv_c, k_pe, qw.float(), kvw, rows, slots, w, s, g, 128, EPS, KV_SCALE, False)
     with pytest.raises(RuntimeError, match="kv_cache must be a contiguous float8_e4m3fn"):
-        op(q_c, kv_c, k_pe, qw, kvw, cache, slots, w, s, g, 128, EPS, KV_SCALE, False)
+        op(q_c, kv_c, k_pe, qw, kvw, rows.view(torch.uint8), slots, w, s, g, 128, EPS, KV_SCALE, False)
     with pytest.raises(RuntimeError, match="the fused q_b needs K >= 4 k-blocks"):
         op(q_c[:, :256], kv_c, k_pe, qw[:256], kvw, rows, slots, w[:, :256].contiguous(), s[:, :2].contiguous(), g,
            128, EPS, KV_SCALE, False)

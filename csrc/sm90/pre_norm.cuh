@@ -54,55 +54,67 @@ __device__ __forceinline__ uint16_t e4m3x2_of(float a, float b, float kv_scale) 
 }
 
 // Token t's cache row and gate (one CTA of kThreads threads); red: kThreads / 32 floats of shared
-// memory. Reads only after the previous grid is done (PDL).
+// memory. The norm weight is loaded before the PDL wait (a model's constant), everything else after
+// it, every load of the CTA's first round issued together (slot, kv_c, k_pe, kGateLoads of g a
+// thread) so that the chain is one memory round trip, not one a load.
+constexpr int kGateLoads = 16;  // g's values a thread loads at once (Kimi-K3 TP8: 1536 over 128 threads)
+
 template <int kThreads>
 __device__ void norm_side_cta(const NormSideParams& s, int t, float eps, float* red) {
   static_assert(kThreads % 32 == 0 && kThreads <= kNormLatent / 2, "a thread takes whole bf16 pairs of kv_c");
   constexpr int kPairs = kNormLatent / 2 / kThreads;
+  const int tid = threadIdx.x;
+  const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(s.kv_norm_w);
+  float2 w[kPairs];
+#pragma unroll
+  for (int i = 0; i < kPairs; ++i) w[i] = __bfloat1622float2(w2[tid + i * kThreads]);
   wait_prior_grid();
   allow_next_grid();
-  const int tid = threadIdx.x;
   const int64_t slot = s.slot64 ? static_cast<const int64_t*>(s.slot)[t] : static_cast<const int*>(s.slot)[t];
-  if (slot >= 0 && slot < s.cache_rows) {  // uniform across the CTA
-    const __nv_bfloat162* kv = reinterpret_cast<const __nv_bfloat162*>(s.kv_c + t * s.kv_c_stride);
-    float2 x[kPairs];
-    float ss = 0.f;
+  const __nv_bfloat162* kv = reinterpret_cast<const __nv_bfloat162*>(s.kv_c + t * s.kv_c_stride);
+  float2 x[kPairs];
 #pragma unroll
-    for (int i = 0; i < kPairs; ++i) {
-      x[i] = __bfloat1622float2(kv[tid + i * kThreads]);
-      ss = fmaf(x[i].x, x[i].x, fmaf(x[i].y, x[i].y, ss));
+  for (int i = 0; i < kPairs; ++i) x[i] = __bfloat1622float2(kv[tid + i * kThreads]);
+  const float2 pe = tid < kNormRope / 2
+                        ? __bfloat1622float2(reinterpret_cast<const __nv_bfloat162*>(s.k_pe + t * s.k_pe_stride)[tid])
+                        : float2{};
+  // the gate: rounds of kGateLoads values a thread, all loads of a round before its stores
+  const __nv_bfloat16* g = s.g + t * s.g_stride;
+  __nv_bfloat16* gate = s.gate + static_cast<int64_t>(t) * s.G;
+  for (int base = 0; s.g != nullptr && base < s.G; base += kGateLoads * kThreads) {
+    float v[kGateLoads];
+#pragma unroll
+    for (int j = 0; j < kGateLoads; ++j) {
+      const int col = base + j * kThreads + tid;
+      v[j] = col < s.G ? __bfloat162float(g[col]) : 0.f;
     }
 #pragma unroll
-    for (int o = 16; o > 0; o /= 2) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-    if (tid % 32 == 0) red[tid / 32] = ss;
-    __syncthreads();
-    float total = 0.f;
-#pragma unroll
-    for (int w = 0; w < kThreads / 32; ++w) total += red[w];
-    const float r = rsqrtf(total / kNormLatent + eps);
-    uint8_t* row = s.cache + slot * (kNormLatent + kNormRope);
-    const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(s.kv_norm_w);
-#pragma unroll
-    for (int i = 0; i < kPairs; ++i) {
-      const int pair = tid + i * kThreads;
-      const float2 w = __bfloat1622float2(w2[pair]);
-      // the normed kv_c as the unfused step stores it: rounded to bf16 first
-      const float a = __bfloat162float(__float2bfloat16_rn(x[i].x * r * w.x));
-      const float b = __bfloat162float(__float2bfloat16_rn(x[i].y * r * w.y));
-      reinterpret_cast<uint16_t*>(row)[pair] = e4m3x2_of(a, b, s.kv_scale);
-    }
-    if (tid < kNormRope / 2) {
-      const float2 pe = __bfloat1622float2(reinterpret_cast<const __nv_bfloat162*>(s.k_pe + t * s.k_pe_stride)[tid]);
-      reinterpret_cast<uint16_t*>(row + kNormLatent)[tid] = e4m3x2_of(pe.x, pe.y, s.kv_scale);
+    for (int j = 0; j < kGateLoads; ++j) {
+      const int col = base + j * kThreads + tid;
+      if (col < s.G) gate[col] = __float2bfloat16_rn(1.f / (1.f + expf(-v[j])));
     }
   }
-  if (s.g != nullptr) {
-    const __nv_bfloat16* g = s.g + t * s.g_stride;
-    for (int c = tid; c < s.G; c += kThreads) {
-      const float v = __bfloat162float(g[c]);
-      s.gate[static_cast<int64_t>(t) * s.G + c] = __float2bfloat16_rn(1.f / (1.f + expf(-v)));
-    }
+  if (slot < 0 || slot >= s.cache_rows) return;  // uniform across the CTA
+  float ss = 0.f;
+#pragma unroll
+  for (int i = 0; i < kPairs; ++i) ss = fmaf(x[i].x, x[i].x, fmaf(x[i].y, x[i].y, ss));
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  if (tid % 32 == 0) red[tid / 32] = ss;
+  __syncthreads();
+  float total = 0.f;
+#pragma unroll
+  for (int i = 0; i < kThreads / 32; ++i) total += red[i];
+  const float r = rsqrtf(total / kNormLatent + eps);
+  uint8_t* row = s.cache + slot * (kNormLatent + kNormRope);
+#pragma unroll
+  for (int i = 0; i < kPairs; ++i) {
+    // the normed kv_c as the unfused step stores it: rounded to bf16 first
+    const float a = __bfloat162float(__float2bfloat16_rn(x[i].x * r * w[i].x));
+    const float b = __bfloat162float(__float2bfloat16_rn(x[i].y * r * w[i].y));
+    reinterpret_cast<uint16_t*>(row)[tid + i * kThreads] = e4m3x2_of(a, b, s.kv_scale);
   }
+  if (tid < kNormRope / 2) reinterpret_cast<uint16_t*>(row + kNormLatent)[tid] = e4m3x2_of(pe.x, pe.y, s.kv_scale);
 }
 
 }  // namespace
