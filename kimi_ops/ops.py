@@ -456,8 +456,8 @@ def mla_decode(q, kv_cache, kv_indptr, kv_indices, *, qlen, scale, kv_scale, num
     writes neither ``kv_cache`` nor ``kv_indptr`` / ``kv_indices`` / ``seq_lens``, nor does any
     kernel that may still run when it starts (with programmatic dependent launch: one before it
     that lets its dependents start before it waits). The decode layer: M1a's query kernel comes
-    right before, the cache write three kernels earlier, and each of ours waits before letting
-    the next start. The cuda backend (sm_90) then starts gathering the cache while that kernel
+    right before, the cache write in the kernel before M1a (q_b's, :func:`mla_norm_cache_write_q_b`),
+    and each of ours waits before letting the next start. The cuda backend (sm_90) then starts gathering the cache while that kernel
     finishes; elsewhere it changes nothing. The result is the same.
     """
     return torch.ops.kimi_ops.mla_decode(
@@ -530,8 +530,8 @@ def mla_norm_cache_write_q_b(q_c, kv_c, k_pe, q_norm_weight, kv_norm_weight, kv_
 
     Numerics: the reference (and any call the fused kernel does not take) computes the two ops
     in turn: the normed q_c rounded to bf16, then the projection. The ``cuda`` backend's kernel
-    (sm_90, the projection's small-M kernel: T <= 32 with an fp8 weight, T <= 16 with a bf16 one;
-    bf16 norm weights; an e4m3fn cache) does it in one launch: ``q = rstd * ((q_c * q_norm_weight)
+    (sm_90, T <= 16 tokens, bf16 norm weights, an e4m3fn cache: kimi_ops/kernels/sm90_gemv.py's
+    ``norm_q_b_serves``) does it in one launch: ``q = rstd * ((q_c * q_norm_weight)
     @ W^T)``, ``q_c * q_norm_weight`` rounded to bf16 and the float32 sums scaled by each token's
     ``rstd = rsqrt(mean(q_c^2) + eps)`` before the one rounding. Both are one bf16 rounding of the
     projection's input away from the exact result, so both are within the projection's bound of it

@@ -7,11 +7,11 @@ relative L2 (what the two roundings give: 2.35e-3 for the reference at Kimi-K3's
 the gate as tests/test_norm_cache_write.py checks them (within one fp8 step / bf16 rounding of
 float64, unwritten rows unchanged byte for byte). CPU (CI): the reference is the two ops bit for
 bit (bf16 and fp8 weights), errors, opcheck, and the Triton backend under TRITON_INTERPRET=1.
-GPU (sm_90): the fused kernel (gemv.cuh's kNorm form and pre_norm.cuh) at every token-tile form,
-both weight kinds, the gate on and off, int32 / int64 slots with -1 and out-of-range ones, q_c /
+GPU (sm_90): the fused kernel (gemv.cuh's kNorm form and pre_norm.cuh) at both token-tile forms
+(1-8, 9-16 tokens), both weight kinds, the gate on and off, int32 / int64 slots with -1 and out-of-range ones, q_c /
 kv_c / k_pe / g as column slices of one qkv tensor; the cache bytes and gate against the unfused
 op's; constant_w (PDL) bit for bit against a plain launch; a CUDA-graph replay; the calls it does
-not take (bf16 weight above 16 tokens, an f32 norm weight) through the two ops.
+not take (17-32 tokens, an f32 norm weight) through the two ops.
 """
 from __future__ import annotations
 
@@ -167,7 +167,7 @@ def fused_serves(inputs, w, s):
 
 @requires_sm90
 @pytest.mark.parametrize("fp8,t", [(False, 1), (False, 8), (False, 13), (False, 16),
-                                   (True, 1), (True, 3), (True, 8), (True, 9), (True, 16), (True, 24), (True, 32)])
+                                   (True, 1), (True, 3), (True, 8), (True, 9), (True, 16)])
 def test_gpu_fused(fp8, t, monkeypatch):
     inputs, w, s, w64 = gpu_case(t, fp8, gcols=1536 if t % 2 else 0, slots_dtype=torch.int32 if t % 3 else torch.int64,
                                  seed=t)
@@ -220,9 +220,9 @@ def test_gpu_graph_replay():
 
 @requires_sm90
 def test_gpu_calls_it_does_not_take():
-    """A bf16 weight above 16 tokens (the projection's kernel's limit) and an f32 norm weight run the
-    two ops; the results hold the same bounds."""
-    for t, fp8, f32_norm in ((20, False, False), (4, True, True)):
+    """Above 16 tokens (the fused kernel's limit; a bf16 weight's projection kernel's too) and with an
+    f32 norm weight the two ops run; the results hold the same bounds."""
+    for t, fp8, f32_norm in ((20, False, False), (24, True, False), (32, True, False), (4, True, True)):
         inputs, w, s, w64 = gpu_case(t, fp8, seed=t + 40)
         if f32_norm:
             inputs = inputs[:4] + (inputs[4].float(),) + inputs[5:]
@@ -243,6 +243,9 @@ def test_gpu_private_op_checks():
         op(q_c, kv_c, k_pe, qw.float(), kvw, rows, slots, w, s, g, 128, EPS, KV_SCALE, False)
     with pytest.raises(RuntimeError, match="kv_cache must be a contiguous float8_e4m3fn"):
         op(q_c, kv_c, k_pe, qw, kvw, rows.view(torch.uint8), slots, w, s, g, 128, EPS, KV_SCALE, False)
+    with pytest.raises(RuntimeError, match="the fused q_b takes at most 16 tokens"):
+        big = gpu_case(17, True, seed=51)[0]
+        op(big[0], big[1], big[2], qw, kvw, big[6].view(-1, 576), big[7], w, s, big[3], 128, EPS, KV_SCALE, False)
     with pytest.raises(RuntimeError, match="the fused q_b needs K >= 4 k-blocks"):
         op(q_c[:, :256], kv_c, k_pe, qw[:256], kvw, rows, slots, w[:, :256].contiguous(), s[:, :2].contiguous(), g,
            128, EPS, KV_SCALE, False)

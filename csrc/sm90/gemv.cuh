@@ -54,6 +54,8 @@ constexpr int kFp8BlockK = 128;   // fp8: the scale's k-block (the kernel's only
 constexpr int kBf16BlockK = 256;  // bf16: columns a warp takes at a time (512 bytes a row)
 constexpr int kNormWarps = 4;     // kNorm: the warps of a CTA (the fused q_b's K is a q_lora rank)
 constexpr int kNormMaxK = 8192;   // kNorm: norm_w's shared memory, 2 K bytes, within the 48 KB
+constexpr int kNormMaxM = 16;     // kNorm: tokens (one or two token tiles; at four, 32 tokens of fp8
+                                  // weights, the layer measured 1.8% slower fused than as two ops)
 
 struct GemvParams {
   const __nv_bfloat16* x;  // [M, K]
@@ -129,7 +131,7 @@ constexpr float kXUp = 0x1p60f;  // fp8: x * 2^60 in bf16 (exact), so W * 2^-120
 // (k-blocks in order, one MMA chain pair a k-block): a launch of 16 rows gives the bits of two
 // launches of 8. kNT 4 runs one MMA chain a tile (two took 128 registers and spilled), and a bf16
 // W's k-block is 256 / kNT columns (x's registers stay those of kNT 1): other orders, same bound.
-// kNorm: two CTAs a SM (q_b's 144 + T on 132 SMs) leave 255 registers (at 128 the fp8 forms spilled)
+// kNorm: two CTAs a SM (q_b's 144 + T on 132 SMs) leave 255 registers (at 128 the fp8 form spilled)
 template <int WARPS, bool kFp8, int kUnroll, int kNT = 1, bool kNorm = false>
 __global__ void __launch_bounds__(WARPS * 32, kNorm ? 2 : 16 / WARPS) gemv_kernel(const GemvParams p) {
   static_assert(kNT == 1 || kNT == 2 || kNT == 4, "8, 16 or 32 tokens");

@@ -7,7 +7,7 @@
 //   -> y [M, N] bf16.
 // and of its kNorm form, the decode layer's q_b fused with the step's norms, cache write and gate
 // (pre_norm.cuh), _norm_q_b_sm90:
-//   q_c [T, K] bf16 (q_b's x before its RMSNorm; rows 16-byte aligned), kv_c [T, 512], k_pe [T, 64],
+//   q_c [T <= 16, K] bf16 (q_b's x before its RMSNorm; rows 16-byte aligned), kv_c [T, 512], k_pe [T, 64],
 //   g [T, G] or none (bf16, unit stride along a row), q_norm_weight [K] / kv_norm_weight [512] bf16
 //   (contiguous), kv_cache [N, 576] fp8 e4m3fn (written in place at slot_mapping's rows), slot_mapping
 //   [T] int32 / int64, w / w_scale_inv as above, eps, kv_scale
@@ -137,9 +137,10 @@ std::tuple<at::Tensor, at::Tensor> norm_q_b_sm90(const at::Tensor& q_c, const at
   GemvParams p = gemv_params(q_c, w, w_scale_inv, block_n);
   const bool fp8 = w_scale_inv.has_value();
   const int64_t T = q_c.size(0), K = q_c.size(1), N = w.size(0);
+  TORCH_CHECK(T <= kNormMaxM, "kimi_ops._C: the fused q_b takes at most 16 tokens");
   TORCH_CHECK(K <= kNormMaxK, "kimi_ops._C: the fused q_b takes K <= 8192");
   // every warp at least one k-block (gemv.cuh, kNorm): fp8 128 columns, bf16 256 / token tiles
-  const int64_t k_block = fp8 ? kFp8BlockK : kBf16BlockK / (T > 2 * kGemvMaxM ? 4 : T > kGemvMaxM ? 2 : 1);
+  const int64_t k_block = fp8 ? kFp8BlockK : kBf16BlockK / (T > kGemvMaxM ? 2 : 1);
   TORCH_CHECK(K / k_block >= kNormWarps, "kimi_ops._C: the fused q_b needs K >= 4 k-blocks (512 fp8, 1024 bf16 columns)");
   TORCH_CHECK(q_norm_weight.is_cuda() && q_norm_weight.device() == q_c.device() &&
                   q_norm_weight.scalar_type() == at::kBFloat16 && q_norm_weight.dim() == 1 &&
@@ -189,14 +190,10 @@ std::tuple<at::Tensor, at::Tensor> norm_q_b_sm90(const at::Tensor& q_c, const at
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const bool pdl = constant_w && pdl_env_allows();
   // the token tiles as gemv_sm90's (4 warps: the fused q_b's K is a q_lora rank, 1536 in Kimi-K3)
-  if (fp8 && T > 2 * kGemvMaxM)
-    launch_norm_gemv<true, 1, 4>(p, pdl, stream);
-  else if (fp8 && T > kGemvMaxM)
+  if (fp8 && T > kGemvMaxM)
     launch_norm_gemv<true, 1, 2>(p, pdl, stream);
   else if (fp8)
     launch_norm_gemv<true, 3, 1>(p, pdl, stream);
-  else if (T > 2 * kGemvMaxM)
-    launch_norm_gemv<false, 1, 4>(p, pdl, stream);
   else if (T > kGemvMaxM)
     launch_norm_gemv<false, 1, 2>(p, pdl, stream);
   else

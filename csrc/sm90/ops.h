@@ -14,7 +14,7 @@
 //                             [ceil(N / block_n), ceil(K / 128)] f32 with an fp8 w, constant_w
 //                             (programmatic dependent launch) -> y [M, N] bf16
 //   _norm_q_b_sm90            the decode layer's q_b with its RMSNorm, the kv RMSNorm + cache write
-//                             and the gate's sigmoid in the same launch: q_c [T <= 32, K] bf16,
+//                             and the gate's sigmoid in the same launch: q_c [T <= 16, K] bf16,
 //                             kv_c [T, 512], k_pe [T, 64], q / kv norm weights bf16, kv_cache
 //                             [N, 576] fp8 e4m3fn (rows slot_mapping[t] written), w / w_scale_inv
 //                             as _gemv_sm90's, g [T, G] bf16 or none -> (q [T, N] bf16, gate [T, G])

@@ -51,6 +51,7 @@ MAX_M = 32        # the kernel's limit (fp8 weights take it by default)
 BF16_MAX_M = 16   # bf16 weights by default: at 24 / 32 rows cuBLAS is faster on q_b and o_proj (K 1536)
 ENV = "KIMI_OPS_SM90_GEMV"
 NORM_Q_B_ENV = "KIMI_OPS_SM90_NORM_Q_B"  # "0": mla_norm_cache_write_q_b as two ops (A/B measurements)
+NORM_Q_B_MAX_M = 16  # the fused kernel's tokens: the fp8 layer at 32 was 1.8% slower fused (H100, session 37)
 
 
 def _x_ok(x: torch.Tensor, max_m: int) -> bool:
@@ -81,12 +82,12 @@ def norm_q_b_serves(q_c, kv_c, k_pe, g, q_norm_weight, kv_norm_weight, kv_rows, 
                     block_n=128, block_k=128) -> bool:
     """Whether the fused kernel (``_norm_q_b_sm90``: gemv.cuh's kNorm form with pre_norm.cuh's side
     CTAs) takes a :func:`mla_norm_cache_write_q_b` call: the projection's kernel serves q_b
-    (:func:`serves`), K <= 8192 with at least 4 k-blocks (512 fp8 / 1024 bf16 columns), bf16 norm
+    (:func:`serves`), at most NORM_Q_B_MAX_M (16) tokens, K <= 8192 with at least 4 k-blocks (512 fp8 / 1024 bf16 columns), bf16 norm
     weights (q_norm_weight 16-byte aligned), kv_c / k_pe / g rows in whole 4-byte words, an e4m3fn
     cache, and ``KIMI_OPS_SM90_NORM_Q_B`` not ``0``."""
     if os.environ.get(NORM_Q_B_ENV, "").strip() == "0":
         return False
-    if not serves(q_c, q_b_weight, q_b_scale_inv, block_n, block_k):
+    if q_c.shape[0] > NORM_Q_B_MAX_M or not serves(q_c, q_b_weight, q_b_scale_inv, block_n, block_k):
         return False
     k = q_c.shape[1]
     min_k = 512 if q_b_scale_inv is not None else 1024
