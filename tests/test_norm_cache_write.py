@@ -76,6 +76,12 @@ def check(t, *, impl="triton", kv_scale=0.05, constant_w=False, **kw):
     else:
         assert gate.shape == g.shape and gate.dtype == torch.bfloat16
         assert (gate.cpu().double() - want_g).abs().max() <= 2 ** -8
+    return qn, gate, check_rows(cache, slots, want_rows, before)
+
+
+def check_rows(cache, slots, want_rows, before):
+    """Each token's cache row within one fp8 step of float64 ``want_rows`` (rows / kv_scale), every
+    row no slot names unchanged from ``before`` byte for byte; -> the cache's rows on the CPU."""
     after = cache.view(-1, 576).cpu()
     written = torch.zeros(after.shape[0], dtype=torch.bool)
     fmax = torch.finfo(cache.dtype).max
@@ -89,7 +95,7 @@ def check(t, *, impl="triton", kv_scale=0.05, constant_w=False, **kw):
             tol = torch.maximum(want.abs() * 2 ** -3, torch.full_like(want, 2.0 ** -9))
             assert ((got - want).abs() <= tol).all(), (i, s, (got - want).abs().max())
     assert torch.equal(after[~written].view(torch.uint8), before[~written].view(torch.uint8)), "unwritten rows changed"
-    return qn, gate, after
+    return after
 
 
 # ----------------------------------------------------------------------------------------------
@@ -134,14 +140,11 @@ def test_errors():
 
 @pytest.mark.parametrize("gate", [False, True])
 def test_opcheck(gate):
-    from test_opcheck import NO_SCHEMA_UTILS, assert_only_declared_mutations
+    from test_opcheck import opcheck_and_mutations
 
     q_c, kv_c, k_pe, g, qw, kvw, cache, slots = make_inputs(4, gcols=128 if gate else 0, paged=True)
     args = (q_c, kv_c, k_pe, qw, kvw, cache, slots, g)
-    kwargs = dict(eps=EPS, kv_scale=0.5)
-    torch.library.opcheck(torch.ops.kimi_ops.mla_norm_cache_write.default, args, kwargs,
-                          test_utils=NO_SCHEMA_UTILS)
-    assert_only_declared_mutations(lambda: kimi_ops.mla_norm_cache_write(*args, **kwargs), args, mutated={5})
+    opcheck_and_mutations("mla_norm_cache_write", args, dict(eps=EPS, kv_scale=0.5), mutated={5})
 
 
 def test_interp_norm_cache_write():

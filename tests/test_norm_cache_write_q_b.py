@@ -28,10 +28,9 @@ sys.path.insert(0, TESTS)
 from conftest import requires_sm90
 from test_fp8_weights import fp8_dense64, random_fp8
 from test_mxfp4 import run_interpreted
-from test_norm_cache_write import EPS, make_inputs, oracle
+from test_norm_cache_write import EPS, check_rows, make_inputs, oracle
 
 import kimi_ops
-from kimi_ops.reference import attention as ref
 
 KV_SCALE = 0.05
 
@@ -70,16 +69,7 @@ def check_cache_and_gate(inputs, before, gate):
     """The rows written within one fp8 step of float64, the others unchanged; the gate within bf16's rounding."""
     q_c, kv_c, k_pe, g, qw, kvw, cache, slots = inputs
     _, want_g, want_rows = oracle(q_c, kv_c, k_pe, g, qw, kvw, KV_SCALE)
-    after = cache.view(-1, 576).cpu()
-    written = torch.zeros(after.shape[0], dtype=torch.bool)
-    fmax = torch.finfo(cache.dtype).max
-    for i, slot in enumerate(slots.cpu().tolist()):
-        if 0 <= slot < after.shape[0]:
-            written[slot] = True
-            got, want = after[slot].double(), want_rows[i].clamp(-fmax, fmax)
-            tol = torch.maximum(want.abs() * 2 ** -3, torch.full_like(want, 2.0 ** -9))
-            assert ((got - want).abs() <= tol).all(), (i, slot)
-    assert torch.equal(after[~written].view(torch.uint8), before[~written].view(torch.uint8)), "unwritten rows changed"
+    check_rows(cache, slots, want_rows, before)
     if g is None:
         assert gate.shape == (q_c.shape[0], 0)
     else:
@@ -124,15 +114,12 @@ def test_errors():
 
 @pytest.mark.parametrize("fp8", [False, True])
 def test_opcheck(fp8):
-    from test_opcheck import NO_SCHEMA_UTILS, assert_only_declared_mutations
+    from test_opcheck import opcheck_and_mutations
 
     q_c, kv_c, k_pe, g, qw, kvw, cache, slots = make_inputs(4, q=256, gcols=64, paged=True)
     w, s, _ = make_weight(128, 256, fp8, seed=3)
     args = (q_c, kv_c, k_pe, qw, kvw, cache, slots, w, s, g)
-    kwargs = dict(eps=EPS, kv_scale=0.5)
-    torch.library.opcheck(torch.ops.kimi_ops.mla_norm_cache_write_q_b.default, args, kwargs,
-                          test_utils=NO_SCHEMA_UTILS)
-    assert_only_declared_mutations(lambda: kimi_ops.mla_norm_cache_write_q_b(*args, **kwargs), args, mutated={5})
+    opcheck_and_mutations("mla_norm_cache_write_q_b", args, dict(eps=EPS, kv_scale=0.5), mutated={5})
 
 
 def test_interp_norm_cache_write_q_b():

@@ -54,6 +54,15 @@ def assert_only_declared_mutations(fn, args, mutated=()):
         assert changed == (i in mutated), f"argument {i}: changed={changed}, declared={i in mutated}"
 
 
+def opcheck_and_mutations(name, args, kwargs=None, mutated=()):
+    """torch.library.opcheck of ``torch.ops.kimi_ops.<name>`` (NO_SCHEMA_UTILS), then
+    :func:`assert_only_declared_mutations` of one call."""
+    kwargs = kwargs or {}
+    op = getattr(torch.ops.kimi_ops, name)
+    torch.library.opcheck(op.default, args, kwargs, test_utils=NO_SCHEMA_UTILS)
+    assert_only_declared_mutations(lambda: op(*args, **kwargs), args, mutated=mutated)
+
+
 @pytest.mark.parametrize("case", list(decode_samples()), ids=lambda c: f"{c.q.device.type}-R{len(c.lengths)}q{c.qlen}")
 def test_opcheck_decode_ops(case):
     for splits in (1, 3):
@@ -94,9 +103,7 @@ def test_opcheck_cache_write(slots_dtype, tokens, device):
     slots = torch.randperm(32)[:tokens].to(slots_dtype)
     slots[0] = -1 if tokens > 1 else slots[0]
     slots = slots.to(device)
-    args = (kv_c, k_pe, cache, slots, 0.5)
-    torch.library.opcheck(ops.mla_cache_write.default, args, test_utils=NO_SCHEMA_UTILS)
-    assert_only_declared_mutations(lambda: kimi_ops.mla_cache_write(*args), args, mutated={2})
+    opcheck_and_mutations("mla_cache_write", (kv_c, k_pe, cache, slots, 0.5), mutated={2})
 
 
 @pytest.mark.parametrize("shape", [(64,), (3, 32), (2, 4, 96)])
