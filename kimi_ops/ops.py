@@ -184,8 +184,7 @@ _register("mla_cache_write", fake=_cache_write_fake, real=_cache_write_real)
 
 
 def _norm_cache_write_checks(q_c, kv_c, k_pe, q_norm_weight, kv_norm_weight, kv_cache, slot_mapping, g, eps,
-                             kv_scale):
-    name = "mla_norm_cache_write"
+                             kv_scale, name="mla_norm_cache_write"):
     checks.check_norm_cache_write_args(name, q_c, kv_c, k_pe, q_norm_weight, kv_norm_weight, g, eps)
     checks.check_cache_write_args(name, kv_c, k_pe, kv_cache, slot_mapping)
     checks.check_cache_write_contract(name, slot_mapping, kv_scale)
@@ -213,14 +212,10 @@ _register("mla_norm_cache_write", fake=_norm_cache_write_fake, real=_norm_cache_
 def _norm_cache_write_q_b_checks(q_c, kv_c, k_pe, q_norm_weight, kv_norm_weight, kv_cache, slot_mapping, q_b_weight,
                                  q_b_scale_inv, g, eps, kv_scale, block_n, block_k):
     name = "mla_norm_cache_write_q_b"
-    checks.check_norm_cache_write_args(name, q_c, kv_c, k_pe, q_norm_weight, kv_norm_weight, g, eps)
-    checks.check_cache_write_args(name, kv_c, k_pe, kv_cache, slot_mapping)
-    checks.check_cache_write_contract(name, slot_mapping, kv_scale)
+    _norm_cache_write_checks(q_c, kv_c, k_pe, q_norm_weight, kv_norm_weight, kv_cache, slot_mapping, g, eps, kv_scale,
+                             name)
     if q_b_scale_inv is None:
-        _check_projection_args(name, q_c, q_b_weight, (torch.bfloat16,), "a bf16")
-        if q_c.device != q_b_weight.device:
-            raise ValueError(f"kimi_ops.{name}: q_c and q_b_weight must be on one device, got "
-                             f"{q_c.device}, {q_b_weight.device}")
+        _check_gemm_a16w16_args(q_c, q_b_weight, name)
     else:
         _check_gemm_a16w8_block_args(name, q_c, q_b_weight, q_b_scale_inv, block_n, block_k)
 
@@ -372,10 +367,10 @@ _register("mla_norm_cache_write_q_b", fake=_norm_cache_write_q_b_fake, real=_nor
 
 # --- bf16 projection ------------------------------------------------------------------------------
 
-def _check_gemm_a16w16_args(x, w):
-    _check_projection_args("gemm_a16w16", x, w, (torch.bfloat16,), "a bf16")
+def _check_gemm_a16w16_args(x, w, name="gemm_a16w16"):
+    _check_projection_args(name, x, w, (torch.bfloat16,), "a bf16")
     if x.device != w.device:
-        raise ValueError(f"kimi_ops.gemm_a16w16: x and w must be on one device, got {x.device}, {w.device}")
+        raise ValueError(f"kimi_ops.{name}: x and w must be on one device, got {x.device}, {w.device}")
 
 
 def _gemm_bf16_fake(x, w, *, constant_w=False):
@@ -457,8 +452,9 @@ def mla_decode(q, kv_cache, kv_indptr, kv_indices, *, qlen, scale, kv_scale, num
     kernel that may still run when it starts (with programmatic dependent launch: one before it
     that lets its dependents start before it waits). The decode layer: M1a's query kernel comes
     right before, the cache write in the kernel before M1a (q_b's, :func:`mla_norm_cache_write_q_b`),
-    and each of ours waits before letting the next start. The cuda backend (sm_90) then starts gathering the cache while that kernel
-    finishes; elsewhere it changes nothing. The result is the same.
+    and each of ours waits before letting the next start. The cuda backend (sm_90) then starts
+    gathering the cache while that kernel finishes; elsewhere it changes nothing. The result is the
+    same.
     """
     return torch.ops.kimi_ops.mla_decode(
         q, kv_cache, kv_indptr, kv_indices, qlen=qlen, scale=scale, kv_scale=kv_scale, num_splits=num_splits,
@@ -531,12 +527,12 @@ def mla_norm_cache_write_q_b(q_c, kv_c, k_pe, q_norm_weight, kv_norm_weight, kv_
     Numerics: the reference (and any call the fused kernel does not take) computes the two ops
     in turn: the normed q_c rounded to bf16, then the projection. The ``cuda`` backend's kernel
     (sm_90, T <= 16 tokens, bf16 norm weights, an e4m3fn cache: kimi_ops/kernels/sm90_gemv.py's
-    ``norm_q_b_serves``) does it in one launch: ``q = rstd * ((q_c * q_norm_weight)
-    @ W^T)``, ``q_c * q_norm_weight`` rounded to bf16 and the float32 sums scaled by each token's
+    ``norm_q_b_serves``) does it in one launch: ``q = rstd * ((q_c * q_norm_weight) @ W^T)``,
+    ``q_c * q_norm_weight`` rounded to bf16 and the float32 sums scaled by each token's
     ``rstd = rsqrt(mean(q_c^2) + eps)`` before the one rounding. Both are one bf16 rounding of the
     projection's input away from the exact result, so both are within the projection's bound of it
-    plus that rounding (tests/test_norm_cache_write_q_b.py); they are not bit-equal. The cache rows and the gate
-    are the same values either way. ``KIMI_OPS_SM90_NORM_Q_B=0`` makes the cuda backend run the two
+    plus that rounding (tests/test_norm_cache_write_q_b.py); they are not bit-equal. The cache rows
+    and the gate are the same values either way. ``KIMI_OPS_SM90_NORM_Q_B=0`` makes the cuda backend run the two
     ops (A/B measurements). ``constant_w``: the norm weights and q_b's weight are constants (as in
     :func:`gemm_a16w8_block`).
     """

@@ -141,7 +141,8 @@ std::tuple<at::Tensor, at::Tensor> norm_q_b_sm90(const at::Tensor& q_c, const at
   TORCH_CHECK(K <= kNormMaxK, "kimi_ops._C: the fused q_b takes K <= 8192");
   // every warp at least one k-block (gemv.cuh, kNorm): fp8 128 columns, bf16 256 / token tiles
   const int64_t k_block = fp8 ? kFp8BlockK : kBf16BlockK / (T > kGemvMaxM ? 2 : 1);
-  TORCH_CHECK(K / k_block >= kNormWarps, "kimi_ops._C: the fused q_b needs K >= 4 k-blocks (512 fp8, 1024 bf16 columns)");
+  TORCH_CHECK(K / k_block >= kNormWarps,
+              "kimi_ops._C: the fused q_b needs K >= 4 k-blocks (512 fp8, 1024 bf16 columns)");
   TORCH_CHECK(q_norm_weight.is_cuda() && q_norm_weight.device() == q_c.device() &&
                   q_norm_weight.scalar_type() == at::kBFloat16 && q_norm_weight.dim() == 1 &&
                   q_norm_weight.size(0) == K && q_norm_weight.is_contiguous() &&

@@ -82,9 +82,9 @@ def norm_q_b_serves(q_c, kv_c, k_pe, g, q_norm_weight, kv_norm_weight, kv_rows, 
                     block_n=128, block_k=128) -> bool:
     """Whether the fused kernel (``_norm_q_b_sm90``: gemv.cuh's kNorm form with pre_norm.cuh's side
     CTAs) takes a :func:`mla_norm_cache_write_q_b` call: the projection's kernel serves q_b
-    (:func:`serves`), at most NORM_Q_B_MAX_M (16) tokens, K <= 8192 with at least 4 k-blocks (512 fp8 / 1024 bf16 columns), bf16 norm
-    weights (q_norm_weight 16-byte aligned), kv_c / k_pe / g rows in whole 4-byte words, an e4m3fn
-    cache, and ``KIMI_OPS_SM90_NORM_Q_B`` not ``0``."""
+    (:func:`serves`), at most NORM_Q_B_MAX_M (16) tokens, K <= 8192 with at least 4 k-blocks (512
+    fp8 / 1024 bf16 columns), bf16 norm weights (q_norm_weight 16-byte aligned), kv_c / k_pe / g
+    rows in whole 4-byte words, an e4m3fn cache, and ``KIMI_OPS_SM90_NORM_Q_B`` not ``0``."""
     if os.environ.get(NORM_Q_B_ENV, "").strip() == "0":
         return False
     if q_c.shape[0] > NORM_Q_B_MAX_M or not serves(q_c, q_b_weight, q_b_scale_inv, block_n, block_k):
