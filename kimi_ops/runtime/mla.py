@@ -98,14 +98,21 @@ def qkv_gate_weights(layer):
     return w[:n], w[n:]
 
 
+def fp8_scale_args(proj) -> tuple[torch.Tensor | None, dict]:
+    """A projection's fp8 block scales and their block sizes: ``(proj.weight_scale_inv,
+    dict(block_n=, block_k=))``, or ``(None, {})`` for a bf16 weight."""
+    scale = getattr(proj, "weight_scale_inv", None)
+    return scale, (dict(block_n=proj.block_n, block_k=proj.block_k) if scale is not None else {})
+
+
 def project(x: torch.Tensor, proj) -> torch.Tensor:
     """``x [T, in] @ W^T`` for one of the layer's projections: :func:`kimi_ops.gemm_a16w16` on a
     bf16 weight, or :func:`kimi_ops.gemm_a16w8_block` on an fp8 block-scaled one
     (``proj.weight_scale_inv``); the weights are constants (``constant_w``)."""
-    scale = getattr(proj, "weight_scale_inv", None)
+    scale, blocks = fp8_scale_args(proj)
     if scale is None:
         return ops.gemm_a16w16(x, proj.weight, constant_w=True)
-    return ops.gemm_a16w8_block(x, proj.weight, scale, block_n=proj.block_n, block_k=proj.block_k, constant_w=True)
+    return ops.gemm_a16w8_block(x, proj.weight, scale, constant_w=True, **blocks)
 
 
 # --- pieces -----------------------------------------------------------------------------------
@@ -152,8 +159,7 @@ def pre(layer, hidden: torch.Tensor, kv_cache: torch.Tensor, md, bf16: bool | No
         k_pe = apply_rope(k_pe, md.positions, layer.rotary_inv_freq, c.rope_mscale)
     # the q / kv RMSNorms, this step's KV rows into the cache, sigmoid(g) and q_b: one kernel on sm_90
     q_b = layer.q_b_proj
-    scale = getattr(q_b, "weight_scale_inv", None)
-    blocks = dict(block_n=q_b.block_n, block_k=q_b.block_k) if scale is not None else {}
+    scale, blocks = fp8_scale_args(q_b)
     q, gate = ops.mla_norm_cache_write_q_b(q_c, kv_c, k_pe, layer.q_a_layernorm.weight, layer.kv_a_layernorm.weight,
                                            kv_cache, md.slot_mapping, q_b.weight, scale, g, eps=c.rms_norm_eps,
                                            kv_scale=layer.kv_scale, constant_w=True, **blocks)
