@@ -532,9 +532,9 @@ def mla_norm_cache_write_q_b(q_c, kv_c, k_pe, q_norm_weight, kv_norm_weight, kv_
     ``rstd = rsqrt(mean(q_c^2) + eps)`` before the one rounding. Both are one bf16 rounding of the
     projection's input away from the exact result, so both are within the projection's bound of it
     plus that rounding (tests/test_norm_cache_write_q_b.py); they are not bit-equal. The cache rows
-    and the gate are the same values either way. ``KIMI_OPS_SM90_NORM_Q_B=0`` makes the cuda backend run the two
-    ops (A/B measurements). ``constant_w``: the norm weights and q_b's weight are constants (as in
-    :func:`gemm_a16w8_block`).
+    and the gate are the same values either way. ``KIMI_OPS_SM90_NORM_Q_B=0`` makes the cuda
+    backend run the two ops (A/B measurements). ``constant_w``: the norm weights and q_b's weight
+    are constants (as in :func:`gemm_a16w8_block`).
     """
     return torch.ops.kimi_ops.mla_norm_cache_write_q_b(
         q_c, kv_c, k_pe, q_norm_weight, kv_norm_weight, kv_cache, slot_mapping, q_b_weight, q_b_scale_inv, g,

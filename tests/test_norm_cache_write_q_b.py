@@ -3,15 +3,16 @@ against float64 math written here and against the two ops it replaces.
 
 q against float64 ``(rms_norm(q_c) * q_norm_weight) @ W^T`` within one bf16 rounding of the
 projection's input (2^-9 of sum |x_k w_k|) plus bf16's rounding of the result, and within 3e-3 in
-relative L2 (what the two roundings give: 2.35e-3 for the reference at Kimi-K3's q_b); the cache rows and
-the gate as tests/test_norm_cache_write.py checks them (within one fp8 step / bf16 rounding of
-float64, unwritten rows unchanged byte for byte). CPU (CI): the reference is the two ops bit for
-bit (bf16 and fp8 weights), errors, opcheck, and the Triton backend under TRITON_INTERPRET=1.
-GPU (sm_90): the fused kernel (gemv.cuh's kNorm form and pre_norm.cuh) at both token-tile forms
-(1-8, 9-16 tokens), both weight kinds, the gate on and off, int32 / int64 slots with -1 and out-of-range ones, q_c /
-kv_c / k_pe / g as column slices of one qkv tensor; the cache bytes and gate against the unfused
-op's; constant_w (PDL) bit for bit against a plain launch; a CUDA-graph replay; the calls it does
-not take (17-32 tokens, an f32 norm weight) through the two ops.
+relative L2 (what the two roundings give: 2.35e-3 for the reference at Kimi-K3's q_b); the cache
+rows and the gate as tests/test_norm_cache_write.py checks them (within one fp8 step / bf16
+rounding of float64, unwritten rows unchanged byte for byte). CPU (CI): the reference is the two
+ops bit for bit (bf16 and fp8 weights), errors, opcheck, and the Triton backend under
+TRITON_INTERPRET=1. GPU (sm_90): the fused kernel (gemv.cuh's kNorm form and pre_norm.cuh) at both
+token-tile forms (1-8, 9-16 tokens), both weight kinds, the gate on and off, int32 / int64 slots
+with -1 and out-of-range ones, q_c / kv_c / k_pe / g as column slices of one qkv tensor; the cache
+bytes and gate against the unfused op's; constant_w (PDL) bit for bit against a plain launch; a
+CUDA-graph replay; the calls it does not take (17-32 tokens, an f32 norm weight) through the two
+ops.
 """
 from __future__ import annotations
 
