@@ -224,7 +224,6 @@ __global__ void __launch_bounds__(kSplitKVThreads, 2) splitkv_kernel(const Split
   const int64_t flat0 = work.flat0;
   if (ntiles == 0) {  // an empty split: the slot goes to the next CTA at once
     wait_prior_grid();  // (again: a no-op where it came first) every write after it
-    record_work_first(p, work);
     write_empty_split(p, work, tid, kSplitKVThreads);
     return;
   }
@@ -273,7 +272,6 @@ __global__ void __launch_bounds__(kSplitKVThreads, 2) splitkv_kernel(const Split
   // ---- consumers
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs) : "memory");
   wait_prior_grid();  // q, and every write; with kv_before_wait the producer's copies are on their way
-  record_work_first(p, work);
   const int wq = warp;
   if constexpr (kFp8Q)
     stage_query_rows_fp8_f16(p, sm.q, sm.row_fac, flat0, valid_rows, kRows, warp, kWarps, lane);
@@ -329,8 +327,13 @@ __global__ void __launch_bounds__(kSplitKVThreads, 2) splitkv_kernel(const Split
     sm.red[wq][g + 8] = l_run[1];
   }
   named_sync<kThreads>();
-  __nv_bfloat16* o_stage = reinterpret_cast<__nv_bfloat16*>(sm.kv[0]);  // [kRows][512]
-  static_assert(kRows * kLatent * 2 <= STAGES * kTileN * kSmemRow, "O staging must fit the K ring");
+  // O staged as [kRows][kOStageStride] bf16: a lane's 8 columns of a row and 32-column group are
+  // contiguous (acc[4 grp + jj][2h + e] is column 8c + 4e + jj of the group), one 16-byte store;
+  // rows 1088 bytes apart put a quarter-warp's two rows in different banks (the 2-byte stores at
+  // 1024 bytes were 8-way conflicts: 512 wavefronts a warp)
+  constexpr int kOStageStride = kLatent + 32;
+  __nv_bfloat16* o_stage = reinterpret_cast<__nv_bfloat16*>(sm.kv[0]);
+  static_assert(kRows * kOStageStride * 2 <= STAGES * kTileN * kSmemRow, "O staging must fit the K ring");
   float* lse_out = work.lse_out(p);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -340,19 +343,26 @@ __global__ void __launch_bounds__(kSplitKVThreads, 2) splitkv_kernel(const Split
     for (int w = 0; w < kWarpsPerM; ++w) l += sm.red[w][r];
     const float inv = l > 0.f ? p.kv_scale / l : 0.f;
 #pragma unroll
-    for (int j = 0; j < 16; ++j)
+    for (int grp = 0; grp < 4; ++grp) {
+      uint32_t words[4];
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int col = wq * 128 + (j / 4) * 32 + 4 * (2 * c + e) + (j % 4);
-        o_stage[r * kLatent + col] = __float2bfloat16_rn(acc[j][2 * h + e] * inv);
+      for (int w = 0; w < 4; ++w) {  // columns 8c + 2w, 8c + 2w + 1: e = w / 2, jj = 2w % 4 and + 1
+        const __nv_bfloat162 v = __floats2bfloat162_rn(acc[grp * 4 + (2 * w) % 4][2 * h + w / 2] * inv,
+                                                       acc[grp * 4 + (2 * w) % 4 + 1][2 * h + w / 2] * inv);
+        words[w] = *reinterpret_cast<const uint32_t*>(&v);
       }
+      *reinterpret_cast<uint4*>(&o_stage[r * kOStageStride + wq * 128 + grp * 32 + 8 * c]) =
+          make_uint4(words[0], words[1], words[2], words[3]);
+    }
     if (wq == 0 && c == 0 && row0 + r < rows_per_req)
       lse_out[r] = l > 0.f ? (m_run[h] + log2f(l)) * kLn2 : -INFINITY;
   }
   named_sync<kThreads>();
   uint4* o_out = reinterpret_cast<uint4*>(work.o_out(p));
   const uint4* o_src = reinterpret_cast<const uint4*>(o_stage);
-  for (int i = tid; i < valid_rows * (kLatent / 8); i += kThreads) o_out[i] = o_src[i];
+  constexpr int kChunksPerRow = kLatent / 8, kStageChunks = kOStageStride / 8;
+  for (int i = tid; i < valid_rows * kChunksPerRow; i += kThreads)
+    o_out[i] = o_src[(i / kChunksPerRow) * kStageChunks + i % kChunksPerRow];
 }
 
 }  // namespace

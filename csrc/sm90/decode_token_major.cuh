@@ -290,7 +290,6 @@ __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const Spli
   if (!work.exists) return;
   if (work.ntiles == 0) {
     wait_prior_grid();  // (again: a no-op where it came first) every write after it
-    record_work_first(p, work);
     write_empty_split(p, work, tid, kThreads);
     return;
   }
@@ -303,7 +302,6 @@ __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const Spli
     cp_async_commit();
   }
   wait_prior_grid();  // q, and every write; with kv_before_wait the first tiles' copies are on their way
-  record_work_first(p, work);
   if constexpr (kFp8Q)
     stage_query_rows_fp8_f16<true>(p, sm.q, sm.row_fac, work.flat0, work.valid_rows, kRows, warp, kTmWarps, lane);
   else

@@ -4,8 +4,8 @@
 // Byte layouts:
 //   reads   o_part bf16 and lse_part f32 (natural log, -inf: the split saw no token): split s of
 //           row r at [s * rows + r] (x 512 columns for o), or with work_indptr the work-list
-//           partials [W, rows_per_req] (the row's request's used splits from work_first[req] on,
-//           kv_indptr [R+1] int32 and work_first [R] int32)
+//           partials [W, rows_per_req] (the row's request's used splits from its first slot on:
+//           kv_indptr [R+1] int32)
 //   writes  o [rows, 512] bf16 (8 bytes a thread: merge_kernel; 32 bytes a lane:
 //           merge_rows_kernel), lse [rows] f32
 #pragma once
@@ -30,8 +30,8 @@ constexpr int kMergeFewSplits = 16;  // rows of about this many splits or fewer:
 constexpr int kMergeWarpRows = 4;    // merge_rows_kernel: rows a CTA (a warp each)
 
 // Two kernels, both with two rounds of global-memory latency before the sums (the request's
-// kv_indptr bounds with its first slot, then the first round's lse and o with the lse loads of the
-// row's max):
+// kv_indptr bounds and its first slot, before the PDL wait where the launch has PDL; then the first
+// round's lse and o with the lse loads of the row's max):
 //   merge_kernel       one CTA per (row, block of `cols` output columns: 32..512, launch_merge
 //                      picks 32, 64 or 128 for the rows of more splits it is used for). Thread t
 //                      reads 4 columns (8 bytes) of split rows t / (cols / 4), + slots, ...: with
@@ -44,7 +44,7 @@ constexpr int kMergeWarpRows = 4;    // merge_rows_kernel: rows a CTA (a warp ea
 // Partials [S, rows, ...] (split s of row r at s * rows + r), or with work_indptr the work-list
 // partials [W, rows_per_req, ...] of splitkv_kernel: the row's request's used splits (from
 // kv_indptr with the split kernel's num_splits and balance_ctas) from its first slot on
-// (work_first); a request with one used split was written to the output by the split kernel.
+// (first_slot); a request with one used split was written to the output by the split kernel.
 struct MergeParams {
   const __nv_bfloat16* o_part;
   const float* lse_part;
@@ -52,7 +52,6 @@ struct MergeParams {
   float* lse;
   int rows, splits, cols;
   const int* work_indptr;  // nullptr: [S, rows] partials
-  const int* work_first;
   int num_requests, rows_per_req, balance_ctas;
   int splits_hint;  // about how many splits a row has (sets launch_merge's grid)
 };
@@ -65,14 +64,14 @@ struct MergeRow {
   bool written;
 };
 
+// Reads kv_indptr only (the split kernel leaves it as it is), so it runs before wait_prior_grid.
+// Warp-wide (first_slot): every lane of the calling warp, with the same row.
 __device__ __forceinline__ MergeRow merge_row(const MergeParams& p, int row) {
   if (p.work_indptr == nullptr) return {row, p.rows, p.splits, false};
   const int req = row / p.rows_per_req;
-  // loaded beside kv_indptr, not after it (one round of latency less); unwritten, and unused,
-  // when the request has no split
-  const int first = p.work_first[req];
   const int balanced = balanced_tokens(p.work_indptr, p.num_requests, p.balance_ctas);
   const int splits = used_splits(max(p.work_indptr[req + 1] - p.work_indptr[req], 0), p.splits, balanced);
+  const int first = first_slot(p.work_indptr, p.splits, balanced, req);
   return {splits > 1 ? static_cast<int64_t>(first) * p.rows_per_req + row % p.rows_per_req : 0, p.rows_per_req,
           splits, splits == 1};
 }
@@ -114,9 +113,9 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const MergeParams 
   __shared__ float red_acc[kLatent];         // [slots][cols]
   __shared__ float red_sum[kMergeThreads / 8];  // [slots], at most 16 (32 columns)
   const int row = blockIdx.x, cols = p.cols, col0 = blockIdx.y * cols;
+  const MergeRow r = merge_row(p, row);
   wait_prior_grid();
   allow_next_grid();
-  const MergeRow r = merge_row(p, row);
   if (r.written) return;
   const int64_t part_row = r.part_row, part_stride = r.part_stride;
   const int splits = r.splits;
@@ -176,10 +175,10 @@ template <int ROUND>
 __global__ void __launch_bounds__(32 * kMergeWarpRows) merge_rows_kernel(const MergeParams p) {
   const int lane = threadIdx.x % 32;
   const int row = blockIdx.x * kMergeWarpRows + threadIdx.x / 32;
+  if (row >= p.rows) return;  // (the warp's lanes share the row)
+  const MergeRow r = merge_row(p, row);
   wait_prior_grid();
   allow_next_grid();
-  if (row >= p.rows) return;
-  const MergeRow r = merge_row(p, row);
   if (r.written) return;
   const int col0 = 16 * lane;
   auto load = [&](int s0, float (&lse)[ROUND], uint4 (&o)[ROUND][2]) {

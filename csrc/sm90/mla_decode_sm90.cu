@@ -52,8 +52,8 @@
 // short. A request of one split writes o / lse directly; the others' go to
 //   o_part [W, qlen*H, 512] bf16, lse_part [W, qlen*H] f32: slot w's rows of its request
 // with W >= the items (an upper bound from shapes), a request's splits in consecutive slots, and
-// the merge finds a row's slots from kv_indptr and work_first (each request's first slot,
-// written by its split 0).
+// the merge finds a row's slots from kv_indptr alone (first_slot: the used splits of the requests
+// before its own), before its PDL wait.
 //
 // M1b: merge_rows_kernel for rows of about 16 splits or fewer (one warp a row, lane l reading 32
 // bytes of 4 or 8 split rows a round), merge_kernel above (one CTA of 4 warps per (query row,
@@ -339,12 +339,10 @@ std::tuple<at::Tensor, at::Tensor> mla_decode_sm90(const at::Tensor& q, const at
   if (T == 0 || H == 0) return {o, lse};
   auto o_part = at::empty({items, qlen, H, kLatent}, q.options().dtype(at::kBFloat16));
   auto lse_part = at::empty({items, qlen, H}, q.options().dtype(at::kFloat));
-  auto work_first = at::empty({R}, indptr.options());
   params.o_part = reinterpret_cast<__nv_bfloat16*>(o_part.data_ptr());
   params.lse_part = lse_part.data_ptr<float>();
   params.o_final = reinterpret_cast<__nv_bfloat16*>(o.data_ptr());
   params.lse_final = lse.data_ptr<float>();
-  params.work_first = work_first.data_ptr<int>();
   params.work_list = true;
   params.zero_empty = false;
   params.kv_before_wait = kv_before_wait(constant_kv);
@@ -359,7 +357,6 @@ std::tuple<at::Tensor, at::Tensor> mla_decode_sm90(const at::Tensor& q, const at
   merge.rows = static_cast<int>(T * H);
   merge.splits = static_cast<int>(num_splits);
   merge.work_indptr = params.indptr;
-  merge.work_first = params.work_first;
   merge.num_requests = static_cast<int>(R);
   merge.rows_per_req = static_cast<int>(qlen * H);
   merge.balance_ctas = params.balance_ctas;

@@ -12,7 +12,7 @@
 //   o_part    [S, T*H, 512] bf16, lse_part [S, T*H] f32 (natural log; o = 0, lse = -inf
 //             for a row that sees no token of its split); on the work-list grid
 //             [W, qlen*H, 512] / [W, qlen*H] (work_list.cuh), o_final [T*H, 512] bf16,
-//             lse_final [T*H] f32, work_first [R] int32
+//             lse_final [T*H] f32
 // Shared-memory K tile rows are kSmemRow = 592 bytes apart (576 + 16).
 #pragma once
 
@@ -58,7 +58,6 @@ struct SplitKVParams {
   bool work_list;    // blockIdx.y is a work item (find_work_item), the partials [W, qlen*H, ...]
   __nv_bfloat16* o_final;  // work list: a request with one used split writes o / lse here, [T*H, 512]
   float* lse_final;        //   and [T*H] (its rows skip the merge)
-  int* work_first;         // work list: [R], a request's first partials slot (written by its split 0)
   float qk_scale_log2;  // scale * kv_scale * log2(e)
   float kv_scale;
   const float* q_scale;  // fp8 query: its scale, [1] f32 on the device (real q = fp8 q * q_scale); else nullptr

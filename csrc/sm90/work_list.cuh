@@ -4,10 +4,8 @@
 // (find_work_item), and each CTA's share (cta_work, write_empty_split).
 //
 // Byte layouts read: kv_indptr [R+1] int32, seq_lens [R] int32 (SplitKVParams, params.cuh).
-// Written: work_first [R] int32 (a request's first partials slot, by its split 0's first thread:
-// record_work_first, after the kernel's wait_prior_grid);
-// an empty split's rows: lse [valid_rows] f32 = -inf and, if zero_o, o [valid_rows, 512] bf16 = 0
-// (16-byte stores), at lse_part / o_part row out0 (or lse_final / o_final when direct).
+// Written: an empty split's rows: lse [valid_rows] f32 = -inf and, if zero_o, o [valid_rows, 512]
+// bf16 = 0 (16-byte stores), at lse_part / o_part row out0 (or lse_final / o_final when direct).
 // Partials rows: [S, T*H] (split s of flat row f at s*T*H + f), or on the work-list grid
 // [W, qlen*H] (slot w's rows of its request at w*qlen*H + request-relative row).
 #pragma once
@@ -58,7 +56,7 @@ __device__ __forceinline__ int used_splits(int n, int num_splits, int balanced) 
 //                            chunk first, then >= 1/2, >= 1/4, the shortest last
 // Whatever the launch order, a request's splits have consecutive partials slots: split s of
 // request r is slot (used splits of the requests before r) + s, so the merge finds them from
-// work_first.
+// kv_indptr (first_slot).
 constexpr int kTailClasses = 4;
 
 struct WorkItem {
@@ -151,8 +149,6 @@ struct CtaWork {
   int64_t out0;            // the CTA's first row in lse_part (x 512: o_part), or with `direct` in
   bool direct;             //   lse_final / o_final (work list: the request has one split)
   bool zero_o;             // an empty split must write o = 0 (the public partials, or the output)
-  int req, slot;           // the request, and (work list) its split's partials slot
-  bool first_split;        // split 0 of the request: its work item records work_first
 
   __device__ __forceinline__ __nv_bfloat16* o_out(const SplitKVParams& p) const {
     return (direct ? p.o_final : p.o_part) + out0 * kLatent;
@@ -183,7 +179,6 @@ __device__ __forceinline__ CtaWork cta_work(const SplitKVParams& p, int rows_per
   const int row0 = blockIdx.x * rows_per_cta;
   w.flat0 = static_cast<int64_t>(req) * rows_per_req + row0;
   int64_t part0 = static_cast<int64_t>(split) * p.rows_total + w.flat0;  // [S, T*H] partials
-  w.req = req, w.slot = slot, w.first_split = split == 0;
   if (p.work_list) {
     part0 = static_cast<int64_t>(slot) * rows_per_req + row0;  // [W, qlen*H] partials
   }
@@ -203,10 +198,17 @@ __device__ __forceinline__ CtaWork cta_work(const SplitKVParams& p, int rows_per
   return w;
 }
 
-// Work list: a request's first partials slot into work_first (the merge reads it), by thread 0 of its
-// split 0's first row group. A write: after the kernel's wait_prior_grid.
-__device__ __forceinline__ void record_work_first(const SplitKVParams& p, const CtaWork& w) {
-  if (p.work_list && w.first_split && blockIdx.x == 0 && threadIdx.x == 0) p.work_first[w.req] = w.slot;
+// Work list: request req's first partials slot, the used splits of the requests before it (the
+// slot find_work_item gives its split 0). Reads kv_indptr only. Warp-wide (every lane of the
+// calling warp, all 32 active, gets the answer).
+__device__ __forceinline__ int first_slot(const int* indptr, int num_splits, int balanced, int req) {
+  int sum = 0;
+#pragma unroll 4
+  for (int r = threadIdx.x % 32; r < req; r += 32)
+    sum += used_splits(max(indptr[r + 1] - indptr[r], 0), num_splits, balanced);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  return sum;
 }
 
 // An empty split's rows: lse = -inf, and o = 0 unless its o is never read (w.zero_o false).
