@@ -70,7 +70,7 @@ __device__ __forceinline__ MergeRow merge_row(const MergeParams& p, int row) {
   if (p.work_indptr == nullptr) return {row, p.rows, p.splits, false};
   const int req = row / p.rows_per_req;
   const int balanced = balanced_tokens(p.work_indptr, p.num_requests, p.balance_ctas);
-  const int splits = used_splits(max(p.work_indptr[req + 1] - p.work_indptr[req], 0), p.splits, balanced);
+  const int splits = used_splits(listed_tokens(p.work_indptr, req), p.splits, balanced);
   const int first = first_slot(p.work_indptr, p.splits, balanced, req);
   return {splits > 1 ? static_cast<int64_t>(first) * p.rows_per_req + row % p.rows_per_req : 0, p.rows_per_req,
           splits, splits == 1};

@@ -26,6 +26,9 @@ __device__ __forceinline__ int visible_tokens(int n, int n_global, int qlen, int
   return min(last >= 0 ? last / world + 1 : 0, n);
 }
 
+// Request r's listed tokens (kv_indptr's difference; a decreasing pair counts as none).
+__device__ __forceinline__ int listed_tokens(const int* indptr, int r) { return max(indptr[r + 1] - indptr[r], 0); }
+
 // A split's tokens for a request of n listed tokens: ceil(n / S), or more when the whole batch is
 // long enough that balance_ctas CTAs of `balanced` = ceil(all tokens / balance_ctas) fill the
 // device: then a long request's chunk is as long as a short one's and takes more of its S splits
@@ -90,7 +93,7 @@ struct RequestSplits {
 __device__ __forceinline__ WorkItem find_work_item(const int* indptr, int num_requests, int num_splits, int balanced,
                                                    int item) {
   const int lane = threadIdx.x % 32;
-  auto length = [&](int r) { return r < num_requests ? max(indptr[r + 1] - indptr[r], 0) : 0; };
+  auto length = [&](int r) { return r < num_requests ? listed_tokens(indptr, r) : 0; };
   int counts[kTailClasses + 1] = {};  // items of each class
 #pragma unroll 4
   for (int r = lane; r < num_requests; r += 32) {
@@ -205,7 +208,7 @@ __device__ __forceinline__ int first_slot(const int* indptr, int num_splits, int
   int sum = 0;
 #pragma unroll 4
   for (int r = threadIdx.x % 32; r < req; r += 32)
-    sum += used_splits(max(indptr[r + 1] - indptr[r], 0), num_splits, balanced);
+    sum += used_splits(listed_tokens(indptr, r), num_splits, balanced);
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
   return sum;
