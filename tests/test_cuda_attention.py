@@ -368,7 +368,8 @@ def test_public_ops_and_cuda_graph(work_list, monkeypatch):
 
 
 @requires_sm90
-@pytest.mark.parametrize("lens", [[900, 0, 65, 3000, 1], [3000]], ids=["five", "one"])
+@pytest.mark.parametrize("lens", [[900, 0, 65, 3000, 1], [3000], [900, 0, 3000],
+                                  [900, 0, 65, 3000, 1, 17, 64, 128, 2048]], ids=["five", "one", "three", "nine"])
 @pytest.mark.parametrize("work_list", ["0", "1"])
 @pytest.mark.parametrize("H,qlen", [(12, 1), (12, 2), (96, 1)])
 def test_constant_kv_reads_q_after_the_wait(H, qlen, work_list, lens, monkeypatch):
@@ -377,7 +378,7 @@ def test_constant_kv_reads_q_after_the_wait(H, qlen, work_list, lens, monkeypatc
     before it writes q: the same bits as constant_kv=False and within the oracle's contract, on
     the 16-row and token-major kernels, both grids, one split and many, empty requests, eager and
     in a CUDA graph, q new each time (a q read before the wait would be the previous one). One
-    request of several splits also takes the merge as a PDL launch (merge_after_early_grid)."""
+    request, five and nine take the merge as a PDL launch, three a plain one (merge_pdl)."""
     import kimi_ops.kernels.sm90 as hopper
     monkeypatch.setenv(hopper.WORK_LIST_ENV, work_list)
     g = torch.Generator().manual_seed(31)

@@ -97,7 +97,7 @@ bool pdl_enabled() { return pdl_env_allows() && env_equals("KIMI_OPS_SM90_PDL", 
 // constant_kv (mla_decode's promise that the kernel queued before it writes neither the cache nor the
 // metadata): the split kernel launches with PDL and each CTA finds its work item and starts its first
 // tiles' copies before wait_prior_grid, so they overlap the previous kernel (M1a in the decode
-// layer); the merge is a plain launch except at one request (merge_after_early_grid).
+// layer); the merge launches with PDL too, except at 2-4 requests (merge_pdl).
 // KIMI_OPS_SM90_EARLY_KV=0 ignores the promise (A/Bs).
 bool kv_before_wait(bool constant_kv) {
   return constant_kv && pdl_env_allows() && !env_equals("KIMI_OPS_SM90_EARLY_KV", "0");
@@ -124,8 +124,7 @@ int current_device_attribute(cudaDeviceAttr attr) {
   return value;
 }
 
-// Whether a grid of `ctas` CTAs has at most one a SM (the early-launch rules: rows16_smem,
-// merge_after_early_grid).
+// Whether a grid of `ctas` CTAs has at most one a SM (rows16_smem's early-launch rule).
 bool at_most_one_cta_a_sm(int64_t ctas) { return ctas <= current_device_attribute(cudaDevAttrMultiProcessorCount); }
 
 // kFp8Q: the kernel's fp8-query instance (its own `configured`: the attribute is per function).
@@ -248,16 +247,20 @@ void launch_splitkv(const SplitKVParams& params, int64_t rows_per_cta, int64_t s
   }
 }
 
-// The merge after an early-started split grid of one request (batch 1 in the decode layer) of at
-// most one CTA a SM launches with PDL too: its CTAs are placed while the split CTAs finish. A/B on an
-// H100 (the fp8 / bf16 layer, compiled + graph, 8k context, two rounds, us; docs/perf-history.md,
-// session 36): batch 1 41.0, 41.0 -> 39.7, 39.8 / 57.7, 57.7 -> 57.4, 57.3. Taken at every grid of
-// at most one CTA a SM it cost batch 2 (128 CTAs of two tiles) 44.6, 44.7 -> 46.8, 46.8 / 58.6,
-// 58.7 -> 62.5, 62.3 (not understood), so one request only. KIMI_OPS_SM90_MERGE_PDL=0 keeps it
-// plain (A/Bs).
-bool merge_after_early_grid(const SplitKVParams& params, int64_t split_ctas) {
-  return params.kv_before_wait && params.num_requests == 1 && !env_equals("KIMI_OPS_SM90_MERGE_PDL", "0") &&
-         at_most_one_cta_a_sm(split_ctas);
+// The merge launches with PDL (its CTAs are placed while the split CTAs finish, and merge_row finds
+// their rows before the wait), except after an early-started split grid (kv_before_wait) of 2 to
+// kMergePlainMaxRequests requests, where the decode layer measured slower with it (not understood).
+// A/B on an H100 (docs/perf-history.md, session 41; plain -> PDL, us): mla_decode H12 x 8k alone
+// B1-B128 0.5-1.4 faster, qlen 4 2.1; the fp8 / bf16 layer b7 55.9 -> 55.0 / 66.7 -> 65.7, b8
+// 58.6 -> 57.1 / 69.2 -> 68.1, b3 0.2-0.7 faster, b2 within 0.4, but b4 50.8 -> 51.2 / 61.8 -> 64.9.
+// (Session 36, before the merge found its rows before its wait, PDL lost 1-4 us at b2-b8.)
+// KIMI_OPS_SM90_MERGE_PDL=0 keeps it plain, =1 takes it everywhere (A/Bs).
+constexpr int64_t kMergePlainMaxRequests = 4;
+
+bool merge_pdl(const SplitKVParams& params) {
+  if (!pdl_env_allows() || env_equals("KIMI_OPS_SM90_MERGE_PDL", "0")) return false;
+  if (env_equals("KIMI_OPS_SM90_MERGE_PDL", "1") || pdl_enabled()) return true;
+  return !(params.kv_before_wait && params.num_requests >= 2 && params.num_requests <= kMergePlainMaxRequests);
 }
 
 // Rows of about kMergeFewSplits splits or fewer: merge_rows_kernel, in rounds of 4 split rows up to
@@ -348,7 +351,6 @@ std::tuple<at::Tensor, at::Tensor> mla_decode_sm90(const at::Tensor& q, const at
   params.kv_before_wait = kv_before_wait(constant_kv);
   const int64_t groups = (qlen * H + rows_per_cta - 1) / rows_per_cta;
   launch_splitkv(params, rows_per_cta, stages, dim3(static_cast<unsigned>(groups), static_cast<unsigned>(items), 1));
-  const bool merge_pdl = pdl_enabled() || merge_after_early_grid(params, groups * items);
   MergeParams merge{};
   merge.o_part = params.o_part;
   merge.lse_part = params.lse_part;
@@ -363,7 +365,7 @@ std::tuple<at::Tensor, at::Tensor> mla_decode_sm90(const at::Tensor& q, const at
   // a request's used splits: about balance_ctas / R whole chunks and a partial one
   merge.splits_hint = static_cast<int>(
       balance_ctas > 0 ? std::min<int64_t>(num_splits, balance_ctas / std::max<int64_t>(R, 1) + 2) : num_splits);
-  launch_merge(merge, merge_pdl);
+  launch_merge(merge, merge_pdl(params));
   return {o, lse};
 }
 
