@@ -251,8 +251,8 @@ void launch_splitkv(const SplitKVParams& params, int64_t rows_per_cta, int64_t s
 // their rows before the wait), except after an early-started split grid (kv_before_wait) of 2 to
 // kMergePlainMaxRequests requests, where the decode layer measured slower with it (not understood).
 // A/B on an H100 (docs/perf-history.md, session 41; plain -> PDL, us): mla_decode H12 x 8k alone
-// B1-B128 0.5-1.4 faster, qlen 4 2.1; the fp8 / bf16 layer b7 55.9 -> 55.0 / 66.7 -> 65.7, b8
-// 58.6 -> 57.1 / 69.2 -> 68.1, b3 0.2-0.7 faster, b2 within 0.4, but b4 50.8 -> 51.2 / 61.8 -> 64.9.
+// B2-B128 0.3-1.3 faster, qlen 4 2.0; the fp8 / bf16 layer b7 55.9 -> 55.0 / 66.7 -> 65.7, b8
+// 58.6 -> 57.1 / 69.2 -> 68.1, b3 0.1-0.8 faster, b2 within 0.5, but b4 50.8 -> 51.2 / 61.8 -> 64.9.
 // (Session 36, before the merge found its rows before its wait, PDL lost 1-4 us at b2-b8.)
 // KIMI_OPS_SM90_MERGE_PDL=0 keeps it plain, =1 takes it everywhere (A/Bs).
 constexpr int64_t kMergePlainMaxRequests = 4;
