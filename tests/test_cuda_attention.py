@@ -232,18 +232,24 @@ def check_work_list_decode(lens, qlen, H, S, gen, oob=0):
 
 
 @requires_sm90
-@pytest.mark.parametrize("rows", ["32", "48", "64"])
-def test_tile_edges(rows, monkeypatch):
+@pytest.mark.parametrize("rows,load", [("32", "cp"), ("32", "bulk"), ("48", None), ("64", None)])
+def test_tile_edges(rows, load, monkeypatch):
     """Lengths at the 64- and 128-token tile edges, 1-3 splits, on each token-major CTA height:
     32 and 48 rows stream 128-token tiles, whose last one reaches past the split's end when the
-    split holds an odd number of 64-token tiles (its rows zero-filled and masked)."""
+    split holds an odd number of 64-token tiles (its rows zero-filled and masked). 32 rows under
+    both gathers (KIMI_OPS_SM90_TM_LOAD: cp.async chunks, or bulk copies with the rows past the
+    split zeroed by stores), the fp8 query too."""
     import kimi_ops.kernels.sm90 as hopper
     monkeypatch.setenv(hopper.ROWS_ENV, rows)
+    if load is not None:
+        monkeypatch.setenv("KIMI_OPS_SM90_TM_LOAD", load)
     g = torch.Generator().manual_seed(int(rows))
     lens = [1, 63, 64, 65, 127, 128, 129, 191, 192, 193, 320, 0]
     for S in (1, 2, 3):
         check_decode(lens, 2, 12, S, kernels=hopper, device="cuda", gen=g)
         check_work_list_decode(lens, 2, 12, S, g)
+    if load is not None:
+        check_decode(lens, 2, 12, 2, kernels=hopper, device="cuda", gen=g, fp8_q=True, oob=3)
 
 
 @requires_sm90

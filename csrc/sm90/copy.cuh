@@ -10,6 +10,8 @@
 
 #include <cstdint>
 
+#include "params.cuh"
+
 namespace kimi_ops::sm90 {
 namespace {
 
@@ -52,6 +54,9 @@ __device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, uint32
       "l"(src), "r"(bytes), "r"(smem_addr(bar))
       : "memory");
 }
+// A zero row: the source of a bulk-copied token row past the split or outside the cache.
+__device__ __align__(16) uint8_t g_zero_row[kRowBytes];
+
 // generic-proxy shared-memory accesses ordered with the async proxy's (wgmma operand reads, bulk copies)
 __device__ __forceinline__ void fence_proxy_async_smem() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");

@@ -202,7 +202,6 @@ constexpr int kConsumerRegs = 232, kProducerRegs = 24;
 // with 128 a thread, so the two warpgroups' counts must sum to at most 256
 static_assert(kConsumerRegs + kProducerRegs <= 2 * (65536 / (2 * kSplitKVThreads)),
               "setmaxnreg counts exceed the CTA's register pool");
-__device__ __align__(16) uint8_t g_zero_row[kRowBytes];
 
 // kFp8Q: the fp8 query, staged as f16 (stage_query_rows_fp8_f16); the rest is the same.
 template <int STAGES, bool kFp8Q = false>

@@ -14,20 +14,22 @@
 //
 // Byte layouts:
 //   reads   q [T*H, 576] bf16 (or fp8 with q_scale [1] f32: kFp8Q); kv [N, 576] fp8 rows
-//           (cp.async, 16-byte chunks: TileLoader); kv_indptr / kv_indices int32; seq_lens [R] int32
+//           (cp.async, 16-byte chunks: TileLoader; or one cp.async.bulk a row: BulkTileLoader,
+//           kLoad); kv_indptr / kv_indices int32; seq_lens [R] int32
 //   writes  o [valid_rows, 512] bf16 (16-byte stores) and lse [valid_rows] f32 (natural log) at
 //           the CTA's rows of o_part / lse_part or o_final / lse_final (work_list.cuh)
 //   shared  TokenMajorSmem<NT, STAGES, TILE>: kv[STAGES][TILE * 592] fp8 tiles, q [N * 576] f16
 //           (core-matrix layout, fragments.cuh; an fp8 query the same, its bytes converted), p
 //           [N * TILE] f16 (core matrices of 8 tokens x 8 rows, tm_store_p), red [TILE / 16][N] f32,
-//           row_scale [N] f32, row_fac [N] f32; the epilogue stages O [N][kOStride = 520] bf16 in
-//           the K ring
+//           row_scale [N] f32, row_fac [N] f32, full [STAGES] mbarriers (bulk loads); the epilogue
+//           stages O [N][kOStride = 520] bf16 in the K ring
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "copy.cuh"
 #include "fragments.cuh"
@@ -69,9 +71,62 @@ struct TokenMajorSmem {
   float red[TILE / 16][kRows];  // per token warp: the tile's row maxima; at the end the row sums
   float row_scale[kRows];       // the tile's O rescale per row; at the end kv_scale / l
   float row_fac[kRows];
+  uint64_t full[STAGES];  // bulk loads: the stage's copied rows landed
+};
+
+// How a token-major CTA gathers its tiles.
+enum class TmLoad {
+  kCpAsync,  // every thread copies 16-byte chunks (TileLoader), on cp.async groups
+  kBulk,     // one cp.async.bulk of 576 bytes a token row onto the stage's `full` mbarrier
+};
+
+// The bulk loads of a token-major CTA: one token row of each tile a lane of the issuing warps (the
+// first TILE / 64 warps of each warpgroup), its index fetched a tile ahead. A row past the split is
+// zeroed by its lane's stores, not copied (a split's last tile may be half past it: copying a zero
+// row from one global address made every CTA read the same L2 lines at once, 25% slower at H12 q2
+// B8 8k); an index outside the cache copies g_zero_row.
+template <int TILE>
+struct BulkTileLoader {
+  static constexpr int kWarpsPerWg = TILE / 64;
+  const uint8_t* kv;
+  const int* idx_base;
+  int64_t num_kv_rows;
+  int lo, hi, row, next_index;
+  bool issuer;
+
+  __device__ __forceinline__ BulkTileLoader(const SplitKVParams& p, const CtaWork& w, int warp, int lane)
+      : kv(p.kv), idx_base(p.indices + w.start), num_kv_rows(p.num_kv_rows), lo(w.lo), hi(w.hi) {
+    issuer = warp % 4 < kWarpsPerWg;
+    row = ((warp / 4) * kWarpsPerWg + warp % 4) * 32 + lane;
+    next_index = issuer ? fetch(0) : -1;
+  }
+  __device__ __forceinline__ int fetch(int t) const {
+    const int j = lo + t * TILE + row;
+    return j < hi ? idx_base[j] : -1;
+  }
+  // Tile t into `stage`, completing on `full` (thread 0 posts the tile's copied bytes). The zeroed
+  // rows are the caller's to order before their readers (the CTA barrier after `full`'s wait).
+  __device__ __forceinline__ void issue(int t, uint8_t* stage, uint64_t* full, bool leader) {
+    if (!issuer) return;
+    const int first = lo + t * TILE;
+    if (leader) mbar_arrive_expect_tx(full, min(hi - first, TILE) * kRowBytes);
+    uint8_t* dst = stage + row * kSmemRow;
+    if (first + row < hi) {
+      const bool ok = next_index >= 0 && next_index < num_kv_rows;
+      bulk_copy_g2s(dst, ok ? kv + static_cast<int64_t>(next_index) * kRowBytes : g_zero_row, kRowBytes, full);
+      next_index = fetch(t + 1);
+    } else {
+#pragma unroll
+      for (int i = 0; i < kRowBytes / 16; ++i) reinterpret_cast<uint4*>(dst)[i] = make_uint4(0, 0, 0, 0);
+      fence_proxy_async_smem();  // before a later bulk copy into the row
+    }
+  }
 };
 
 constexpr int kTmWarps = 8;
+// bulk loads: the load_piece that issues the next tile, at QK's k-chunk 2 (0 and 3 measured within
+// 1%, H100 2026-12-06)
+constexpr int kBulkPiece = 1;
 constexpr int kOStride = kLatent + 8;  // bf16 per row of the token-major epilogue's O staging
 
 // S^T over the warpgroup's 64 tokens (the warp's 16: k_lane) and HT n-tiles of query rows (q_desc):
@@ -265,7 +320,8 @@ __device__ __forceinline__ void tm_pv(float (&acc)[4][NT][4], const uint8_t* til
 }
 
 // kFp8Q: the fp8 query, staged as f16 (exact: stage_query_rows_fp8_f16<true>); the rest is the same.
-template <int NT, int STAGES, int TILE, bool kFp8Q = false>
+// kLoad: how the tiles are gathered (TmLoad).
+template <int NT, int STAGES, int TILE, bool kFp8Q = false, TmLoad kLoad = TmLoad::kCpAsync>
 __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const SplitKVParams p) {
   static_assert(NT % 2 == 0 && NT >= 4 && NT <= 8, "two warpgroups of NT / 2 n-tiles: 32..64 rows");
   static_assert(TILE == 64 || TILE == 128, "64- or 128-token tiles");
@@ -295,11 +351,24 @@ __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const Spli
   }
   const int ntiles = (work.ntiles * kTileN + TILE - 1) / TILE;  // the last may be half empty
 
-  TileLoader<kTmWarps, TILE> loader(p, work, warp, lane);
+  std::conditional_t<kLoad == TmLoad::kCpAsync, TileLoader<kTmWarps, TILE>, BulkTileLoader<TILE>> loader(p, work, warp,
+                                                                                                       lane);
+  if constexpr (kLoad == TmLoad::kCpAsync) {
 #pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < ntiles) loader.load(s, sm.kv[s]);
-    cp_async_commit();
+    for (int s = 0; s < STAGES - 1; ++s) {
+      if (s < ntiles) loader.load(s, sm.kv[s]);
+      cp_async_commit();
+    }
+  } else {
+    if (tid == 0) {
+#pragma unroll
+      for (int s = 0; s < STAGES; ++s) mbar_init(&sm.full[s], 1);
+      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s)
+      if (s < ntiles) loader.issue(s, sm.kv[s], &sm.full[s], tid == 0);
   }
   wait_prior_grid();  // q, and every write; with kv_before_wait the first tiles' copies are on their way
   if constexpr (kFp8Q)
@@ -341,8 +410,11 @@ __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const Spli
   const uint64_t p_desc = smem_desc(sm.p, 128, 16 * TILE);
 
   for (int t = 0; t < ntiles; ++t) {
-    cp_async_wait<STAGES - 2>();
-    __syncthreads();  // tile t landed; every warp is done with tile t - 1 (its stage, P, row_scale)
+    if constexpr (kLoad == TmLoad::kCpAsync)
+      cp_async_wait<STAGES - 2>();
+    else
+      mbar_wait(&sm.full[t % STAGES], (t / STAGES) & 1);
+    __syncthreads();  // tile t landed (its zeroed rows too); every warp is done with tile t - 1 (its stage, P, row_scale)
     const uint8_t* tile = sm.kv[t % STAGES];
     const int tok_base = work.lo + t * TILE + tq * 16;  // request-relative token of the warp's M row 0
     float s[kHT][4];
@@ -351,10 +423,14 @@ __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const Spli
     tm_scores<kHT>(
         s, tile + k_lane, q_desc,
         [&](int piece) {
-          if (load_next) loader.load_piece(t + STAGES - 1, piece, next_stage);
+          if constexpr (kLoad == TmLoad::kCpAsync) {
+            if (load_next) loader.load_piece(t + STAGES - 1, piece, next_stage);
+          } else if (piece == kBulkPiece && load_next) {
+            loader.issue(t + STAGES - 1, next_stage, &sm.full[(t + STAGES - 1) % STAGES], tid == 0);
+          }
         },
         wait_pv_tail);
-    cp_async_commit();
+    if constexpr (kLoad == TmLoad::kCpAsync) cp_async_commit();
     float tile_max[kHT][2];
     const bool whole = work.lo + (t + 1) * TILE <= cta_lim;  // no token of the tile is masked
     const bool raise = tm_mask_and_max<kHT>(s, tile_max, row_fac, lim, m_run, tok_base, g, whole);
@@ -369,7 +445,7 @@ __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const Spli
     tm_pv<NT, TILE>(acc, tile, p_desc, sm.row_scale, rescale, warp, g, c, pv_tail, t == 0);
   }
   wait_pv_tail();
-  cp_async_wait<0>();
+  if constexpr (kLoad == TmLoad::kCpAsync) cp_async_wait<0>();
   allow_next_grid();
 
   // --- epilogue: row sums over the lanes and the token warps; lse; O^T / l staged in smem as

@@ -40,7 +40,9 @@
 // splitkv_tm_kernel (32, 48 or 64 rows a CTA, two warpgroups): the same numerics and fragments,
 // but token-major wgmma products, S^T = K Q^T and O^T = V^T P^T, with the query rows as N, so each
 // fp8 byte is converted once per CTA (32, 48 rows: 128-token tiles) or once per warpgroup (64
-// rows) rather than once per 16 rows (decode_token_major.cuh).
+// rows) rather than once per 16 rows (decode_token_major.cuh). Its tiles come by cp.async (every
+// thread's 16-byte chunks) or, for 32-row CTAs of more than one tile, one bulk copy a token row
+// (tm_load).
 // Accumulation is f32 throughout: within DESIGN.md's accuracy contract with margin (the
 // products are exact; P is rounded to f16, 2^-11 relative).
 // Split lengths are computed here from kv_indptr (cta_work): a long request of a mixed batch
@@ -127,9 +129,9 @@ int current_device_attribute(cudaDeviceAttr attr) {
 // Whether a grid of `ctas` CTAs has at most one a SM (rows16_smem's early-launch rule).
 bool at_most_one_cta_a_sm(int64_t ctas) { return ctas <= current_device_attribute(cudaDevAttrMultiProcessorCount); }
 
-// kFp8Q: the kernel's fp8-query instance (its own `configured`: the attribute is per function).
+// kFp8Q, kLoad: which of the Smem's kernels (each its own `configured`: the attribute is per function).
 // smem: the launch's dynamic shared memory, sizeof(Smem) or more (rows16_smem).
-template <typename Smem, bool kFp8Q, typename Kernel>
+template <typename Smem, bool kFp8Q, TmLoad kLoad = TmLoad::kCpAsync, typename Kernel>
 void launch_kernel(Kernel* kernel, int threads, const SplitKVParams& params, dim3 grid, cudaStream_t stream,
                    size_t smem = sizeof(Smem)) {
   static size_t configured[64] = {};  // per device: the dynamic smem limit is a per-context attribute
@@ -165,13 +167,38 @@ void launch_splitkv(const SplitKVParams& params, dim3 grid, cudaStream_t stream)
     launch_kernel<Smem, false>(splitkv_kernel<STAGES>, kSplitKVThreads, params, grid, stream, smem);
 }
 
+// How the 32-row token-major kernel gathers: bulk copies where its CTAs average more than one
+// 128-token tile (cta_tokens: the listed tokens over the CTAs of a row group), else cp.async.
+// Measured on an H100 (2026-12-06, docs/perf-history.md "Session 42"): bulk 2-10% faster at >= 2
+// tiles a CTA (H12 q2 B32 8k 82.7 -> 74.9 us), 6% slower at one tile (B2 q2 8k); at 48 rows 6-9%
+// slower, at 64 (64-token tiles) 26%, so those keep cp.async. KIMI_OPS_SM90_TM_LOAD=cp / bulk
+// forces one at 32 rows (A/Bs).
+TmLoad tm_load(int64_t cta_tokens) {
+  if (env_equals("KIMI_OPS_SM90_TM_LOAD", "bulk")) return TmLoad::kBulk;
+  if (env_equals("KIMI_OPS_SM90_TM_LOAD", "cp")) return TmLoad::kCpAsync;
+  return cta_tokens > 128 ? TmLoad::kBulk : TmLoad::kCpAsync;
+}
+
 template <int NT, int STAGES, int TILE = kTileN>
-void launch_splitkv_tm(const SplitKVParams& params, dim3 grid, cudaStream_t stream) {
+void launch_splitkv_tm(const SplitKVParams& params, dim3 grid, cudaStream_t stream, int64_t cta_tokens) {
   using Smem = TokenMajorSmem<NT, STAGES, TILE>;
+  constexpr int kThreads = 32 * kTmWarps;
+  // bulk: 32-row CTAs only (the other heights measured slower; not instantiated)
+  if constexpr (NT == 4) {
+    if (tm_load(cta_tokens) == TmLoad::kBulk) {
+      if (params.q_scale != nullptr)
+        launch_kernel<Smem, true, TmLoad::kBulk>(splitkv_tm_kernel<NT, STAGES, TILE, true, TmLoad::kBulk>, kThreads,
+                                                 params, grid, stream);
+      else
+        launch_kernel<Smem, false, TmLoad::kBulk>(splitkv_tm_kernel<NT, STAGES, TILE, false, TmLoad::kBulk>,
+                                                  kThreads, params, grid, stream);
+      return;
+    }
+  }
   if (params.q_scale != nullptr)
-    launch_kernel<Smem, true>(splitkv_tm_kernel<NT, STAGES, TILE, true>, 32 * kTmWarps, params, grid, stream);
+    launch_kernel<Smem, true>(splitkv_tm_kernel<NT, STAGES, TILE, true>, kThreads, params, grid, stream);
   else
-    launch_kernel<Smem, false>(splitkv_tm_kernel<NT, STAGES, TILE>, 32 * kTmWarps, params, grid, stream);
+    launch_kernel<Smem, false>(splitkv_tm_kernel<NT, STAGES, TILE>, kThreads, params, grid, stream);
 }
 
 // Work items of the work-list grid for R requests of at most num_splits splits: the used splits
@@ -233,17 +260,19 @@ SplitKVParams splitkv_params(const at::Tensor& q, const at::Tensor& kv, const at
 }
 
 // 16 rows: splitkv_kernel; 32 or 48: splitkv_tm_kernel on 128-token tiles; 64: on 64-token tiles
-// (two 128-token stages and 64 rows' Q do not fit).
-void launch_splitkv(const SplitKVParams& params, int64_t rows_per_cta, int64_t stages, dim3 grid) {
+// (two 128-token stages and 64 rows' Q do not fit). listed_tokens: kv_indices' length.
+void launch_splitkv(const SplitKVParams& params, int64_t rows_per_cta, int64_t stages, dim3 grid,
+                    int64_t listed_tokens) {
   auto stream = c10::cuda::getCurrentCUDAStream();
+  const int64_t cta_tokens = listed_tokens / std::max<int64_t>(1, static_cast<int64_t>(grid.y) * grid.z);
   switch (rows_per_cta * 10 + stages) {
     case 162: launch_splitkv<2>(params, grid, stream); break;
     case 163: launch_splitkv<3>(params, grid, stream); break;
     case 164: launch_splitkv<4>(params, grid, stream); break;
-    case 322: launch_splitkv_tm<4, 2, 128>(params, grid, stream); break;
-    case 482: launch_splitkv_tm<6, 2, 128>(params, grid, stream); break;
-    case 642: launch_splitkv_tm<8, 2>(params, grid, stream); break;
-    default: launch_splitkv_tm<8, 3>(params, grid, stream); break;
+    case 322: launch_splitkv_tm<4, 2, 128>(params, grid, stream, cta_tokens); break;
+    case 482: launch_splitkv_tm<6, 2, 128>(params, grid, stream, cta_tokens); break;
+    case 642: launch_splitkv_tm<8, 2>(params, grid, stream, cta_tokens); break;
+    default: launch_splitkv_tm<8, 3>(params, grid, stream, cta_tokens); break;
   }
 }
 
@@ -318,7 +347,8 @@ std::tuple<at::Tensor, at::Tensor> mla_decode_splitkv_sm90(const at::Tensor& q, 
   params.kv_before_wait = kv_before_wait(constant_kv);
   const int64_t groups = (qlen * H + rows_per_cta - 1) / rows_per_cta;
   launch_splitkv(params, rows_per_cta, stages,
-                 dim3(static_cast<unsigned>(groups), static_cast<unsigned>(num_splits), static_cast<unsigned>(R)));
+                 dim3(static_cast<unsigned>(groups), static_cast<unsigned>(num_splits), static_cast<unsigned>(R)),
+                 indices.numel());
   return {o_part, lse_part};
 }
 
@@ -350,7 +380,8 @@ std::tuple<at::Tensor, at::Tensor> mla_decode_sm90(const at::Tensor& q, const at
   params.zero_empty = false;
   params.kv_before_wait = kv_before_wait(constant_kv);
   const int64_t groups = (qlen * H + rows_per_cta - 1) / rows_per_cta;
-  launch_splitkv(params, rows_per_cta, stages, dim3(static_cast<unsigned>(groups), static_cast<unsigned>(items), 1));
+  launch_splitkv(params, rows_per_cta, stages, dim3(static_cast<unsigned>(groups), static_cast<unsigned>(items), 1),
+                 indices.numel());
   MergeParams merge{};
   merge.o_part = params.o_part;
   merge.lse_part = params.lse_part;
