@@ -414,7 +414,8 @@ __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const Spli
       cp_async_wait<STAGES - 2>();
     else
       mbar_wait(&sm.full[t % STAGES], (t / STAGES) & 1);
-    __syncthreads();  // tile t landed (its zeroed rows too); every warp is done with tile t - 1 (its stage, P, row_scale)
+    // tile t landed (its zeroed rows too); every warp is done with tile t - 1 (its stage, P, row_scale)
+    __syncthreads();
     const uint8_t* tile = sm.kv[t % STAGES];
     const int tok_base = work.lo + t * TILE + tq * 16;  // request-relative token of the warp's M row 0
     float s[kHT][4];

@@ -129,19 +129,20 @@ int current_device_attribute(cudaDeviceAttr attr) {
 // Whether a grid of `ctas` CTAs has at most one a SM (rows16_smem's early-launch rule).
 bool at_most_one_cta_a_sm(int64_t ctas) { return ctas <= current_device_attribute(cudaDevAttrMultiProcessorCount); }
 
-// kFp8Q, kLoad: which of the Smem's kernels (each its own `configured`: the attribute is per function).
-// smem: the launch's dynamic shared memory, sizeof(Smem) or more (rows16_smem).
-template <typename Smem, bool kFp8Q, TmLoad kLoad = TmLoad::kCpAsync, typename Kernel>
-void launch_kernel(Kernel* kernel, int threads, const SplitKVParams& params, dim3 grid, cudaStream_t stream,
+// kKernel<<<grid, threads, smem>>>(params), its dynamic shared-memory limit raised first where
+// needed (a per-function, per-context attribute: each kernel instance keeps its own `configured`).
+// smem: sizeof(Smem) or more (rows16_smem).
+template <auto kKernel, typename Smem>
+void launch_kernel(int threads, const SplitKVParams& params, dim3 grid, cudaStream_t stream,
                    size_t smem = sizeof(Smem)) {
-  static size_t configured[64] = {};  // per device: the dynamic smem limit is a per-context attribute
+  static size_t configured[64] = {};  // per device
   int device = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
   if (device >= 64 || configured[device] < smem) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
     if (device < 64) configured[device] = smem;
   }
-  launch(kernel, grid, threads, smem, stream, params, pdl_enabled() || params.kv_before_wait);
+  launch(kKernel, grid, threads, smem, stream, params, pdl_enabled() || params.kv_before_wait);
 }
 
 // The 16-row kernel's shared memory where its grid has at most one CTA a SM and it launches before
@@ -162,9 +163,9 @@ void launch_splitkv(const SplitKVParams& params, dim3 grid, cudaStream_t stream)
   using Smem = SplitKVSmem<STAGES>;
   const size_t smem = rows16_smem<Smem>(params, grid);
   if (params.q_scale != nullptr)
-    launch_kernel<Smem, true>(splitkv_kernel<STAGES, true>, kSplitKVThreads, params, grid, stream, smem);
+    launch_kernel<splitkv_kernel<STAGES, true>, Smem>(kSplitKVThreads, params, grid, stream, smem);
   else
-    launch_kernel<Smem, false>(splitkv_kernel<STAGES>, kSplitKVThreads, params, grid, stream, smem);
+    launch_kernel<splitkv_kernel<STAGES, false>, Smem>(kSplitKVThreads, params, grid, stream, smem);
 }
 
 // How the 32-row token-major kernel gathers: bulk copies where its CTAs average more than one
@@ -179,26 +180,24 @@ TmLoad tm_load(int64_t cta_tokens) {
   return cta_tokens > 128 ? TmLoad::kBulk : TmLoad::kCpAsync;
 }
 
+// the fp8-query instance where params.q_scale is set
+template <int NT, int STAGES, int TILE, TmLoad kLoad>
+void launch_tm_instance(const SplitKVParams& params, dim3 grid, cudaStream_t stream) {
+  using Smem = TokenMajorSmem<NT, STAGES, TILE>;
+  if (params.q_scale != nullptr)
+    launch_kernel<splitkv_tm_kernel<NT, STAGES, TILE, true, kLoad>, Smem>(32 * kTmWarps, params, grid, stream);
+  else
+    launch_kernel<splitkv_tm_kernel<NT, STAGES, TILE, false, kLoad>, Smem>(32 * kTmWarps, params, grid, stream);
+}
+
+// bulk loads for 32-row CTAs only (the other heights measured slower; not instantiated)
 template <int NT, int STAGES, int TILE = kTileN>
 void launch_splitkv_tm(const SplitKVParams& params, dim3 grid, cudaStream_t stream, int64_t cta_tokens) {
-  using Smem = TokenMajorSmem<NT, STAGES, TILE>;
-  constexpr int kThreads = 32 * kTmWarps;
-  // bulk: 32-row CTAs only (the other heights measured slower; not instantiated)
   if constexpr (NT == 4) {
-    if (tm_load(cta_tokens) == TmLoad::kBulk) {
-      if (params.q_scale != nullptr)
-        launch_kernel<Smem, true, TmLoad::kBulk>(splitkv_tm_kernel<NT, STAGES, TILE, true, TmLoad::kBulk>, kThreads,
-                                                 params, grid, stream);
-      else
-        launch_kernel<Smem, false, TmLoad::kBulk>(splitkv_tm_kernel<NT, STAGES, TILE, false, TmLoad::kBulk>,
-                                                  kThreads, params, grid, stream);
-      return;
-    }
+    if (tm_load(cta_tokens) == TmLoad::kBulk)
+      return launch_tm_instance<NT, STAGES, TILE, TmLoad::kBulk>(params, grid, stream);
   }
-  if (params.q_scale != nullptr)
-    launch_kernel<Smem, true>(splitkv_tm_kernel<NT, STAGES, TILE, true>, kThreads, params, grid, stream);
-  else
-    launch_kernel<Smem, false>(splitkv_tm_kernel<NT, STAGES, TILE>, kThreads, params, grid, stream);
+  launch_tm_instance<NT, STAGES, TILE, TmLoad::kCpAsync>(params, grid, stream);
 }
 
 // Work items of the work-list grid for R requests of at most num_splits splits: the used splits
