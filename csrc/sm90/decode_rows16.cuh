@@ -273,9 +273,9 @@ __global__ void __launch_bounds__(kSplitKVThreads, 2) splitkv_kernel(const Split
   wait_prior_grid();  // q, and every write; with kv_before_wait the producer's copies are on their way
   const int wq = warp;
   if constexpr (kFp8Q)
-    stage_query_rows_fp8_f16(p, sm.q, sm.row_fac, flat0, valid_rows, kRows, warp, kWarps, lane);
+    stage_query_rows_fp8_f16<kRows, kWarps>(p, sm.q, sm.row_fac, flat0, valid_rows, warp, lane);
   else
-    stage_query_rows(p, sm.q, sm.row_fac, flat0, valid_rows, kRows, warp, kWarps, lane);
+    stage_query_rows<kRows, kWarps>(p, sm.q, sm.row_fac, flat0, valid_rows, warp, lane);
   int lim[2];
   float m_run[2], l_run[2];
   float acc[16][4];

@@ -28,7 +28,7 @@
 namespace kimi_ops::sm90 {
 namespace {
 
-// Query rows r = first, first + step, ... (< rows) of the CTA, one warp a row: bf16 -> f16 scaled
+// Query rows r = first, first + kStep, ... (< kRows) of the CTA, one warp a row: bf16 -> f16 scaled
 // by 2^k into [2^14, 2^15) (exact), columns permuted inside each 16-column chunk so that ldmatrix's
 // A fragment pairs physical columns (4c, 4c+1) and (4c+2, 4c+3), the pairs the K fragment gets
 // from one 32-bit word of fp8 bytes; row_fac[r] = qk_scale_log2 * 2^-k. Row r, permuted column k
@@ -36,67 +36,110 @@ namespace {
 // matrices of 8 rows x 8 columns (128 bytes), K-adjacent ones 128 bytes apart (lbo), 8-row groups
 // kQCoreGroup halves apart (sbo).
 constexpr int kQCoreGroup = 8 * kRowBytes;  // f16 per 8-row group of the core-matrix layout
-template <bool kCoreMatrix = false>
+
+// The permuted column of physical column col (even) of a query row, and where the f16 pair of
+// (row r, that column) goes in q_smem.
+template <bool kCoreMatrix>
+__device__ __forceinline__ int query_pair_at(int r, int col) {
+  const int within = col % 16, c4 = within / 4;
+  const int scol = col - within + ((within % 4) == 0 ? 2 * c4 : 8 + 2 * c4);
+  return kCoreMatrix ? (r / 8) * kQCoreGroup + (scol / 8) * 64 + (r % 8) * 8 + scol % 8 : r * kQStride + scol;
+}
+
+// The query rows r = first, first + kStep, ... (< kRows) of a warp, in two steps so a kernel can
+// put the loads where it likes: load() into registers, every row before any is converted (one
+// memory round trip a warp), and stage(): the conversion above (kFp8: each e4m3 byte to f16, as
+// stage_query_rows_fp8_f16), the stores to q_smem and row_fac.
+template <int kRows, int kStep, bool kFp8, bool kCoreMatrix = false>
+struct QueryRows {
+  static_assert(kRows % kStep == 0, "the same number of rows a warp");
+  static constexpr int kPerWarp = kRows / kStep;
+  uint32_t w[kPerWarp][9];  // row first + i kStep: the bf16 (fp8) pair at physical columns 2 (lane + 32 j)
+
+  __device__ __forceinline__ void load(const SplitKVParams& p, int64_t flat0, int valid_rows, int first, int lane) {
+#pragma unroll
+    for (int i = 0; i < kPerWarp; ++i) {
+      const int r = first + i * kStep;
+      if constexpr (kFp8) {
+        const uint8_t* row = reinterpret_cast<const uint8_t*>(p.q) + (flat0 + r) * kRowBytes;
+        const uint16_t* src = reinterpret_cast<const uint16_t*>(row);
+#pragma unroll
+        for (int j = 0; j < 9; ++j) w[i][j] = r < valid_rows ? src[lane + 32 * j] : 0u;
+      } else {
+        const uint32_t* src = reinterpret_cast<const uint32_t*>(p.q + (flat0 + r) * kRowBytes);
+#pragma unroll
+        for (int j = 0; j < 9; ++j) w[i][j] = r < valid_rows ? src[lane + 32 * j] : 0u;
+      }
+    }
+  }
+
+  __device__ __forceinline__ void stage(const SplitKVParams& p, __half* q_smem, float* row_fac, int first, int lane) {
+    if constexpr (kFp8) {
+      const float fac = p.qk_scale_log2 * *p.q_scale;
+#pragma unroll
+      for (int i = 0; i < kPerWarp; ++i) {
+        const int r = first + i * kStep;
+#pragma unroll
+        for (int j = 0; j < 9; ++j)
+          *reinterpret_cast<uint32_t*>(&q_smem[query_pair_at<kCoreMatrix>(r, 2 * (lane + 32 * j))]) =
+              e4m3x4_to_f16x4(w[i][j]).lo;
+        if (lane == 0) row_fac[r] = fac;
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < kPerWarp; ++i) {
+        const int r = first + i * kStep;
+        float2 v[9];
+        float amax = 0.f;
+#pragma unroll
+        for (int j = 0; j < 9; ++j) {
+          v[j] = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&w[i][j]));
+          amax = fmaxf(amax, fmaxf(fabsf(v[j].x), fabsf(v[j].y)));
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+        int k = 0;
+        if (amax > 0.f) {
+          int e;
+          frexpf(amax, &e);  // amax = m * 2^e, m in [0.5, 1)
+          k = max(-100, min(100, kQExp + 1 - e));
+        }
+#pragma unroll
+        for (int j = 0; j < 9; ++j)
+          *reinterpret_cast<uint32_t*>(&q_smem[query_pair_at<kCoreMatrix>(r, 2 * (lane + 32 * j))]) =
+              pack_half2(ldexpf(v[j].x, k), ldexpf(v[j].y, k));
+        if (lane == 0) row_fac[r] = ldexpf(p.qk_scale_log2, -k);
+      }
+    }
+  }
+};
+
+// Row by row (QueryRows of one row a warp, a memory round trip each): for splitkv_kernel, whose
+// consumers start with few registers to spare (its 3-stage instance spills more with a warp's rows
+// loaded at once, and the 16-row kernel measured no faster with them, H100 2026-12-06).
+template <int kRows, int kStep, bool kCoreMatrix = false>
 __device__ __forceinline__ void stage_query_rows(const SplitKVParams& p, __half* q_smem, float* row_fac,
-                                                 int64_t flat0, int valid_rows, int rows, int first, int step,
-                                                 int lane) {
-  for (int r = first; r < rows; r += step) {
-    const bool valid = r < valid_rows;
-    const uint32_t* src = reinterpret_cast<const uint32_t*>(p.q + (flat0 + r) * kRowBytes);
-    float2 v[9];
-    float amax = 0.f;
-#pragma unroll
-    for (int i = 0; i < 9; ++i) {
-      uint32_t w = valid ? src[lane + 32 * i] : 0u;
-      v[i] = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&w));
-      amax = fmaxf(amax, fmaxf(fabsf(v[i].x), fabsf(v[i].y)));
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    int k = 0;
-    if (amax > 0.f) {
-      int e;
-      frexpf(amax, &e);  // amax = m * 2^e, m in [0.5, 1)
-      k = max(-100, min(100, kQExp + 1 - e));
-    }
-#pragma unroll
-    for (int i = 0; i < 9; ++i) {
-      const int col = 2 * (lane + 32 * i);  // physical column of this pair (even)
-      const int within = col % 16, c4 = within / 4;
-      const int scol = col - within + ((within % 4) == 0 ? 2 * c4 : 8 + 2 * c4);
-      const int at =
-          kCoreMatrix ? (r / 8) * kQCoreGroup + (scol / 8) * 64 + (r % 8) * 8 + scol % 8 : r * kQStride + scol;
-      *reinterpret_cast<uint32_t*>(&q_smem[at]) = pack_half2(ldexpf(v[i].x, k), ldexpf(v[i].y, k));
-    }
-    if (lane == 0) row_fac[r] = ldexpf(p.qk_scale_log2, -k);
+                                                 int64_t flat0, int valid_rows, int first, int lane) {
+  for (int r = first; r < kRows; r += kStep) {
+    QueryRows<kStep, kStep, false, kCoreMatrix> row;
+    row.load(p, flat0, valid_rows, r, lane);
+    row.stage(p, q_smem, row_fac, r, lane);
   }
 }
 
 // The fp8 query for the f16 MMAs (splitkv_kernel: sm_90's mma.sync m16n8k32 e4m3 is emulated, ptxas
 // turns it into f16 HMMA plus conversions of both operands every tile; splitkv_tm_kernel: e4m3 wgmma
-// missed the lse contract, decode_token_major.cuh's header): rows r = first, first + step, ...
-// (< rows), one warp a row, each e4m3 byte to f16 (exact, no scaling needed: |e4m3| <= 448, its
-// smallest subnormal 2^-9) in stage_query_rows' permuted layout (kCoreMatrix: its core matrices);
-// row_fac[r] = qk_scale_log2 * q_scale (read on the device, so a graph replays a new scale).
-template <bool kCoreMatrix = false>
+// missed the lse contract, decode_token_major.cuh's header), row by row as stage_query_rows: each
+// e4m3 byte to f16 (exact, no scaling needed: |e4m3| <= 448, its smallest subnormal 2^-9) in the
+// same permuted layout; row_fac[r] = qk_scale_log2 * q_scale (read on the device, so a graph
+// replays a new scale).
+template <int kRows, int kStep, bool kCoreMatrix = false>
 __device__ __forceinline__ void stage_query_rows_fp8_f16(const SplitKVParams& p, __half* q_smem, float* row_fac,
-                                                         int64_t flat0, int valid_rows, int rows, int first,
-                                                         int step, int lane) {
-  const float fac = p.qk_scale_log2 * *p.q_scale;
-  const uint8_t* q8 = reinterpret_cast<const uint8_t*>(p.q);
-  for (int r = first; r < rows; r += step) {
-    const bool valid = r < valid_rows;
-    const uint16_t* src = reinterpret_cast<const uint16_t*>(q8 + (flat0 + r) * kRowBytes);
-#pragma unroll
-    for (int i = 0; i < 9; ++i) {
-      const uint32_t pair = valid ? src[lane + 32 * i] : 0u;
-      const int col = 2 * (lane + 32 * i), within = col % 16;  // the pair's physical columns col, col + 1
-      const int scol = col - within + ((within % 4) == 0 ? 2 * (within / 4) : 8 + 2 * (within / 4));
-      const int at =
-          kCoreMatrix ? (r / 8) * kQCoreGroup + (scol / 8) * 64 + (r % 8) * 8 + scol % 8 : r * kQStride + scol;
-      *reinterpret_cast<uint32_t*>(&q_smem[at]) = e4m3x4_to_f16x4(pair).lo;
-    }
-    if (lane == 0) row_fac[r] = fac;
+                                                         int64_t flat0, int valid_rows, int first, int lane) {
+  for (int r = first; r < kRows; r += kStep) {
+    QueryRows<kStep, kStep, true, kCoreMatrix> row;
+    row.load(p, flat0, valid_rows, r, lane);
+    row.stage(p, q_smem, row_fac, r, lane);
   }
 }
 
