@@ -203,7 +203,7 @@ constexpr int kConsumerRegs = 232, kProducerRegs = 24;
 static_assert(kConsumerRegs + kProducerRegs <= 2 * (65536 / (2 * kSplitKVThreads)),
               "setmaxnreg counts exceed the CTA's register pool");
 
-// kFp8Q: the fp8 query, staged as f16 (stage_query_rows_fp8_f16); the rest is the same.
+// kFp8Q: the fp8 query, staged as f16 (stage_query_rows<..., kFp8 = true>); the rest is the same.
 template <int STAGES, bool kFp8Q = false>
 __global__ void __launch_bounds__(kSplitKVThreads, 2) splitkv_kernel(const SplitKVParams p) {
   extern __shared__ __align__(128) uint8_t smem_raw[];
@@ -272,10 +272,7 @@ __global__ void __launch_bounds__(kSplitKVThreads, 2) splitkv_kernel(const Split
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs) : "memory");
   wait_prior_grid();  // q, and every write; with kv_before_wait the producer's copies are on their way
   const int wq = warp;
-  if constexpr (kFp8Q)
-    stage_query_rows_fp8_f16<kRows, kWarps>(p, sm.q, sm.row_fac, flat0, valid_rows, warp, lane);
-  else
-    stage_query_rows<kRows, kWarps>(p, sm.q, sm.row_fac, flat0, valid_rows, warp, lane);
+  stage_query_rows<kRows, kWarps, kFp8Q>(p, sm.q, sm.row_fac, flat0, valid_rows, warp, lane);
   int lim[2];
   float m_run[2], l_run[2];
   float acc[16][4];

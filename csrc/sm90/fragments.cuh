@@ -1,5 +1,5 @@
-// Pieces both M1c kernels use: the query rows staged in shared memory (stage_query_rows; the fp8
-// query's, as f16: stage_query_rows_fp8_f16), V^T fragments built from a K tile's fp8 bytes
+// Pieces both M1c kernels use: the query rows staged in shared memory (QueryRows, stage_query_rows;
+// the fp8 query's as f16), V^T fragments built from a K tile's fp8 bytes
 // (v_token_words / v_token_pairs), and the cp.async tile gatherer (TileLoader, the token-major
 // kernel's loads).
 //
@@ -49,7 +49,7 @@ __device__ __forceinline__ int query_pair_at(int r, int col) {
 // The query rows r = first, first + kStep, ... (< kRows) of a warp, in two steps so a kernel can
 // put the loads where it likes: load() into registers, every row before any is converted (one
 // memory round trip a warp), and stage(): the conversion above (kFp8: each e4m3 byte to f16, as
-// stage_query_rows_fp8_f16), the stores to q_smem and row_fac.
+// stage_query_rows says), the stores to q_smem and row_fac.
 template <int kRows, int kStep, bool kFp8, bool kCoreMatrix = false>
 struct QueryRows {
   static_assert(kRows % kStep == 0, "the same number of rows a warp");
@@ -114,30 +114,18 @@ struct QueryRows {
   }
 };
 
-// Row by row (QueryRows of one row a warp, a memory round trip each): for splitkv_kernel, whose
+// Row by row (QueryRows of one row a warp, a memory round trip each), for splitkv_kernel, whose
 // consumers start with few registers to spare (its 3-stage instance spills more with a warp's rows
-// loaded at once, and the 16-row kernel measured no faster with them, H100 2026-12-06).
-template <int kRows, int kStep, bool kCoreMatrix = false>
+// loaded at once, and the 16-row kernel measured no faster with them, H100 2026-12-06). kFp8: the
+// fp8 query for the f16 MMAs (sm_90's mma.sync m16n8k32 e4m3 is emulated: ptxas turns it into f16
+// HMMA plus conversions of both operands every tile), each e4m3 byte to f16 (exact, no scaling
+// needed: |e4m3| <= 448, its smallest subnormal 2^-9) in the same permuted layout; row_fac[r] =
+// qk_scale_log2 * q_scale (read on the device, so a graph replays a new scale).
+template <int kRows, int kStep, bool kFp8, bool kCoreMatrix = false>
 __device__ __forceinline__ void stage_query_rows(const SplitKVParams& p, __half* q_smem, float* row_fac,
                                                  int64_t flat0, int valid_rows, int first, int lane) {
   for (int r = first; r < kRows; r += kStep) {
-    QueryRows<kStep, kStep, false, kCoreMatrix> row;
-    row.load(p, flat0, valid_rows, r, lane);
-    row.stage(p, q_smem, row_fac, r, lane);
-  }
-}
-
-// The fp8 query for the f16 MMAs (splitkv_kernel: sm_90's mma.sync m16n8k32 e4m3 is emulated, ptxas
-// turns it into f16 HMMA plus conversions of both operands every tile; splitkv_tm_kernel: e4m3 wgmma
-// missed the lse contract, decode_token_major.cuh's header), row by row as stage_query_rows: each
-// e4m3 byte to f16 (exact, no scaling needed: |e4m3| <= 448, its smallest subnormal 2^-9) in the
-// same permuted layout; row_fac[r] = qk_scale_log2 * q_scale (read on the device, so a graph
-// replays a new scale).
-template <int kRows, int kStep, bool kCoreMatrix = false>
-__device__ __forceinline__ void stage_query_rows_fp8_f16(const SplitKVParams& p, __half* q_smem, float* row_fac,
-                                                         int64_t flat0, int valid_rows, int first, int lane) {
-  for (int r = first; r < kRows; r += kStep) {
-    QueryRows<kStep, kStep, true, kCoreMatrix> row;
+    QueryRows<kStep, kStep, kFp8, kCoreMatrix> row;
     row.load(p, flat0, valid_rows, r, lane);
     row.stage(p, q_smem, row_fac, r, lane);
   }
