@@ -353,8 +353,9 @@ __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const Spli
   }
   const int ntiles = (work.ntiles * kTileN + TILE - 1) / TILE;  // the last may be half empty
   // Q loaded and staged before the first tiles' copies where q may be read now (no kv_before_wait):
-  // queued behind ~74 KB of copies a CTA, Q's loads landed ~1 us later (H100: loads first, 48-row
-  // CTAs 1-5% faster a call); staged before them too, 2-8% more (H100, 2026-12-06)
+  // queued behind ~74 KB of copies a CTA, Q's loads landed ~1 us later (H100: the loads first,
+  // 48-row calls 1-5% faster); the staging first too, 4-10% more at batch >= 8 and faster than
+  // staging between the index fetch and the copies at every batch (H100, 2026-12-06)
   QueryRows<kRows, kTmWarps, kFp8Q, true> qrows;
   if (!p.kv_before_wait) {
     qrows.load(p, work.flat0, work.valid_rows, warp, lane);
@@ -363,8 +364,8 @@ __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const Spli
 
   std::conditional_t<kLoad == TmLoad::kCpAsync, TileLoader<kTmWarps, TILE>, BulkTileLoader<TILE>> loader(p, work, warp,
                                                                                                        lane);
-  // each row's token limit once a CTA, one thread a row (each thread computing its 2 kHT rows' was
-  // 3-6% of a call, H100 2026-12-06)
+  // each row's token limit, one thread a row (every thread computing its own 2 kHT rows', two
+  // integer divisions each, was 2-6% of a 32-64-row call, H100 2026-12-06)
   if (tid < kRows) sm.row_lim[tid] = work.row_limit(p, row0 + tid);
   if constexpr (kLoad == TmLoad::kCpAsync) {
 #pragma unroll
@@ -484,8 +485,8 @@ __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const Spli
       }
   }
   __syncthreads();
-  // one thread a row: short code run once a CTA (4 lanes of 12 unrolled rows each cost 5-10% of
-  // a 48-row call, H100 2026-12-06)
+  // one thread a row: short code (4 lanes of warp 0 taking 12 unrolled rows each cost 2-11% of a
+  // 32-64-row call, H100 2026-12-06)
   if (tid < kRows) {
     float l = 0.f;
 #pragma unroll
