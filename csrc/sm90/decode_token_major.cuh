@@ -21,8 +21,8 @@
 //   shared  TokenMajorSmem<NT, STAGES, TILE>: kv[STAGES][TILE * 592] fp8 tiles, q [N * 576] f16
 //           (core-matrix layout, fragments.cuh; an fp8 query the same, its bytes converted), p
 //           [N * TILE] f16 (core matrices of 8 tokens x 8 rows, tm_store_p), red [TILE / 16][N] f32,
-//           row_scale [N] f32, row_fac [N] f32, full [STAGES] mbarriers (bulk loads); the epilogue
-//           stages O [N][kOStride = 520] bf16 in the K ring
+//           row_scale [N] f32, row_fac [N] f32, row_max [N] f32, row_lim [N] int32, full [STAGES]
+//           mbarriers (bulk loads); the epilogue stages O [N][kOStride = 520] bf16 in the K ring
 #pragma once
 
 #include <cuda_bf16.h>
@@ -71,6 +71,8 @@ struct TokenMajorSmem {
   float red[TILE / 16][kRows];  // per token warp: the tile's row maxima; at the end the row sums
   float row_scale[kRows];       // the tile's O rescale per row; at the end kv_scale / l
   float row_fac[kRows];
+  float row_max[kRows];   // at the end: each row's running max (log2 units)
+  int row_lim[kRows];     // the tokens each row sees in the split (CtaWork::row_limit)
   uint64_t full[STAGES];  // bulk loads: the stage's copied rows landed
 };
 
@@ -350,13 +352,21 @@ __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const Spli
     return;
   }
   const int ntiles = (work.ntiles * kTileN + TILE - 1) / TILE;  // the last may be half empty
-  // Q's loads before the first tiles' copies where q may be read now (no kv_before_wait): queued
-  // behind ~74 KB of copies a CTA they landed ~1 us later (H100: 48-row CTAs 1-5% faster a call)
+  // Q loaded and staged before the first tiles' copies where q may be read now (no kv_before_wait):
+  // queued behind ~74 KB of copies a CTA, Q's loads landed ~1 us later (H100: the loads first,
+  // 48-row calls 1-5% faster); the staging first too, 4-10% more at batch >= 8 and faster than
+  // staging between the index fetch and the copies at every batch (H100, 2026-12-06)
   QueryRows<kRows, kTmWarps, kFp8Q, true> qrows;
-  if (!p.kv_before_wait) qrows.load(p, work.flat0, work.valid_rows, warp, lane);
+  if (!p.kv_before_wait) {
+    qrows.load(p, work.flat0, work.valid_rows, warp, lane);
+    qrows.stage(p, sm.q, sm.row_fac, warp, lane);
+  }
 
   std::conditional_t<kLoad == TmLoad::kCpAsync, TileLoader<kTmWarps, TILE>, BulkTileLoader<TILE>> loader(p, work, warp,
                                                                                                        lane);
+  // each row's token limit, one thread a row (every thread computing its own 2 kHT rows', two
+  // integer divisions each, was 2-6% of a 32-64-row call, H100 2026-12-06)
+  if (tid < kRows) sm.row_lim[tid] = work.row_limit(p, row0 + tid);
   if constexpr (kLoad == TmLoad::kCpAsync) {
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
@@ -375,18 +385,18 @@ __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const Spli
       if (s < ntiles) loader.issue(s, sm.kv[s], &sm.full[s], tid == 0);
   }
   wait_prior_grid();  // q, and every write; with kv_before_wait the first tiles' copies are on their way
-  if (p.kv_before_wait) qrows.load(p, work.flat0, work.valid_rows, warp, lane);
-  qrows.stage(p, sm.q, sm.row_fac, warp, lane);
+  if (p.kv_before_wait) {
+    qrows.load(p, work.flat0, work.valid_rows, warp, lane);
+    qrows.stage(p, sm.q, sm.row_fac, warp, lane);
+  }
   fence_proxy_async_smem();
 
   // the thread's S^T rows (CTA-relative): half_row0 + 8j + 2c + h
-  int lim[kHT][2];
   float m_run[kHT][2], l_run[kHT][2];
 #pragma unroll
   for (int j = 0; j < kHT; ++j)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      lim[j][h] = work.row_limit(p, row0 + half_row0 + 8 * j + 2 * c + h);
       m_run[j][h] = -INFINITY;
       l_run[j][h] = 0.f;
     }
@@ -399,14 +409,18 @@ __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const Spli
     for (int m = 0; m < 4; ++m) fence_operands(acc[m]);
   };
 
-  __syncthreads();  // Q and row_fac in smem
+  __syncthreads();  // Q, row_fac and row_lim in smem
   float row_fac[kHT][2];
+  int lim[kHT][2];
 #pragma unroll
   for (int j = 0; j < kHT; ++j)
 #pragma unroll
-    for (int h = 0; h < 2; ++h) row_fac[j][h] = sm.row_fac[half_row0 + 8 * j + 2 * c + h];
+    for (int h = 0; h < 2; ++h) {
+      row_fac[j][h] = sm.row_fac[half_row0 + 8 * j + 2 * c + h];
+      lim[j][h] = sm.row_lim[half_row0 + 8 * j + 2 * c + h];
+    }
   // the fewest tokens any of the CTA's rows sees: its first row's (visible_tokens grows with the position)
-  const int cta_lim = work.row_limit(p, row0);
+  const int cta_lim = sm.row_lim[0];
   const int k_lane = (tq * 16 + (lane & 15)) * kSmemRow + (lane >> 4) * 16;
   const uint64_t q_desc = smem_desc(&sm.q[(half_row0 / 8) * kQCoreGroup], 128, kQCoreGroup * 2);
   const uint64_t p_desc = smem_desc(sm.p, 128, 16 * TILE);
@@ -464,22 +478,21 @@ __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const Spli
 #pragma unroll
     for (int j = 0; j < kHT; ++j)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) sm.red[tq][half_row0 + 8 * j + 2 * c + h] = l_run[j][h];
-  }
-  __syncthreads();
-  if (tq == 0 && g == 0) {
-    float* lse_out = work.lse_out(p);
-#pragma unroll
-    for (int j = 0; j < kHT; ++j)
-#pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int r = half_row0 + 8 * j + 2 * c + h;
-        float l = 0.f;
-#pragma unroll
-        for (int w = 0; w < kTokWarps; ++w) l += sm.red[w][r];
-        sm.row_scale[r] = l > 0.f ? p.kv_scale / l : 0.f;
-        if (row0 + r < rows_per_req) lse_out[r] = l > 0.f ? (m_run[j][h] + log2f(l)) * kLn2 : -INFINITY;
+        sm.red[tq][r] = l_run[j][h];
+        if (tq == 0) sm.row_max[r] = m_run[j][h];  // the same in every token warp
       }
+  }
+  __syncthreads();
+  // one thread a row: short code (4 lanes of warp 0 taking 12 unrolled rows each cost 2-11% of a
+  // 32-64-row call, H100 2026-12-06)
+  if (tid < kRows) {
+    float l = 0.f;
+#pragma unroll
+    for (int w = 0; w < kTokWarps; ++w) l += sm.red[w][tid];
+    sm.row_scale[tid] = l > 0.f ? p.kv_scale / l : 0.f;
+    if (row0 + tid < rows_per_req) work.lse_out(p)[tid] = l > 0.f ? (sm.row_max[tid] + log2f(l)) * kLn2 : -INFINITY;
   }
   __syncthreads();
   __nv_bfloat16* o_stage = reinterpret_cast<__nv_bfloat16*>(sm.kv[0]);

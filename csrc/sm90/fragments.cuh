@@ -98,17 +98,17 @@ struct QueryRows {
         }
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-        int k = 0;
-        if (amax > 0.f) {
-          int e;
-          frexpf(amax, &e);  // amax = m * 2^e, m in [0.5, 1)
-          k = max(-100, min(100, kQExp + 1 - e));
-        }
+        // amax = m 2^e, m in [0.5, 1), e from the exponent bits (frexpf's and ldexpf's code was
+        // 1-5% of a call, H100 2026-12-06; a subnormal amax reads e = -126, and its k clamps to
+        // 100 as a smaller e's does); 2^k and 2^-k are normal floats: the products are ldexpf's
+        const int e = static_cast<int>(__float_as_uint(amax) >> 23) - 126;
+        const int k = amax > 0.f ? max(-100, min(100, kQExp + 1 - e)) : 0;
+        const float up = __uint_as_float(static_cast<uint32_t>(127 + k) << 23);
 #pragma unroll
         for (int j = 0; j < 9; ++j)
           *reinterpret_cast<uint32_t*>(&q_smem[query_pair_at<kCoreMatrix>(r, 2 * (lane + 32 * j))]) =
-              pack_half2(ldexpf(v[j].x, k), ldexpf(v[j].y, k));
-        if (lane == 0) row_fac[r] = ldexpf(p.qk_scale_log2, -k);
+              pack_half2(v[j].x * up, v[j].y * up);
+        if (lane == 0) row_fac[r] = p.qk_scale_log2 * __uint_as_float(static_cast<uint32_t>(127 - k) << 23);
       }
     }
   }
