@@ -151,6 +151,11 @@ def build_parser():
     ap.add_argument("--splits-mult", type=float, default=1.0, help="x suggest_num_splits")
     ap.add_argument("--tag", default="")
     ap.add_argument("--set-bytes", type=float, default=256e6, help="KV bytes to rotate over")
+    ap.add_argument("--pool-bytes", type=float, default=0.0,
+                    help="make the fp8 pool the sets are drawn from at least this large (default: "
+                         "the largest shape or --set-bytes, whichever is more). A server's cache is "
+                         "tens of GB; with --set-bytes 2e9 over a 1.8 GB pool one kernel ran 27%% "
+                         "slower than at the defaults (docs/PERF.md)")
     return ap
 
 
@@ -291,7 +296,7 @@ def main(argv=None):
     shapes = grid(args.grid)
     max_tok = max(sum(s["lens"]) for s in shapes)
     page = peers.FLASHMLA_PAGE  # whole pages, so a contiguous set is FlashMLA's pool pages as it is
-    pool_rows = -(-(max(max_tok, int(args.set_bytes // 576)) + 1024) // page) * page
+    pool_rows = -(-(max(max_tok, int(args.set_bytes // 576), int(args.pool_bytes // 576)) + 1024) // page) * page
     torch.manual_seed(0)
     pool = (torch.randn(pool_rows, 576, device=dev) * 2).clamp(-448, 448).to(torch.float8_e4m3fn)
     mmas = args.mmas
@@ -463,7 +468,8 @@ def write_outputs(args, results, props, nsm, backend_reason, peer_status, fp8q_r
     """Write DIR/bench_attention{tag}.json, .md (detailed table, notes, peer table, float32 errors)
     and _peers.md (the peer table alone) from the rows so far; returns the .md's lines. Called
     after every shape, so a run stopped by a time limit leaves what it measured."""
-    meta = dict(layout=args.layout, splits_mult=args.splits_mult, device=props.name, sms=nsm,
+    meta = dict(layout=args.layout, splits_mult=args.splits_mult, set_bytes=args.set_bytes, pool_bytes=args.pool_bytes,
+                device=props.name, sms=nsm,
                 torch=torch.__version__, triton=__import__("triton").__version__, hbm=HBM, mma_rate=BF16_RATE,
                 backends={b: ("ran" if r is None else f"did not run: {r}") for b, r in backend_reason.items()},
                 peers={n: sorted(s) for n, s in peer_status.items()}, peer_versions=peer_versions(args.peers),

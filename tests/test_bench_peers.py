@@ -241,7 +241,7 @@ if os.environ.get("HIDE_Q_SCALE") == "1":  # stands in for a build without issue
                      num_splits=num_splits)
     kimi_ops.mla_decode = without_q_scale
 b.main(["--out", sys.argv[1], "--backends", "triton", "--mma", "bf16", "--reps", "1", "--set-bytes", "200000",
-        "--grid", "issue27", "--peers", ",".join(peers.ALL)])
+        "--pool-bytes", "400000", "--grid", "issue27", "--peers", ",".join(peers.ALL)])
 print("DRY RUN OK")
 """
 
@@ -256,6 +256,9 @@ def test_benchmark_dry_run_on_cpu(tmp_path, fp8q):
     res = json.load(open(tmp_path / "bench_attention.json"))
     row = res["results"][0]
     assert res["meta"]["layout"] == "contiguous" and row["backends"]["triton"]["status"] == "ran"
+    # --pool-bytes sets the pool (400000 // 576 rows + 1024, whole 64-row pages), recorded in meta
+    assert res["meta"]["pool_bytes"] == 400000 and res["meta"]["set_bytes"] == 200000
+    assert "pool 1728 rows" in r.stdout
     assert row["backends"]["triton"]["rel_f32"] < 1e-2                 # ours against the float32 reference
     naive = row["peers"]["naive"]
     assert naive["status"] == "ran" and naive["rel_l2"] < 2e-2 and naive["rel_f32"] < 2e-2
