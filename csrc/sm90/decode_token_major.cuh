@@ -354,7 +354,7 @@ __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const Spli
   const int ntiles = (work.ntiles * kTileN + TILE - 1) / TILE;  // the last may be half empty
   // Q loaded and staged before the first tiles' copies where q may be read now (no kv_before_wait):
   // queued behind ~74 KB of copies a CTA, Q's loads landed ~1 us later (H100: the loads first,
-  // 48-row calls 1-5% faster); the staging first too, 4-10% more at batch >= 8 and faster than
+  // 48-row calls 1-5% faster); the staging first too, 2-13% more at batch >= 8 and faster than
   // staging between the index fetch and the copies at every batch (H100, 2026-12-06)
   QueryRows<kRows, kTmWarps, kFp8Q, true> qrows;
   if (!p.kv_before_wait) {
@@ -485,8 +485,8 @@ __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const Spli
       }
   }
   __syncthreads();
-  // one thread a row: short code (4 lanes of warp 0 taking 12 unrolled rows each cost 2-11% of a
-  // 32-64-row call, H100 2026-12-06)
+  // one thread a row: short code (4 lanes of warp 0 taking 12 unrolled rows each cost 3-11% of a
+  // 48-row call, H100 2026-12-06)
   if (tid < kRows) {
     float l = 0.f;
 #pragma unroll

@@ -99,7 +99,7 @@ struct QueryRows {
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
         // amax = m 2^e, m in [0.5, 1), e from the exponent bits (frexpf's and ldexpf's code was
-        // 1-5% of a call, H100 2026-12-06; a subnormal amax reads e = -126, and its k clamps to
+        // 1-6% of a call, H100 2026-12-06; a subnormal amax reads e = -126, and its k clamps to
         // 100 as a smaller e's does); 2^k and 2^-k are normal floats: the products are ldexpf's
         const int e = static_cast<int>(__float_as_uint(amax) >> 23) - 126;
         const int k = amax > 0.f ? max(-100, min(100, kQExp + 1 - e)) : 0;
