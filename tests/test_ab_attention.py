@@ -1,0 +1,46 @@
+"""scripts/ab_attention.py on the CPU: the shape labels, and a dry run (the triton backend in the
+interpreter, the graph timing stubbed) that must call a switch that changes nothing bit-equal
+and leave the environment as it found it."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts")
+sys.path.insert(0, SCRIPTS)
+
+import ab_attention as ab  # noqa: E402
+
+
+def test_shape_labels():
+    assert ab.parse_shape("H96 B8 8k q1") == (96, 8, 8192, 1)
+    assert ab.parse_shape(" H4 B2 96 q2 ") == (4, 2, 96, 2)
+    for bad in ("H96 B8 8k", "96 B8 8k q1", "H12 B32 8K q2"):
+        with pytest.raises(ValueError, match="shape"):
+            ab.parse_shape(bad)
+    assert [ab.parse_shape(s)[0] for s in ab.DEFAULT_SHAPES.split(";")] == [12, 12, 12, 12, 96, 96]
+
+
+DRY_RUN = r"""
+import os, sys
+sys.path.insert(0, os.environ["SCRIPTS"])
+import ab_attention as ab
+ab.DEVICE = "cpu"
+ab.time_graph = lambda fns, reps: ([f() for f in fns], (1e-5, [1e-5]))[1]
+os.environ["KIMI_OPS_AB_DRY"] = "before"
+ab.main(["--env", "KIMI_OPS_AB_DRY", "--values", "a,-,b", "--shapes", "H4 B2 96 q2", "--backend", "triton",
+         "--rounds", "2", "--reps", "1", "--set-bytes", "300000"])
+print("restored:", os.environ.get("KIMI_OPS_AB_DRY"))
+"""
+
+
+def test_dry_run_on_cpu():
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", SCRIPTS=SCRIPTS)
+    r = subprocess.run([sys.executable, "-c", DRY_RUN], env=env, capture_output=True, text=True, timeout=600,
+                       check=False)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-4000:]
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("H4 B2 96 q2")]
+    assert len(line) == 1 and "bit-equal" in line[0] and "not bit-equal" not in line[0], r.stdout
+    assert "a: 10.00 us" in line[0] and "-: 10.00 us" in line[0] and "b: 10.00 us [10.00-10.00] +0.0%" in line[0]
+    assert "restored: before" in r.stdout
