@@ -28,12 +28,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from bench_attention import KV_SCALE, SCALE, contiguous_run, random_pool  # noqa: E402
 from graph_timing import time_graph  # noqa: E402
 
 DEVICE = "cuda"
-SCALE = 1.0 / math.sqrt(192.0)
-KV_SCALE = 0.05
-PAGE = 64
 DEFAULT_SHAPES = "H12 B8 8k q1;H12 B32 8k q2;H12 B32 8k q4;H12 B32 8k q8;H96 B64 4k q1;H96 B8 8k q1"
 SHAPE_RE = re.compile(r"^H(\d+) B(\d+) (\d+)(k?) q(\d+)$")
 
@@ -75,10 +73,8 @@ def main(argv=None):
 
     dev = torch.device(DEVICE)
     os.environ["KIMI_OPS_BACKEND"] = args.backend
-    max_tok = max(b * ctx for _, _, b, ctx, _ in shapes)
-    pool_rows = -(-(max(max_tok, int(args.set_bytes // 576), int(args.pool_bytes // 576)) + 1024) // PAGE) * PAGE
-    torch.manual_seed(0)
-    pool = (torch.randn(pool_rows, 576, device=dev) * 2).clamp(-448, 448).to(torch.float8_e4m3fn)
+    pool = random_pool(max(b * ctx for _, _, b, ctx, _ in shapes), args.set_bytes, args.pool_bytes, dev)
+    pool_rows = pool.shape[0]
     before = os.environ.get(args.env)
     print(f"{args.env} in {values}; backend {args.backend}; pool {pool_rows} rows ({pool_rows * 576 / 1e9:.2f} GB)",
           flush=True)
@@ -89,9 +85,8 @@ def main(argv=None):
             nsets = int(min(32, max(2, math.ceil(args.set_bytes / (tok * 576)))))
             sets = []
             for _ in range(nsets):
-                off = int(torch.randint(0, (pool_rows - tok) // PAGE + 1, ())) * PAGE
-                q = torch.randn(B * qlen, H, 576, device=dev).to(torch.bfloat16)
-                sets.append((q, torch.arange(off, off + tok, dtype=torch.int32, device=dev)))
+                idx = contiguous_run(pool_rows, tok, dev)
+                sets.append((torch.randn(B * qlen, H, 576, device=dev).to(torch.bfloat16), idx))
 
             def call(q, idx):
                 return kimi_ops.mla_decode(q, pool, indptr, idx, qlen=qlen, scale=SCALE, kv_scale=KV_SCALE)

@@ -79,6 +79,23 @@ def grid(name="default"):
     return shapes
 
 
+def random_pool(max_tokens, set_bytes, pool_bytes, dev):
+    """The fp8 cache pool the sets are drawn from: at least max_tokens rows, set_bytes and
+    pool_bytes of 576-byte rows, plus 1024, in whole FlashMLA pages (a contiguous set is then its
+    pool pages as they are); N(0, 2) values saturated to e4m3, the same pool every run (seed 0)."""
+    page = peers.FLASHMLA_PAGE
+    rows = -(-(max(max_tokens, int(set_bytes // 576), int(pool_bytes // 576)) + 1024) // page) * page
+    torch.manual_seed(0)
+    return (torch.randn(rows, 576, device=dev) * 2).clamp(-448, 448).to(torch.float8_e4m3fn)
+
+
+def contiguous_run(pool_rows, tokens, dev):
+    """int32 indices of one run of `tokens` pool rows starting on a random FlashMLA page."""
+    page = peers.FLASHMLA_PAGE
+    off = int(torch.randint(0, (pool_rows - tokens) // page + 1, ()).item()) * page
+    return torch.arange(off, off + tokens, device=dev, dtype=torch.int32)
+
+
 def floor_of(H, qlen, lens, S):
     """DESIGN.md's floor of one call: max(bytes / HBM, MMA work / BF16_RATE). Bytes: every
     token's 576-byte row once, q, indices, S splits' partials and the outputs; MMA work: the real
@@ -295,10 +312,8 @@ def main(argv=None):
     nsm = props.multi_processor_count
     shapes = grid(args.grid)
     max_tok = max(sum(s["lens"]) for s in shapes)
-    page = peers.FLASHMLA_PAGE  # whole pages, so a contiguous set is FlashMLA's pool pages as it is
-    pool_rows = -(-(max(max_tok, int(args.set_bytes // 576), int(args.pool_bytes // 576)) + 1024) // page) * page
-    torch.manual_seed(0)
-    pool = (torch.randn(pool_rows, 576, device=dev) * 2).clamp(-448, 448).to(torch.float8_e4m3fn)
+    pool = random_pool(max_tok, args.set_bytes, args.pool_bytes, dev)
+    pool_rows = pool.shape[0]
     mmas = args.mmas
     env_before = os.environ.get(BACKEND_ENV)
     mma_before = os.environ.get("KIMI_OPS_TRITON_MMA")
@@ -331,8 +346,7 @@ def main(argv=None):
                 blocks = torch.randperm(pool_rows // 16, device=dev)[:nb]
                 idx = (blocks[:, None] * 16 + torch.arange(16, device=dev)).flatten()[:tok].to(torch.int32)
             else:
-                off = int(torch.randint(0, (pool_rows - tok) // page + 1, ()).item()) * page
-                idx = torch.arange(off, off + tok, device=dev, dtype=torch.int32)
+                idx = contiguous_run(pool_rows, tok, dev)
             q = torch.randn(R * qlen, H, 576, device=dev).to(torch.bfloat16)
             sets.append((q, idx))
         row = dict(label=sh["label"], H=H, qlen=qlen, batch=R, tokens=tok, num_splits=S, nsets=nsets,
