@@ -17,7 +17,6 @@ with --set-bytes 2e9 over a 1.8 GB pool than at bench_attention.py's 256 MB over
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import re
 import statistics
@@ -28,7 +27,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench_attention import KV_SCALE, SCALE, contiguous_run, random_pool  # noqa: E402
+from bench_attention import KV_SCALE, SCALE, contiguous_run, random_pool, rotation_sets  # noqa: E402
 from graph_timing import time_graph  # noqa: E402
 
 DEVICE = "cuda"
@@ -82,7 +81,7 @@ def main(argv=None):
         for label, H, B, ctx, qlen in shapes:
             tok = B * ctx
             indptr = torch.arange(0, tok + 1, ctx, dtype=torch.int32, device=dev)
-            nsets = int(min(32, max(2, math.ceil(args.set_bytes / (tok * 576)))))
+            nsets = rotation_sets(args.set_bytes, tok * 576)
             sets = []
             for _ in range(nsets):
                 idx = contiguous_run(pool_rows, tok, dev)

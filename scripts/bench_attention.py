@@ -96,6 +96,12 @@ def contiguous_run(pool_rows, tokens, dev):
     return torch.arange(off, off + tokens, device=dev, dtype=torch.int32)
 
 
+def rotation_sets(set_bytes, kv_bytes):
+    """How many input sets a shape rotates over: enough that set_bytes of KV pass between two
+    uses of one set (none stays in L2), 2 to 32."""
+    return int(min(32, max(2, math.ceil(set_bytes / kv_bytes))))
+
+
 def floor_of(H, qlen, lens, S):
     """DESIGN.md's floor of one call: max(bytes / HBM, MMA work / BF16_RATE). Bytes: every
     token's 576-byte row once, q, indices, S splits' partials and the outputs; MMA work: the real
@@ -332,7 +338,7 @@ def main(argv=None):
         tok = sum(lens)
         S = max(1, int(round(TM.suggest_num_splits(R, qlen, H, tok, nsm, arch=TM.arch_of(dev)) * args.splits_mult)))
         fl = floor_of(H, qlen, lens, S)
-        nsets = int(min(32, max(2, math.ceil(args.set_bytes / fl["kv_bytes"]))))
+        nsets = rotation_sets(args.set_bytes, fl["kv_bytes"])
         indptr_list = [0]
         for n in lens:
             indptr_list.append(indptr_list[-1] + n)
