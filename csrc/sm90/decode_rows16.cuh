@@ -10,8 +10,8 @@
 //           o_final / lse_final (work_list.cuh: CtaWork::o_out, lse_out)
 //   shared  SplitKVSmem<STAGES>: kv[STAGES][64 * 592] fp8 tiles, q [16 * 584] f16 (permuted
 //           columns; an fp8 query the same, its bytes converted), p [16 * 72] f16
-//           (P rows), red [4][16] f32, row_fac [16] f32, the full / empty_lo / empty_hi
-//           mbarriers; the epilogue stages O [16][512] bf16 in kv[0]
+//           (P rows), red [4][16] f32, row_fac [16] f32, row_lim [16] int32, the full / empty_lo /
+//           empty_hi mbarriers; the epilogue stages O [16][512] bf16 in kv[0]
 #pragma once
 
 #include <cuda_bf16.h>
@@ -35,18 +35,16 @@ struct SplitKVSmem {
   __half p[16 * kPStride];
   float red[kWarpsPerM][16];
   float row_fac[16];
+  int row_lim[16];            // the tokens each row sees in the split (CtaWork::row_limit)
   uint64_t full[STAGES];      // the stage's 64 rows landed (bulk copies)
   uint64_t empty_lo[STAGES];  // tokens 0-31 of the stage read by every compute thread
   uint64_t empty_hi[STAGES];  // tokens 32-63 read
 };
 
-// The thread's two query rows, r0 and r0 + 8 (request-relative): each row's token limit (the
-// tokens it sees, capped at the split's end), the online-softmax state, and O = 0.
-__device__ __forceinline__ void init_row_state(const SplitKVParams& p, const CtaWork& w, int r0, int (&lim)[2],
-                                               float (&m_run)[2], float (&l_run)[2], float (&acc)[16][4]) {
+// The thread's two query rows' online-softmax state, and O = 0.
+__device__ __forceinline__ void init_row_state(float (&m_run)[2], float (&l_run)[2], float (&acc)[16][4]) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    lim[h] = w.row_limit(p, r0 + 8 * h);
     m_run[h] = -INFINITY;
     l_run[h] = 0.f;
   }
@@ -273,11 +271,15 @@ __global__ void __launch_bounds__(kSplitKVThreads, 2) splitkv_kernel(const Split
   wait_prior_grid();  // q, and every write; with kv_before_wait the producer's copies are on their way
   const int wq = warp;
   stage_query_rows<kRows, kWarps, kFp8Q>(p, sm.q, sm.row_fac, flat0, valid_rows, warp, lane);
-  int lim[2];
+  // each row's token limit (the tokens it sees, capped at the split's end), one thread a row, not
+  // every thread its 2 (integer divisions each): 3392 -> 3232 SASS instructions, B1 / B4 -1.1 to
+  // -1.9% on an H100 (docs/perf-history.md "Session 46")
+  if (tid < kRows) sm.row_lim[tid] = work.row_limit(p, row0 + tid);
   float m_run[2], l_run[2];
   float acc[16][4];
-  init_row_state(p, work, row0 + g, lim, m_run, l_run, acc);
-  named_sync<kThreads>();  // Q and row_fac in smem
+  init_row_state(m_run, l_run, acc);
+  named_sync<kThreads>();  // Q, row_fac and row_lim in smem
+  const int lim[2] = {sm.row_lim[g], sm.row_lim[g + 8]};
   const float row_fac[2] = {sm.row_fac[g], sm.row_fac[g + 8]};
   const __half* q_lane = &sm.q[(lane & 15) * kQStride + (lane >> 4) * 8];
   uint32_t q_reg[kQRegSteps][4];
