@@ -3,6 +3,7 @@
 
     python3 scripts/ab_attention.py --env KIMI_OPS_SM90_TM_LOAD --values cp,bulk
         [--shapes "H96 B8 8k q1;H12 B32 8k q4"] [--rounds 3] [--reps 20] [--set-bytes 2e9] [--pool-bytes 0]
+        [--fp8-query]
 
 The launchers read their switches (KIMI_OPS_SM90_*, KIMI_OPS_PDL, ...) at every launch, so one
 process can time each value of one: per shape, input sets of contiguous requests on 64-row pages
@@ -10,7 +11,9 @@ of one fp8 pool, rotating over --set-bytes of KV so that no set stays in L2; the
 each value in turn: a CUDA graph of one mla_decode call a set (graph_timing.py), --reps replays,
 their median. Prints, per shape, each value's median over the rounds with the rounds' range, and
 whether its o and lse on set 0 are bit-equal to the first value's (a switch meant to leave the
-numbers alone must say "bit-equal"). The value "-" unsets the variable.
+numbers alone must say "bit-equal"). The value "-" unsets the variable. --fp8-query: each set's
+bf16 q quantized per tensor to e4m3fn (kimi_ops.quantize_query, amax scale), mla_decode given
+q8 and q_scale= (the fp8-query kernels; the same random q as without it).
 The pool and the rotation matter outside the tile loop: in session 44 one kernel ran 27% slower
 with --set-bytes 2e9 over a 1.8 GB pool than at bench_attention.py's 256 MB over 0.6 GB.
 """
@@ -54,6 +57,8 @@ def build_parser():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--set-bytes", type=float, default=2e9, help="KV bytes to rotate over")
     ap.add_argument("--pool-bytes", type=float, default=0.0, help="the fp8 pool at least this large")
+    ap.add_argument("--fp8-query", action="store_true",
+                    help="q quantized per tensor to e4m3fn (kimi_ops.quantize_query), passed with q_scale=")
     return ap
 
 
@@ -75,8 +80,8 @@ def main(argv=None):
     pool = random_pool(max(b * ctx for _, _, b, ctx, _ in shapes), args.set_bytes, args.pool_bytes, dev)
     pool_rows = pool.shape[0]
     before = os.environ.get(args.env)
-    print(f"{args.env} in {values}; backend {args.backend}; pool {pool_rows} rows ({pool_rows * 576 / 1e9:.2f} GB)",
-          flush=True)
+    print(f"{args.env} in {values}; backend {args.backend}; pool {pool_rows} rows ({pool_rows * 576 / 1e9:.2f} GB)"
+          f"{'; fp8 query' if args.fp8_query else ''}", flush=True)
     try:
         for label, H, B, ctx, qlen in shapes:
             tok = B * ctx
@@ -85,10 +90,13 @@ def main(argv=None):
             sets = []
             for _ in range(nsets):
                 idx = contiguous_run(pool_rows, tok, dev)
-                sets.append((torch.randn(B * qlen, H, 576, device=dev).to(torch.bfloat16), idx))
+                q = torch.randn(B * qlen, H, 576, device=dev).to(torch.bfloat16)
+                sets.append((kimi_ops.quantize_query(q) if args.fp8_query else (q, None), idx))
 
             def call(q, idx):
-                return kimi_ops.mla_decode(q, pool, indptr, idx, qlen=qlen, scale=SCALE, kv_scale=KV_SCALE)
+                q, q_scale = q
+                kw = {} if q_scale is None else {"q_scale": q_scale}
+                return kimi_ops.mla_decode(q, pool, indptr, idx, qlen=qlen, scale=SCALE, kv_scale=KV_SCALE, **kw)
 
             same = {}
             base = None

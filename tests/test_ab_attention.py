@@ -1,6 +1,6 @@
 """scripts/ab_attention.py on the CPU: the shape labels, and a dry run (the triton backend in the
-interpreter, the graph timing stubbed) that must call a switch that changes nothing bit-equal
-and leave the environment as it found it."""
+interpreter, the graph timing stubbed; bf16 and fp8 query) that must call a switch that changes
+nothing bit-equal and leave the environment as it found it."""
 import os
 import subprocess
 import sys
@@ -30,17 +30,19 @@ ab.DEVICE = "cpu"
 ab.time_graph = lambda fns, reps: ([f() for f in fns], (1e-5, [1e-5]))[1]
 os.environ["KIMI_OPS_AB_DRY"] = "before"
 ab.main(["--env", "KIMI_OPS_AB_DRY", "--values", "a,-,b", "--shapes", "H4 B2 96 q2", "--backend", "triton",
-         "--rounds", "2", "--reps", "1", "--set-bytes", "300000"])
+         "--rounds", "2", "--reps", "1", "--set-bytes", "300000", *sys.argv[1:]])
 print("restored:", os.environ.get("KIMI_OPS_AB_DRY"))
 """
 
 
-def test_dry_run_on_cpu():
+@pytest.mark.parametrize("extra", [[], ["--fp8-query"]], ids=["bf16q", "fp8q"])
+def test_dry_run_on_cpu(extra):
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", SCRIPTS=SCRIPTS)
-    r = subprocess.run([sys.executable, "-c", DRY_RUN], env=env, capture_output=True, text=True, timeout=600,
+    r = subprocess.run([sys.executable, "-c", DRY_RUN, *extra], env=env, capture_output=True, text=True, timeout=600,
                        check=False)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-4000:]
     line = [ln for ln in r.stdout.splitlines() if ln.startswith("H4 B2 96 q2")]
     assert len(line) == 1 and "bit-equal" in line[0] and "not bit-equal" not in line[0], r.stdout
     assert "a: 10.00 us" in line[0] and "-: 10.00 us" in line[0] and "b: 10.00 us [10.00-10.00] +0.0%" in line[0]
     assert "restored: before" in r.stdout
+    assert ("; fp8 query" in r.stdout) == bool(extra), r.stdout
