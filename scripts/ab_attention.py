@@ -11,7 +11,8 @@ of one fp8 pool, rotating over --set-bytes of KV so that no set stays in L2; the
 each value in turn: a CUDA graph of one mla_decode call a set (graph_timing.py), --reps replays,
 their median. Prints, per shape, each value's median over the rounds with the rounds' range, and
 whether its o and lse on set 0 are bit-equal to the first value's (a switch meant to leave the
-numbers alone must say "bit-equal"). The value "-" unsets the variable. --fp8-query: each set's
+numbers alone must say "bit-equal"). The value "-" unsets the variable (first in the list, write
+--values=-,bulk: argparse takes a bare "-,bulk" for an option). --fp8-query: each set's
 bf16 q quantized per tensor to e4m3fn (kimi_ops.quantize_query, amax scale), mla_decode given
 q8 and q_scale= (the fp8-query kernels; the same random q as without it).
 The pool and the rotation matter outside the tile loop: in session 44 one kernel ran 27% slower
