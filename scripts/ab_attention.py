@@ -94,8 +94,8 @@ def main(argv=None):
                 q = torch.randn(B * qlen, H, 576, device=dev).to(torch.bfloat16)
                 sets.append((kimi_ops.quantize_query(q) if args.fp8_query else (q, None), idx))
 
-            def call(q, idx):
-                q, q_scale = q
+            def call(query, idx):
+                q, q_scale = query
                 kw = {} if q_scale is None else {"q_scale": q_scale}
                 return kimi_ops.mla_decode(q, pool, indptr, idx, qlen=qlen, scale=SCALE, kv_scale=KV_SCALE, **kw)
 

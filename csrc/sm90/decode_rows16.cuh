@@ -272,8 +272,8 @@ __global__ void __launch_bounds__(kSplitKVThreads, 2) splitkv_kernel(const Split
   const int wq = warp;
   stage_query_rows<kRows, kWarps, kFp8Q>(p, sm.q, sm.row_fac, flat0, valid_rows, warp, lane);
   // each row's token limit (the tokens it sees, capped at the split's end), one thread a row, not
-  // every thread its 2 (integer divisions each): 3392 -> 3232 SASS instructions, B1 / B4 -1.1 to
-  // -1.9% on an H100 (docs/perf-history.md "Session 46")
+  // every thread its 2 (integer divisions each): B1 / B4 -1.1 to -1.9% on an H100, splitkv_kernel<2>
+  // 3392 -> 3232 SASS instructions with QueryRows' addresses (docs/perf-history.md "Session 46")
   if (tid < kRows) sm.row_lim[tid] = work.row_limit(p, row0 + tid);
   float m_run[2], l_run[2];
   float acc[16][4];
