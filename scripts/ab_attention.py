@@ -92,12 +92,12 @@ def main(argv=None):
             for _ in range(nsets):
                 idx = contiguous_run(pool_rows, tok, dev)
                 q = torch.randn(B * qlen, H, 576, device=dev).to(torch.bfloat16)
-                sets.append((kimi_ops.quantize_query(q) if args.fp8_query else (q, None), idx))
+                q, q_scale = kimi_ops.quantize_query(q) if args.fp8_query else (q, None)
+                sets.append((q, q_scale, idx))
 
-            def call(query, idx):
-                q, q_scale = query
-                kw = {} if q_scale is None else {"q_scale": q_scale}
-                return kimi_ops.mla_decode(q, pool, indptr, idx, qlen=qlen, scale=SCALE, kv_scale=KV_SCALE, **kw)
+            def call(q, q_scale, idx):
+                return kimi_ops.mla_decode(q, pool, indptr, idx, qlen=qlen, scale=SCALE, kv_scale=KV_SCALE,
+                                           q_scale=q_scale)
 
             same = {}
             base = None
@@ -111,7 +111,7 @@ def main(argv=None):
             for _ in range(args.rounds):
                 for v in values:
                     set_env(args.env, v)
-                    t, _ = time_graph([lambda q=q, idx=idx: call(q, idx) for q, idx in sets], args.reps)
+                    t, _ = time_graph([lambda s=s: call(*s) for s in sets], args.reps)
                     times[v].append(t * 1e6)
             cells = []
             for v in values:
