@@ -9,6 +9,10 @@
 # CALL_BUDGET: seconds the whole script may take (default 570, inside run()'s 600 s limit); the
 # benchmark gets what the build left (the json / md are written after every shape, so a stopped
 # run still leaves the shapes it measured, and the table below still prints).
+# GPU_TESTS=1: then the Hopper kernels' GPU tests on the same build (test_cuda_attention, test_pdl,
+# test_runtime_gpu, -k "not interp", ~70 s) -> $OUT/pytest.log; the benchmark leaves them
+# TEST_TIME seconds (default 170) of CALL_BUDGET. The table and the tests in one call:
+#   run(command="GPU_TESTS=1 CALL_BUDGET=570 bash scripts/device_bench.sh", carry=[".whl", ".peers"])
 set -uo pipefail
 if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0; fi
 OUT=${OUT:-out}
@@ -26,6 +30,7 @@ echo "build rc=$? ($(( $(date +%s) - start )) s since start)" | tee -a "$OUT/bui
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 python3 -c "import kimi_ops._C, torch; print(torch.ops.kimi_ops._build_info())" 2>&1 | tail -n 3 | tee -a "$OUT/build.log"
 left=$(( ${CALL_BUDGET:-570} - ($(date +%s) - start) ))
+[ -n "${GPU_TESTS:-}" ] && left=$(( left - ${TEST_TIME:-170} ))
 echo "benchmark: ${left} s left for it"
 timeout "$left" python3 scripts/bench_attention.py --grid issue27 --out "$OUT" --mma bf16 \
     --peers flashmla_fp8,flashmla_bf16,flashinfer,flashinfer_bf16,vllm_triton ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
@@ -34,3 +39,11 @@ grep -E "^(backend |kimi_ops fp8|device )|Traceback|Error" "$OUT/bench.log" | he
 grep -E "^H[0-9]+ B" "$OUT/bench.log" | cut -c1-600
 echo
 cat "$OUT/bench_attention_peers.md" 2>/dev/null || echo "no peer table: see $OUT/bench.log"
+if [ -n "${GPU_TESTS:-}" ]; then
+    tests_left=$(( ${CALL_BUDGET:-570} - ($(date +%s) - start) ))
+    export PYTHONPATH=$PYTHONPATH:${KIMI_PEERS_SITE:-/tmp/site}  # setup_peers.sh installed the carried wheels there (expecttest: opcheck)
+    timeout "$tests_left" python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_cuda_attention.py tests/test_pdl.py \
+        tests/test_runtime_gpu.py -k "not interp" > "$OUT/pytest.log" 2>&1
+    echo "pytest rc=$? ($(( $(date +%s) - start )) s since start)" >> "$OUT/pytest.log"
+    tail -n 3 "$OUT/pytest.log"
+fi
