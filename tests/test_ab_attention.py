@@ -46,3 +46,20 @@ def test_dry_run_on_cpu(extra):
     assert "a: 10.00 us" in line[0] and "-: 10.00 us" in line[0] and "b: 10.00 us [10.00-10.00] +0.0%" in line[0]
     assert "restored: before" in r.stdout
     assert ("; fp8 query" in r.stdout) == bool(extra), r.stdout
+
+
+def test_save_is_seeded(tmp_path):
+    """--save: two runs (two processes, as two builds would be) save the same o and lse of set 0
+    for each shape, bit for bit: the inputs are seeded, so a difference is the kernels'."""
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", SCRIPTS=SCRIPTS)
+    files = [tmp_path / f"run{i}.pt" for i in (1, 2)]
+    for f in files:
+        r = subprocess.run([sys.executable, "-c", DRY_RUN, "--save", str(f)], env=env, capture_output=True, text=True,
+                           timeout=600, check=False)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-4000:]
+    import torch
+    a, b = (torch.load(f) for f in files)
+    assert list(a) == ["H4 B2 96 q2"] and a.keys() == b.keys()
+    o, lse = a["H4 B2 96 q2"]
+    assert o.shape == (2 * 2, 4, 512) and lse.shape == (2 * 2, 4) and torch.isfinite(o).all()
+    assert torch.equal(o, b["H4 B2 96 q2"][0]) and torch.equal(lse, b["H4 B2 96 q2"][1])

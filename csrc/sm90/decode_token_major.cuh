@@ -74,7 +74,7 @@ struct TokenMajorSmem {
   float red[TILE / 16][kRows];  // per token warp: the tile's row maxima; at the end the row sums
   float row_scale[kRows];       // the tile's O rescale per row; at the end kv_scale / l
   float row_fac[kRows];
-  float row_max[kRows];   // at the end: each row's running max (log2 units)
+  float row_max[kRows];   // each row's running max (log2 units): tm_raise_running_max's, at the end the epilogue's
   int row_lim[kRows];     // the tokens each row sees in the split (CtaWork::row_limit)
   uint64_t full[STAGES];  // bulk loads: the stage's copied rows landed
 };
@@ -220,12 +220,15 @@ __device__ __forceinline__ bool tm_mask_and_max(float (&s)[HT][4], float (&tile_
 
 // The slow path of lazy rescaling (every thread of the CTA): the thread's row maxima
 // (tm_mask_and_max) reduced over the warp's lanes of each row, the kTokWarps token warps' maxima
-// through red[tq * red_stride + row] (rows row0 + 8j + 2c + h), the running max raised to them, l
-// rescaled, and each row's O rescale factor to row_scale[row].
+// through red[tq * red_stride + row] (rows row0 + 8j + 2c + h); then one thread a row (tid < rows)
+// raises the row's running max row_max[row] to them and writes the O / l rescale factor to
+// row_scale[row]; every thread takes both for its rows (m_run, l_run). The same numbers as each
+// thread reducing its own rows over the token warps, in less code: 2 loads a row, not kTokWarps.
 template <int HT, int kTokWarps>
 __device__ __forceinline__ void tm_raise_running_max(float (&m_run)[HT][2], float (&l_run)[HT][2],
                                                      float (&tile_max)[HT][2], float* red, int red_stride,
-                                                     float* row_scale, int row0, int tq, int g, int c) {
+                                                     float* row_max, float* row_scale, int rows, int row0, int tq,
+                                                     int g, int c, int tid) {
 #pragma unroll
   for (int j = 0; j < HT; ++j)
 #pragma unroll
@@ -239,19 +242,25 @@ __device__ __forceinline__ void tm_raise_running_max(float (&m_run)[HT][2], floa
 #pragma unroll
       for (int h = 0; h < 2; ++h) red[tq * red_stride + row0 + 8 * j + 2 * c + h] = tile_max[j][h];
   __syncthreads();
+  if (tid < rows) {
+    const float m_old = row_max[tid];
+    float mx = m_old;
 #pragma unroll
-  for (int j = 0; j < HT; ++j)
+    for (int w = 0; w < kTokWarps; ++w) mx = fmaxf(mx, red[w * red_stride + tid]);
+    row_scale[tid] = fast_exp2(m_old - (mx == -INFINITY ? 0.f : mx));
+    row_max[tid] = mx;
+  }
+  __syncthreads();
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = row0 + 8 * j + 2 * c + h;
-      float mx = m_run[j][h];
-#pragma unroll
-      for (int w = 0; w < kTokWarps; ++w) mx = fmaxf(mx, red[w * red_stride + r]);
-      const float alpha = fast_exp2(m_run[j][h] - (mx == -INFINITY ? 0.f : mx));
-      m_run[j][h] = mx;
-      l_run[j][h] *= alpha;
-      if (tq == 0 && g == 0) row_scale[r] = alpha;
-    }
+  for (int j = 0; j < HT; ++j) {
+    const int r = row0 + 8 * j + 2 * c;
+    const float2 mx = *reinterpret_cast<const float2*>(&row_max[r]);
+    const float2 alpha = *reinterpret_cast<const float2*>(&row_scale[r]);
+    m_run[j][0] = mx.x;
+    m_run[j][1] = mx.y;
+    l_run[j][0] *= alpha.x;
+    l_run[j][1] *= alpha.y;
+  }
 }
 
 // S^T becomes P = 2^(s - m_run), added to l.
@@ -369,7 +378,10 @@ __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const Spli
                                                                                                        lane);
   // each row's token limit, one thread a row (every thread computing its own 2 kHT rows', two
   // integer divisions each, was 2-6% of a 32-64-row call, H100 2026-12-06)
-  if (tid < kRows) sm.row_lim[tid] = work.row_limit(p, row0 + tid);
+  if (tid < kRows) {
+    sm.row_lim[tid] = work.row_limit(p, row0 + tid);
+    sm.row_max[tid] = -INFINITY;  // the running max the lazy rescaling's slow path keeps (log2 units)
+  }
   if constexpr (kLoad == TmLoad::kCpAsync) {
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
@@ -456,8 +468,8 @@ __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const Spli
     const bool raise = tm_mask_and_max<kHT>(s, tile_max, row_fac, lim, m_run, tok_base, g, whole);
     const bool rescale = __syncthreads_or(raise);  // also: every warp is done with red, row_scale
     if (rescale)
-      tm_raise_running_max<kHT, kTokWarps>(m_run, l_run, tile_max, sm.red[0], kRows, sm.row_scale, half_row0, tq, g,
-                                           c);
+      tm_raise_running_max<kHT, kTokWarps>(m_run, l_run, tile_max, sm.red[0], kRows, sm.row_max, sm.row_scale, kRows,
+                                           half_row0, tq, g, c, tid);
     tm_exp<kHT>(s, m_run, l_run);
     tm_store_p<kHT, TILE>(sm.p, s, half_row0, tq * 16, g, c);
     fence_proxy_async_smem();
