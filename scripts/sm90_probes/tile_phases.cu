@@ -54,7 +54,7 @@ __device__ void fill_random(Smem& sm, int tid) {
   for (int i = tid; i < int(sizeof(sm.kv)) / 4; i += 256) reinterpret_cast<uint32_t*>(sm.kv)[i] = hsh(i + blockIdx.x * 7919) & 0x77777777u;
   for (int i = tid; i < int(sizeof(sm.q)) / 2; i += 256) sm.q[i] = __float2half((int)(hsh(3 * i + 1) & 0xffff) / 32768.f - 1.f);
   for (int i = tid; i < int(sizeof(sm.p)) / 2; i += 256) sm.p[i] = __float2half((hsh(5 * i + 2) & 0xffff) / 65536.f);
-  for (int i = tid; i < Smem::kRows; i += 256) sm.row_scale[i] = 0.9f;
+  for (int i = tid; i < Smem::kRows; i += 256) sm.row_scale[i] = 0.9f, sm.row_max[i] = -INFINITY;
   fence_proxy_async_smem();
   __syncthreads();
 }
@@ -144,7 +144,8 @@ __global__ void __launch_bounds__(256, 1) loop(int iters, const uint8_t* kv, con
       float tile_max[kHT][2];
       const bool raise = tm_mask_and_max<kHT>(s, tile_max, row_fac, lim, m_run, w.lo + t * TILE + tq * 16, g, true);
       rescale = kBarriers ? __syncthreads_or(raise) : raise;
-      if (rescale) tm_raise_running_max<kHT, 8>(m_run, l_run, tile_max, sm.red[0], Smem::kRows, sm.row_scale, 0, tq, g, c);
+      if (rescale) tm_raise_running_max<kHT, 8>(m_run, l_run, tile_max, sm.red[0], Smem::kRows, sm.row_max, sm.row_scale,
+                                             Smem::kRows, 0, tq, g, c, tid);
       tm_exp<kHT>(s, m_run, l_run);
       tm_store_p<kHT, TILE>(sm.p, s, 0, tq * 16, g, c);
       fence_proxy_async_smem();
