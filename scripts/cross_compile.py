@@ -152,8 +152,43 @@ def sm90_resources(ptx: str, tmp_dir: str, arch: str = "sm_90a") -> dict:
     return {"regs": regs, "spill_stores": stores, "spill_loads": loads, "stack": stack}
 
 
+# Triton 3.6 keeps state from the first AMD arch it lowers for in a process: gfx942 compiled after
+# gfx950 gets gfx950 instructions (v_cvt_scalef32_pk_bf16_fp8 for an e4m3fn -> bf16 conversion)
+# and its link fails. 3.7 and 3.8 do not. Under 3.6 a second AMD arch compiles in a fresh process.
+_AMD_ARCHS_COMPILED = set()
+
+
+def _own_process(target_name) -> bool:
+    import triton
+
+    if TARGETS[target_name][0] != "hip":
+        return False
+    version = tuple(int(x) for x in re.findall(r"\d+", triton.__version__)[:2])
+    return version < (3, 7) and bool(_AMD_ARCHS_COMPILED - {target_name})
+
+
+def _run_in_own_process(target_name, out_dir, only, quiet):
+    import subprocess
+
+    cmd = [sys.executable, os.path.abspath(__file__), "--target", target_name, "--out", out_dir]
+    for o in only or ():
+        cmd += ["--only", o]
+    if quiet:
+        cmd.append("--quiet")
+    r = subprocess.run(cmd, capture_output=quiet, text=True, check=False)
+    if r.returncode != 0:
+        raise RuntimeError(f"cross_compile.py --target {target_name} failed: {(r.stdout or '')[-2000:]}"
+                           f"{(r.stderr or '')[-4000:]}")
+    with open(os.path.join(out_dir, target_name, "summary.json")) as f:
+        return json.load(f)
+
+
 def run(target_name, out_dir, only=None, quiet=False):
+    if _own_process(target_name):
+        return _run_in_own_process(target_name, out_dir, only, quiet)
     backend = TARGETS[target_name][0]
+    if backend == "hip":
+        _AMD_ARCHS_COMPILED.add(target_name)
     dest = os.path.join(out_dir, target_name)
     os.makedirs(dest, exist_ok=True)
     results = []
@@ -201,10 +236,11 @@ def main(argv=None):
                     help="repeatable")
     ap.add_argument("--out", required=True)
     ap.add_argument("--only", action="append", help="regex on variant names (repeatable)")
+    ap.add_argument("--quiet", action="store_true", help="no line a variant (summary.json only)")
     args = ap.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)
     for t in args.target:
-        run(t, args.out, args.only)
+        run(t, args.out, args.only, quiet=args.quiet)
 
 
 if __name__ == "__main__":

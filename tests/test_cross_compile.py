@@ -175,3 +175,25 @@ def test_sm90_weights_before_the_pdl_wait(tmp_path):
         loads = [m.start() for m in re.finditer(r"\bld\.global", ptx)]
         before = sum(p < waits[0] for p in loads)
         assert before >= 1 and len(loads) > before, (name, before, len(loads))
+
+
+def test_gfx942_after_gfx950_in_one_process(tmp_path):
+    """gfx942 compiled after gfx950 in one process is gfx942 code. Triton 3.6 carried gfx950's
+    lowering into it (an e4m3fn -> bf16 conversion became v_cvt_scalef32_pk_bf16_fp8 and the link
+    failed), so under 3.6 cross_compile.run compiles a second AMD arch in its own process."""
+    only = ["splitkv_bf16_fn_m16_q8"]
+    first = _run("gfx950", only, tmp_path / "a")["splitkv_bf16_fn_m16_q8"]["mma"]
+    second = _run("gfx942", only, tmp_path / "b")["splitkv_bf16_fn_m16_q8"]["mma"]
+    assert any("16x16x32_bf16" in k for k in first), first   # gfx950's MFMA
+    assert second and all("16x16x16_bf16" in k for k in second), second
+
+
+def test_own_process_rule(monkeypatch):
+    """Which cross-compiles run in a fresh process: a second AMD arch under Triton < 3.7 only."""
+    import cross_compile
+
+    monkeypatch.setattr(cross_compile, "_AMD_ARCHS_COMPILED", {"gfx950"})
+    for version, expected in (("3.6.0", {"gfx942": True, "gfx950": False, "sm90": False}),
+                              ("3.8.0", {"gfx942": False, "gfx950": False, "sm90": False})):
+        monkeypatch.setattr(triton, "__version__", version)
+        assert {t: cross_compile._own_process(t) for t in expected} == expected, version

@@ -408,8 +408,10 @@ def gemv_vec(block_k: int) -> int:
     return min(16, block_k & -block_k)
 
 
-def gemv_config(m: int, n: int, k: int, block_k: int = 128, sms: int = 132) -> tuple[int, int, int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, DEPTH, X_AHEAD) of the GEMV kernel from shapes and the SM count.
+def gemv_config(m: int, n: int, k: int, block_k: int = 128, sms: int = 132,
+                amd: bool = False) -> tuple[int, int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, DEPTH, X_AHEAD) of the GEMV kernel from shapes and the SM count;
+    ``amd``: for gfx950 / gfx942 (a ROCm build).
 
     * BLOCK_K 128 at 8 warps: 256 threads, 8 along K (16 bytes each) by 4 along N a warp, warps
       along N; an x row tile (128 elements) has fewer elements than the CTA has threads, which
@@ -429,10 +431,15 @@ def gemv_config(m: int, n: int, k: int, block_k: int = 128, sms: int = 132) -> t
     M = 1 (BLOCK_N 32..256, the split at 1, 132, 264, 528 programs, 4 warps with BLOCK_K 64, 2 warps
     with 32, X_AHEAD) none beat these by more than 0.15 us except q_b's (64, 128, 6, 8, X_AHEAD 1),
     5.76. Split 1 is 2-3x slower (too few programs, one tile in flight each).
+
+    AMD (not timed there; scripts/cross_compile.py): BLOCK_N 32 at M = 3..8 (above 4 only where
+    KIMI_OPS_FP8_GEMV forces the GEMV). With 64, Triton 3.6's gfx950 code for qkv_a + gate at M 4
+    (7 K tiles a split) spilled 149 VGPRs at 256 (Triton 3.8: none; the same tile at 14 tiles a
+    split: 90 VGPRs, at 4: 23 spilled); 32 takes 104 VGPRs, 4 waves (2026-12-06).
     """
     m = max(1, m)
     bk, warps = 128, 8
-    bn = 128 if m <= 2 else 64 if m <= 8 else 32
+    bn = 128 if m <= 2 else 32 if amd or m > 8 else 64
     bn = min(bn, max(32, triton.next_power_of_2(n)))
     k_tiles = max(1, triton.cdiv(k, bk))
     tiles = triton.cdiv(n, bn)
@@ -518,7 +525,8 @@ def gemm_a16w8_block(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor
     if gemv is None:
         gemv = use_gemv(m, n, k, x.device)
     if gemv:
-        cfg = config or _env_gemv_config() or gemv_config(m, n, k, block_k, _sm_count(x.device))
+        cfg = config or _env_gemv_config() or gemv_config(m, n, k, block_k, _sm_count(x.device),
+                                                          amd=torch.version.hip is not None)
         if len(cfg) != 6:
             raise ValueError(f"gemm_a16w8_block: the GEMV kernel's config is (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, "
                              f"DEPTH, X_AHEAD), got {cfg}")
@@ -580,16 +588,16 @@ DIVISIBLE_16 = ("N", "K", "block_n", "block_k", "stride_xm", "stride_wn")
 Triton's JIT at launch; M and the scales' row stride, ceil(K / 128), are not)."""
 
 
-def _gemv_launch(m: int, n: int, k: int, block_k: int = 128, sms: int = 132):
+def _gemv_launch(m: int, n: int, k: int, block_k: int = 128, sms: int = 132, amd: bool = False):
     """(BLOCK_M, BLOCK_N, BLOCK_K, VEC, TILES_PER_SPLIT, SPLIT_K, num_warps, DEPTH, X_AHEAD) the GEMV
     launches by default."""
-    bn, bk, split, warps, depth, ahead = gemv_config(m, n, k, block_k, sms)
+    bn, bk, split, warps, depth, ahead = gemv_config(m, n, k, block_k, sms, amd=amd)
     split, per = _split_plan(-(-k // bk), split)
     return triton.next_power_of_2(m), bn, bk, gemv_vec(block_k), per, split, warps, depth, ahead
 
 
-def _gemv_spec_name(m: int, n: int, k: int, sms: int = 132) -> str:
-    bm, bn, bk, vec, per, split, warps, depth, ahead = _gemv_launch(m, n, k, sms=sms)
+def _gemv_spec_name(m: int, n: int, k: int, sms: int = 132, amd: bool = False) -> str:
+    bm, bn, bk, vec, per, split, warps, depth, ahead = _gemv_launch(m, n, k, sms=sms, amd=amd)
     return f"gemv_a16w8_block_m{bm}n{bn}k{bk}v{vec}p{per}s{split}w{warps}d{depth}a{ahead}"
 
 
@@ -625,7 +633,7 @@ def _specs():
                 swap = default_swap(m, bm, hopper=target == "sm90")
                 dots[(bm, bn, bk, -(-k // bk), per, split, warps, stages, swap)] = None
             for m in range(1, (GEMV_LIMIT_M if target == "sm90" else GEMV_MAX_M) + 1):
-                gemvs[_gemv_spec_name(m, n, k, sms)] = _gemv_launch(m, n, k, sms=sms)
+                gemvs[_gemv_spec_name(m, n, k, sms, amd)] = _gemv_launch(m, n, k, sms=sms, amd=amd)
         for bm, bn, bk, k_tiles, per, split, warps, stages, swap in dots:
             splits.add(split)
             specs.append({
