@@ -5,6 +5,8 @@
 #   run(command="bash scripts/device_check.sh", carry=[".whl"])
 # TEST_BUDGET: seconds the tests may take (default 420; they are killed after it, the names of
 # the results so far are in $OUT/pytest.log). PYTEST_ARGS: more pytest arguments (e.g. "-k gpu").
+# The interpreter tests (names with "interp": CPU-only, the slowest, run by CI) are left out unless
+# ALL_TESTS=1: with them the whole suite had reached ~72% when 400 s ran out (H100, 2026-12-06).
 # DCP_ONLY=1 runs only the DCP tests and the multi-GPU part (for the several-GPU kinds):
 #   run(command="DCP_ONLY=1 bash scripts/device_check.sh", carry=[".whl"], kind="nvidia-h200-x4")
 # SANITIZE=1 also runs compute-sanitizer memcheck, racecheck and synccheck on the Hopper kernels'
@@ -25,7 +27,8 @@ if [ -n "${DCP_ONLY:-}" ]; then
     tail -n 8 "$OUT/pytest.log"
 else
     # -v names each result as it ends, so a run cut by the time limit still says which failed
-    timeout "${TEST_BUDGET:-420}" python3 -m pytest -v -ra -n 16 -p no:cacheprovider tests ${PYTEST_ARGS:-} \
+    select=(-k "not interp"); [ -n "${ALL_TESTS:-}" ] && select=()
+    timeout "${TEST_BUDGET:-420}" python3 -m pytest -v -ra -n 16 -p no:cacheprovider tests "${select[@]}" ${PYTEST_ARGS:-} \
         > "$OUT/pytest.log" 2>&1
     echo "pytest rc=$?" >> "$OUT/pytest.log"
     grep -E "FAILED|ERROR" "$OUT/pytest.log" | grep -v "^E " | sort -u | head -n 40
