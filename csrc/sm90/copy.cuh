@@ -23,6 +23,13 @@ __device__ __forceinline__ void cp_async_16(void* dst, const void* src, int src_
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
                "r"(src_bytes));
 }
+// The same, zero-filling all 16 bytes (reading nothing) when `index` < 0.
+__device__ __forceinline__ void cp_async_16_unless_negative(void* dst, const void* src, int index) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.lt.s32 p, %2, 0;\n cp.async.cg.shared.global [%0], [%1], 16, p;\n}\n" ::"r"(
+          smem_addr(dst)),
+      "l"(src), "r"(index));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
