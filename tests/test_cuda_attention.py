@@ -232,13 +232,14 @@ def check_work_list_decode(lens, qlen, H, S, gen, oob=0):
 
 
 @requires_sm90
-@pytest.mark.parametrize("rows,load", [("32", "cp"), ("32", "bulk"), ("48", None), ("64", None)])
+@pytest.mark.parametrize("rows,load", [("32", "cp"), ("32", "bulk"), ("48", "cp"), ("48", "halves"), ("64", None)])
 def test_tile_edges(rows, load, monkeypatch):
     """Lengths at the 64- and 128-token tile edges, 1-3 splits, on each token-major CTA height:
     32 and 48 rows stream 128-token tiles, whose last one reaches past the split's end when the
     split holds an odd number of 64-token tiles (its rows zero-filled and masked). 32 rows under
     both gathers (KIMI_OPS_SM90_TM_LOAD: cp.async chunks, or bulk copies with the rows past the
-    split zeroed by stores), the fp8 query too."""
+    split zeroed by stores), 48 rows under both of theirs (whole tiles, or by halves), the fp8
+    query too."""
     import kimi_ops.kernels.sm90 as hopper
     monkeypatch.setenv(hopper.ROWS_ENV, rows)
     if load is not None:

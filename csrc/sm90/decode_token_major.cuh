@@ -57,12 +57,15 @@ namespace {
 //                   w the tokens [16(w%4), +16). A = K (ldmatrix of the fp8 bytes, cvt to f16, with
 //                   Q's columns permuted as in stage_query_rows), B = Q (QueryRows, kCoreMatrix),
 //                   36 wgmma m64 k16 a warpgroup (n = N, or N/2 at TILE 64); the next tile's copies
-//                   are issued between them (TileLoader::load_piece)
+//                   are issued between them (TileLoader::load_piece; kCpAsyncHalves: its second
+//                   half only, load_piece_second_half)
 //   softmax         lazy (kMaxSlack): the tile's row maxima through smem (TILE / 16 token warps)
 //                   only when the vote says some row's max rose by more than 2^8, each such row's O
 //                   rescale (alpha) to smem; P (f16) to smem, MN-major for B (tm_store_p)
 //   O^T += V^T P^T  warp w owns latents [64w, 64w+64) of all N rows: A = V^T (v_token_pairs, as
-//                   in tile_pv), B = P, TILE / 4 wgmma m64 nN k16 a warpgroup
+//                   in tile_pv), B = P, TILE / 4 wgmma m64 nN k16 a warpgroup; kCpAsyncHalves:
+//                   once every warp has read the first 64 tokens (a barrier), the tile after
+//                   next's first half goes into them (TileLoader::load_half)
 // O^T's M row g (g + 8) of warp w's m-tile 2s + f is latent 64w + 32s + 4g + 2f (+ 1).
 
 template <int NT, int STAGES, int TILE>
@@ -74,15 +77,16 @@ struct TokenMajorSmem {
   float red[TILE / 16][kRows];  // per token warp: the tile's row maxima; at the end the row sums
   float row_scale[kRows];       // the tile's O rescale per row; at the end kv_scale / l
   float row_fac[kRows];
-  float row_max[kRows];   // each row's running max (log2 units): tm_raise_running_max's, at the end the epilogue's
+  float row_max[kRows];   // each row's running max (log2 units), kept by tm_raise_running_max
   int row_lim[kRows];     // the tokens each row sees in the split (CtaWork::row_limit)
   uint64_t full[STAGES];  // bulk loads: the stage's copied rows landed
 };
 
 // How a token-major CTA gathers its tiles.
 enum class TmLoad {
-  kCpAsync,  // every thread copies 16-byte chunks (TileLoader), on cp.async groups
-  kBulk,     // one cp.async.bulk of 576 bytes a token row onto the stage's `full` mbarrier
+  kCpAsync,        // every thread copies 16-byte chunks (TileLoader), on cp.async groups
+  kBulk,           // one cp.async.bulk of 576 bytes a token row onto the stage's `full` mbarrier
+  kCpAsyncHalves,  // as kCpAsync, a 128-token tile by halves (TileLoader<..., kHalves>; 2 stages)
 };
 
 // The bulk loads of a token-major CTA: one token row of each tile a lane of the issuing warps (the
@@ -220,14 +224,14 @@ __device__ __forceinline__ bool tm_mask_and_max(float (&s)[HT][4], float (&tile_
 
 // The slow path of lazy rescaling (every thread of the CTA): the thread's row maxima
 // (tm_mask_and_max) reduced over the warp's lanes of each row, the kTokWarps token warps' maxima
-// through red[tq * red_stride + row] (rows row0 + 8j + 2c + h); then one thread a row (tid < rows)
+// through red[tq * rows + row] (rows row0 + 8j + 2c + h); then one thread a row (tid < rows)
 // raises the row's running max row_max[row] to them and writes the O / l rescale factor to
 // row_scale[row]; every thread takes both for its rows (m_run, l_run). The same numbers as each
 // thread reducing its own rows over the token warps, in less code: 2 loads a row, not kTokWarps.
 template <int HT, int kTokWarps>
 __device__ __forceinline__ void tm_raise_running_max(float (&m_run)[HT][2], float (&l_run)[HT][2],
-                                                     float (&tile_max)[HT][2], float* red, int red_stride,
-                                                     float* row_max, float* row_scale, int rows, int row0, int tq,
+                                                     float (&tile_max)[HT][2], float* red, float* row_max,
+                                                     float* row_scale, int rows, int row0, int tq,
                                                      int g, int c, int tid) {
 #pragma unroll
   for (int j = 0; j < HT; ++j)
@@ -240,13 +244,13 @@ __device__ __forceinline__ void tm_raise_running_max(float (&m_run)[HT][2], floa
 #pragma unroll
     for (int j = 0; j < HT; ++j)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) red[tq * red_stride + row0 + 8 * j + 2 * c + h] = tile_max[j][h];
+      for (int h = 0; h < 2; ++h) red[tq * rows + row0 + 8 * j + 2 * c + h] = tile_max[j][h];
   __syncthreads();
   if (tid < rows) {
     const float m_old = row_max[tid];
     float mx = m_old;
 #pragma unroll
-    for (int w = 0; w < kTokWarps; ++w) mx = fmaxf(mx, red[w * red_stride + tid]);
+    for (int w = 0; w < kTokWarps; ++w) mx = fmaxf(mx, red[w * rows + tid]);
     row_scale[tid] = fast_exp2(m_old - (mx == -INFINITY ? 0.f : mx));
     row_max[tid] = mx;
   }
@@ -282,11 +286,12 @@ __device__ __forceinline__ void tm_exp(float (&s)[HT][4], const float (&m_run)[H
 // with scale-d 0 (O is not zeroed before the loop: as in tm_scores). The last k-step's wgmma group
 // (the PV tail) is left in flight: its A fragments are kept in `tail` until the caller waits for
 // it (tm_scores' before_first_mma, or after the loop); it reads P, which the next tile rewrites
-// only after every warp has passed that wait and a barrier.
-template <int NT, int TILE>
+// only after every warp has passed that wait and a barrier. after_first_half(): once the warp has
+// read the tile's first TILE / 2 tokens (the halves loader refills them from there).
+template <int NT, int TILE, class AfterFirstHalf>
 __device__ __forceinline__ void tm_pv(float (&acc)[4][NT][4], const uint8_t* tile, uint64_t p_desc,
                                       const float* row_scale, bool rescale, int warp, int g, int c,
-                                      uint32_t (&tail)[2][2][4], bool first) {
+                                      uint32_t (&tail)[2][2][4], bool first, AfterFirstHalf&& after_first_half) {
   // CTA-uniform: only a tile that raised some row's running max (tile 0's O is not written yet)
   if (rescale && !first) {
     float2 alpha[NT];
@@ -329,6 +334,7 @@ __device__ __forceinline__ void tm_pv(float (&acc)[4][NT][4], const uint8_t* til
       WgmmaF16RS<8 * NT, 1>::run(acc[2 * sp + 1], a_odd, p_desc + (kk * 256 >> 4), scale_d);
     }
     wgmma_commit();
+    if (kk == TILE / 32 - 1) after_first_half();
     wgmma_wait<1>();
   }
 }
@@ -346,6 +352,11 @@ __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const Spli
   // (K converted once a CTA); else all 64 tokens of the rows [N/2 h, N/2 (h+1))
   constexpr bool kWide = TILE == 128;
   constexpr int kRows = Smem::kRows, kHT = kWide ? NT : NT / 2, kTokWarps = TILE / 16, kThreads = 32 * kTmWarps;
+  // kHalves: the two-stage ring of 128-token tiles gathered by halves: tile t + 2's first 64 tokens
+  // go into tile t's stage once PV has read them (mid-PV, a CTA barrier), its second half during
+  // tile t + 1's QK; up to 1.5 tiles in flight, not 1
+  constexpr bool kHalves = kLoad == TmLoad::kCpAsyncHalves, kCp = kLoad != TmLoad::kBulk;
+  static_assert(!kHalves || (kWide && STAGES == 2), "halves of 128-token tiles, two stages");
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   // the warp's 16 tokens of a tile; the first of the thread's S^T rows (shuffled: the compiler then
@@ -374,15 +385,15 @@ __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const Spli
     qrows.stage(p, sm.q, sm.row_fac, warp, lane);
   }
 
-  std::conditional_t<kLoad == TmLoad::kCpAsync, TileLoader<kTmWarps, TILE>, BulkTileLoader<TILE>> loader(p, work, warp,
-                                                                                                       lane);
+  std::conditional_t<kCp, TileLoader<kTmWarps, TILE, kHalves>, BulkTileLoader<TILE>> loader(
+      p, work, warp, lane);
   // each row's token limit, one thread a row (every thread computing its own 2 kHT rows', two
   // integer divisions each, was 2-6% of a 32-64-row call, H100 2026-12-06)
   if (tid < kRows) {
     sm.row_lim[tid] = work.row_limit(p, row0 + tid);
     sm.row_max[tid] = -INFINITY;  // the running max the lazy rescaling's slow path keeps (log2 units)
   }
-  if constexpr (kLoad == TmLoad::kCpAsync) {
+  if constexpr (kCp) {
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
       if (s < ntiles) loader.load(s, sm.kv[s]);
@@ -439,10 +450,14 @@ __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const Spli
   const int k_lane = (tq * 16 + (lane & 15)) * kSmemRow + (lane >> 4) * 16;
   const uint64_t q_desc = smem_desc(&sm.q[(half_row0 / 8) * kQCoreGroup], 128, kQCoreGroup * 2);
   const uint64_t p_desc = smem_desc(sm.p, 128, 16 * TILE);
+  if constexpr (kHalves) {  // tile 1's first half (its indices had Q's staging to land)
+    if (1 < ntiles) loader.load_half(0, sm.kv[1]);
+    cp_async_commit();
+  }
 
   for (int t = 0; t < ntiles; ++t) {
-    if constexpr (kLoad == TmLoad::kCpAsync)
-      cp_async_wait<STAGES - 2>();
+    if constexpr (kCp)
+      cp_async_wait<kHalves ? 1 : STAGES - 2>();  // kHalves: all but tile t + 1's first half
     else
       mbar_wait(&sm.full[t % STAGES], (t / STAGES) & 1);
     // tile t landed (its zeroed rows too); every warp is done with tile t - 1 (its stage, P, row_scale)
@@ -455,29 +470,37 @@ __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const Spli
     tm_scores<kHT>(
         s, tile + k_lane, q_desc,
         [&](int piece) {
-          if constexpr (kLoad == TmLoad::kCpAsync) {
+          if constexpr (kHalves) {
+            if (load_next) loader.load_piece_second_half(t + 1, piece, next_stage);
+          } else if constexpr (kCp) {
             if (load_next) loader.load_piece(t + STAGES - 1, piece, next_stage);
           } else if (piece == kBulkPiece && load_next) {
             loader.issue(t + STAGES - 1, next_stage, &sm.full[(t + STAGES - 1) % STAGES], tid == 0);
           }
         },
         wait_pv_tail);
-    if constexpr (kLoad == TmLoad::kCpAsync) cp_async_commit();
+    if constexpr (kCp) cp_async_commit();
     float tile_max[kHT][2];
     const bool whole = work.lo + (t + 1) * TILE <= cta_lim;  // no token of the tile is masked
     const bool raise = tm_mask_and_max<kHT>(s, tile_max, row_fac, lim, m_run, tok_base, g, whole);
     const bool rescale = __syncthreads_or(raise);  // also: every warp is done with red, row_scale
     if (rescale)
-      tm_raise_running_max<kHT, kTokWarps>(m_run, l_run, tile_max, sm.red[0], kRows, sm.row_max, sm.row_scale, kRows,
+      tm_raise_running_max<kHT, kTokWarps>(m_run, l_run, tile_max, sm.red[0], sm.row_max, sm.row_scale, kRows,
                                            half_row0, tq, g, c, tid);
     tm_exp<kHT>(s, m_run, l_run);
     tm_store_p<kHT, TILE>(sm.p, s, half_row0, tq * 16, g, c);
     fence_proxy_async_smem();
     __syncthreads();  // P and row_scale
-    tm_pv<NT, TILE>(acc, tile, p_desc, sm.row_scale, rescale, warp, g, c, pv_tail, t == 0);
+    tm_pv<NT, TILE>(acc, tile, p_desc, sm.row_scale, rescale, warp, g, c, pv_tail, t == 0, [&] {
+      if constexpr (kHalves) {
+        __syncthreads();  // every warp has read the tile's first half
+        if (t + 2 < ntiles) loader.load_half(0, sm.kv[t % STAGES]);
+        cp_async_commit();
+      }
+    });
   }
   wait_pv_tail();
-  if constexpr (kLoad == TmLoad::kCpAsync) cp_async_wait<0>();
+  if constexpr (kCp) cp_async_wait<0>();
   allow_next_grid();
 
   // --- epilogue: row sums over the lanes and the token warps; lse; O^T / l staged in smem as
@@ -493,11 +516,7 @@ __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const Spli
 #pragma unroll
     for (int j = 0; j < kHT; ++j)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int r = half_row0 + 8 * j + 2 * c + h;
-        sm.red[tq][r] = l_run[j][h];
-        if (tq == 0) sm.row_max[r] = m_run[j][h];  // the same in every token warp
-      }
+      for (int h = 0; h < 2; ++h) sm.red[tq][half_row0 + 8 * j + 2 * c + h] = l_run[j][h];
   }
   __syncthreads();
   // one thread a row: short code (4 lanes of warp 0 taking 12 unrolled rows each cost 3-11% of a

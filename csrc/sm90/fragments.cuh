@@ -163,12 +163,16 @@ __device__ __forceinline__ void v_token_pairs(const uint32_t (&x)[4], uint32_t (
 // 4 rows (measured: 2 lanes a row, 32 bytes of each of 16 rows an instruction, ran at 55% of this
 // rate from HBM). Each lane fetches its rows' indices one tile ahead (their latency hides behind a
 // tile of compute) and computes their addresses once a tile.
-template <int kWarps, int kTile = kTileN>
+// kHalves: a tile gathered by halves of kTile / 2 tokens (load_half): warp w's passes 0 .. kPasses/2
+// - 1 take its kLoadRows / 2 rows of the first half, the rest the same rows of the second.
+template <int kWarps, int kTile = kTileN, bool kHalves = false>
 struct TileLoader {
   static constexpr int kLoadRows = kTile / kWarps;
   static constexpr int kPasses = kLoadRows / 4;
+  static constexpr int kHalfPasses = kPasses / 2;
   static constexpr int kChunks = kRowBytes / 16;
   static_assert(kLoadRows % 4 == 0, "a warp loads whole passes of 4 rows");
+  static_assert(!kHalves || kPasses % 2 == 0, "a half is whole passes");
   const uint8_t* kv_lane;  // kv + the lane's 16-byte chunk within a row
   const int* idx_base;
   int64_t num_kv_rows;
@@ -177,16 +181,20 @@ struct TileLoader {
 
   __device__ __forceinline__ TileLoader(const SplitKVParams& p, const CtaWork& w, int warp, int lane)
       : idx_base(p.indices + w.start), num_kv_rows(p.num_kv_rows), lo(w.lo), hi(w.hi),
-        load_row(warp * kLoadRows + lane / 8), load_chunk(lane % 8) {
+        load_row(warp * (kHalves ? kLoadRows / 2 : kLoadRows) + lane / 8), load_chunk(lane % 8) {
     // through a mov the compiler cannot see into, so kv_lane stays one register pair (it had split
     // it back into kv and the chunk offset and added kv at every copy)
     asm("mov.b64 %0, %1;" : "=l"(kv_lane) : "l"(p.kv + load_chunk * 16));
     fetch_indices(0);
   }
+  // the tile row of pass m
+  __device__ __forceinline__ int row(int m) const {
+    return kHalves ? load_row + 4 * (m % kHalfPasses) + (m / kHalfPasses) * (kTile / 2) : load_row + 4 * m;
+  }
   __device__ __forceinline__ void fetch_indices(int t) {
 #pragma unroll
     for (int m = 0; m < kPasses; ++m) {
-      const int j = lo + t * kTile + load_row + 4 * m;
+      const int j = lo + t * kTile + row(m);
       next_index[m] = j < hi ? idx_base[j] : -1;  // past the split (or its last tile): zero-filled
     }
   }
@@ -210,21 +218,38 @@ struct TileLoader {
     for (int m = 0; m < kPasses; ++m) copy(m, k, stage);
     if (k == kLoadPieces - 1) fetch_indices(t + 1);
   }
+  // kHalves: half h of the tile whose indices next_index holds, all at once (no index fetch)
+  __device__ __forceinline__ void load_half(int h, uint8_t* stage) {
+    static_assert(kHalves, "a loader by halves");
+    resolve(h * kHalfPasses, kHalfPasses);
+#pragma unroll
+    for (int m = h * kHalfPasses; m < (h + 1) * kHalfPasses; ++m)
+#pragma unroll
+      for (int k = 0; k < kLoadPieces; ++k) copy(m, k, stage);
+  }
+  // kHalves: piece k of tile t's second half (as load_piece), then tile t + 1's indices
+  __device__ __forceinline__ void load_piece_second_half(int t, int k, uint8_t* stage) {
+    static_assert(kHalves, "a loader by halves");
+    if (k == 0) resolve(kHalfPasses, kHalfPasses);
+#pragma unroll
+    for (int m = kHalfPasses; m < kPasses; ++m) copy(m, k, stage);
+    if (k == kLoadPieces - 1) fetch_indices(t + 1);
+  }
   // An index outside the cache to -1, once a tile before its first copy, so that each copy is an
   // address and a sign test (with the bounds checked at every copy, ptxas recomputed them and the
   // address at each of the kLoadPieces pieces: ~30 instructions a piece, the token-major tile loop
   // 1429 -> 1252 SASS instructions at 48 rows without them)
-  __device__ __forceinline__ void resolve() {
+  __device__ __forceinline__ void resolve(int first = 0, int passes = kPasses) {
 #pragma unroll
-    for (int m = 0; m < kPasses; ++m)
+    for (int m = first; m < first + passes; ++m)
       if (next_index[m] >= num_kv_rows) next_index[m] = -1;
   }
-  // pass m's copy k: 16-byte chunk 8k + load_chunk of row load_row + 4m (zero-filled for idx < 0:
-  // the copy reads nothing, its out-of-range address unused)
+  // pass m's copy k: 16-byte chunk 8k + load_chunk of row(m) (zero-filled for idx < 0: the copy
+  // reads nothing, its out-of-range address unused)
   __device__ __forceinline__ void copy(int m, int k, uint8_t* stage) const {
     const int idx = next_index[m];
     if (k < kChunks / 8 || load_chunk < kChunks % 8)
-      cp_async_16_unless_negative(stage + (load_row + 4 * m) * kSmemRow + load_chunk * 16 + k * 128,
+      cp_async_16_unless_negative(stage + row(m) * kSmemRow + load_chunk * 16 + k * 128,
                                   kv_lane + static_cast<int64_t>(idx) * kRowBytes + k * 128, idx);
   }
 };

@@ -190,12 +190,29 @@ void launch_tm_instance(const SplitKVParams& params, dim3 grid, cudaStream_t str
     launch_kernel<splitkv_tm_kernel<NT, STAGES, TILE, false, kLoad>, Smem>(32 * kTmWarps, params, grid, stream);
 }
 
-// bulk loads for 32-row CTAs only (the other heights measured slower; not instantiated)
+// How the 48-row token-major kernel gathers: its 128-token tiles by halves (up to 1.5 tiles in
+// flight) where a request's rows are one CTA, else whole (cp.async). Measured on an H100
+// (2026-12-06, docs/perf-history.md "Session 50"; whole -> halves, us): H12 q4 B32 8k 79.8-80.0 ->
+// 76.3-76.6, q4 B8 8k 39.2-39.3 -> 38.8-38.9, but where two CTAs share a request's tokens (through
+// L2, fewer HBM bytes a CTA) the mid-PV barrier and copy burst cost more than they return: H12 q8
+// B32 8k 118.9-124.2 -> 124.9-125.4, H96 B64 4k 123.3-124.9 -> 130.1-131.0, H96 B8 8k 43.1 ->
+// 43.8-44.1. KIMI_OPS_SM90_TM_LOAD=cp / halves forces one (A/Bs).
+TmLoad tm_load_48(const SplitKVParams& params) {
+  if (env_equals("KIMI_OPS_SM90_TM_LOAD", "halves")) return TmLoad::kCpAsyncHalves;
+  if (env_equals("KIMI_OPS_SM90_TM_LOAD", "cp")) return TmLoad::kCpAsync;
+  return params.qlen * params.heads <= 48 ? TmLoad::kCpAsyncHalves : TmLoad::kCpAsync;
+}
+
+// bulk loads for 32-row CTAs only, halves for 48 (the other heights measured slower; not instantiated)
 template <int NT, int STAGES, int TILE = kTileN>
 void launch_splitkv_tm(const SplitKVParams& params, dim3 grid, cudaStream_t stream, int64_t cta_tokens) {
   if constexpr (NT == 4) {
     if (tm_load(cta_tokens) == TmLoad::kBulk)
       return launch_tm_instance<NT, STAGES, TILE, TmLoad::kBulk>(params, grid, stream);
+  }
+  if constexpr (NT == 6) {
+    if (tm_load_48(params) == TmLoad::kCpAsyncHalves)
+      return launch_tm_instance<NT, STAGES, TILE, TmLoad::kCpAsyncHalves>(params, grid, stream);
   }
   launch_tm_instance<NT, STAGES, TILE, TmLoad::kCpAsync>(params, grid, stream);
 }

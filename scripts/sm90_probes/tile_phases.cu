@@ -83,7 +83,7 @@ __global__ void __launch_bounds__(256, 1) phase(int iters, float* out) {
     if constexpr (MODE == 4) { scores_var<NT, 4, true>(s, tile + k_lane, q_desc); sink += s[t % NT][t % 4]; }
     if constexpr (MODE == 5) { scores_var<NT, 1, true>(s, tile + k_lane, q_desc); sink += s[t % NT][t % 4]; }
     if constexpr (MODE == 1 || MODE == 2) {
-      tm_pv<NT, TILE>(acc, tile, p_desc, sm.row_scale, (t & 7) == 0, warp, g, c, tail, t == 0);
+      tm_pv<NT, TILE>(acc, tile, p_desc, sm.row_scale, (t & 7) == 0, warp, g, c, tail, t == 0, [] {});
       wgmma_wait<0>();
       keep_alive(tail);
 #pragma unroll
@@ -95,7 +95,8 @@ __global__ void __launch_bounds__(256, 1) phase(int iters, float* out) {
 }
 
 // The kernel's tile loop (splitkv_tm_kernel, 48 rows, 128-token tiles) with pieces left out:
-// kCopies: the next tile's cp.async copies (TileLoader, contiguous rows of kv) and their wait;
+// kCopies: the next tile's cp.async copies (TileLoader, contiguous rows of kv) and their wait, the
+// whole tile during QK (the kernel's halves loader is not modelled);
 // kSoftmax: mask / max / vote / exp / P store and the two barriers (else QK then PV only);
 // kBarriers false drops the softmax's two barriers (the vote is the thread's own); kBurst issues
 // the next tile's copies all at the top of the tile (TileLoader::load) instead of spread over
@@ -144,7 +145,7 @@ __global__ void __launch_bounds__(256, 1) loop(int iters, const uint8_t* kv, con
       float tile_max[kHT][2];
       const bool raise = tm_mask_and_max<kHT>(s, tile_max, row_fac, lim, m_run, w.lo + t * TILE + tq * 16, g, true);
       rescale = kBarriers ? __syncthreads_or(raise) : raise;
-      if (rescale) tm_raise_running_max<kHT, 8>(m_run, l_run, tile_max, sm.red[0], Smem::kRows, sm.row_max, sm.row_scale,
+      if (rescale) tm_raise_running_max<kHT, 8>(m_run, l_run, tile_max, sm.red[0], sm.row_max, sm.row_scale,
                                              Smem::kRows, 0, tq, g, c, tid);
       tm_exp<kHT>(s, m_run, l_run);
       tm_store_p<kHT, TILE>(sm.p, s, 0, tq * 16, g, c);
@@ -153,7 +154,7 @@ __global__ void __launch_bounds__(256, 1) loop(int iters, const uint8_t* kv, con
     } else {
       l_run[0][0] += s[0][0] + s[kHT - 1][3];
     }
-    tm_pv<NT, TILE>(acc, tile, p_desc, sm.row_scale, rescale, warp, g, c, pv_tail, t == 0);
+    tm_pv<NT, TILE>(acc, tile, p_desc, sm.row_scale, rescale, warp, g, c, pv_tail, t == 0, [] {});
   }
   wait_pv_tail();
   cp_async_wait<0>();
