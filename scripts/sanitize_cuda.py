@@ -35,7 +35,8 @@ def cases():
                                   ([150], 2, 16, 2, 0), ([90, 3], 3, 16, 4, 2), ([300], 1, 128, 2, 0),
                                   ([1000, 300], 1, 12, 1, 0),  # 16 tiles: the 4-stage ring wraps
                                   ([1000, 300], 3, 16, 1, 2),  # 48 rows, 8 tiles: the ring by halves wraps
-                                  ([1000], 2, 12, 1, 0)]:  # 32 rows, the same
+                                  ([1000], 1, 96, 1, 0),  # 2 x 48 rows, 8 whole tiles
+                                  ([1000], 2, 12, 1, 0)]:  # 32 rows, 8 tiles of bulk copies
         q, kv, indptr, idx = make_inputs(lens, qlen, H, device="cuda", gen=g, oob=oob)
         o, lse = hopper.mla_merge(*hopper.mla_decode_splitkv(q, kv, indptr, idx, qlen, SCALE, 0.5, S))
         ro, _ = oracle(q, kv, indptr, idx, qlen, SCALE, 0.5)
