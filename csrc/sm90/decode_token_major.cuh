@@ -65,7 +65,7 @@ namespace {
 //   O^T += V^T P^T  warp w owns latents [64w, 64w+64) of all N rows: A = V^T (v_token_pairs, as
 //                   in tile_pv), B = P, TILE / 4 wgmma m64 nN k16 a warpgroup; kCpAsyncHalves:
 //                   once every warp has read the first 64 tokens (a barrier), the tile after
-//                   next's first half goes into them (TileLoader::load_half)
+//                   next's first half goes into them (TileLoader::load_first_half)
 // O^T's M row g (g + 8) of warp w's m-tile 2s + f is latent 64w + 32s + 4g + 2f (+ 1).
 
 template <int NT, int STAGES, int TILE>
@@ -451,7 +451,7 @@ __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const Spli
   const uint64_t q_desc = smem_desc(&sm.q[(half_row0 / 8) * kQCoreGroup], 128, kQCoreGroup * 2);
   const uint64_t p_desc = smem_desc(sm.p, 128, 16 * TILE);
   if constexpr (kHalves) {  // tile 1's first half (its indices had Q's staging to land)
-    if (1 < ntiles) loader.load_half(0, sm.kv[1]);
+    if (1 < ntiles) loader.load_first_half(sm.kv[1]);
     cp_async_commit();
   }
 
@@ -494,7 +494,7 @@ __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const Spli
     tm_pv<NT, TILE>(acc, tile, p_desc, sm.row_scale, rescale, warp, g, c, pv_tail, t == 0, [&] {
       if constexpr (kHalves) {
         __syncthreads();  // every warp has read the tile's first half
-        if (t + 2 < ntiles) loader.load_half(0, sm.kv[t % STAGES]);
+        if (t + 2 < ntiles) loader.load_first_half(sm.kv[t % STAGES]);
         cp_async_commit();
       }
     });

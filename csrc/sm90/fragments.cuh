@@ -163,8 +163,9 @@ __device__ __forceinline__ void v_token_pairs(const uint32_t (&x)[4], uint32_t (
 // 4 rows (measured: 2 lanes a row, 32 bytes of each of 16 rows an instruction, ran at 55% of this
 // rate from HBM). Each lane fetches its rows' indices one tile ahead (their latency hides behind a
 // tile of compute) and computes their addresses once a tile.
-// kHalves: a tile gathered by halves of kTile / 2 tokens (load_half): warp w's passes 0 .. kPasses/2
-// - 1 take its kLoadRows / 2 rows of the first half, the rest the same rows of the second.
+// kHalves: a tile gathered by halves of kTile / 2 tokens (load_first_half, load_piece_second_half):
+// warp w's passes 0 .. kPasses/2 - 1 take its kLoadRows / 2 rows of the first half, the rest the
+// same rows of the second.
 template <int kWarps, int kTile = kTileN, bool kHalves = false>
 struct TileLoader {
   static constexpr int kLoadRows = kTile / kWarps;
@@ -201,47 +202,48 @@ struct TileLoader {
   // Tile t into `stage` (a [kTile][kSmemRow] byte ring slot), then tile t + 1's indices: at
   // once (load: row pass by row pass, each pass's copies back to back; chunk by chunk measured
   // slower for splitkv_kernel, docs/PERF.md session 10) or in kLoadPieces parts spread over the
-  // caller's MMAs (load_piece: piece k issues copy k of every pass). The index loads go out after
-  // the copies have consumed next_index, so they land in its registers (fetched before the copies,
-  // ptxas moved each into next_index right away: a wait for the load).
+  // caller's MMAs (load_piece: piece k issues copy k of every pass). kHalves: the same over one
+  // half's passes, the first half at once (load_first_half: no index fetch) and the second in
+  // pieces (load_piece_second_half). The index loads go out after the copies have consumed
+  // next_index, so they land in its registers (fetched before the copies, ptxas moved each into
+  // next_index right away: a wait for the load).
   __device__ __forceinline__ void load(int t, uint8_t* stage) {
-    resolve();
-#pragma unroll
-    for (int m = 0; m < kPasses; ++m)
-#pragma unroll
-      for (int k = 0; k < kLoadPieces; ++k) copy(m, k, stage);
+    load_passes<0, kPasses>(stage);
     fetch_indices(t + 1);
   }
-  __device__ __forceinline__ void load_piece(int t, int k, uint8_t* stage) {
-    if (k == 0) resolve();
-#pragma unroll
-    for (int m = 0; m < kPasses; ++m) copy(m, k, stage);
-    if (k == kLoadPieces - 1) fetch_indices(t + 1);
-  }
-  // kHalves: half h of the tile whose indices next_index holds, all at once (no index fetch)
-  __device__ __forceinline__ void load_half(int h, uint8_t* stage) {
+  __device__ __forceinline__ void load_piece(int t, int k, uint8_t* stage) { load_passes_piece<0, kPasses>(t, k, stage); }
+  __device__ __forceinline__ void load_first_half(uint8_t* stage) {
     static_assert(kHalves, "a loader by halves");
-    resolve(h * kHalfPasses, kHalfPasses);
+    load_passes<0, kHalfPasses>(stage);
+  }
+  __device__ __forceinline__ void load_piece_second_half(int t, int k, uint8_t* stage) {
+    static_assert(kHalves, "a loader by halves");
+    load_passes_piece<kHalfPasses, kPasses>(t, k, stage);
+  }
+  // passes [M0, M1) of the tile whose indices next_index holds, pass by pass
+  template <int M0, int M1>
+  __device__ __forceinline__ void load_passes(uint8_t* stage) {
+    resolve(M0, M1);
 #pragma unroll
-    for (int m = h * kHalfPasses; m < (h + 1) * kHalfPasses; ++m)
+    for (int m = M0; m < M1; ++m)
 #pragma unroll
       for (int k = 0; k < kLoadPieces; ++k) copy(m, k, stage);
   }
-  // kHalves: piece k of tile t's second half (as load_piece), then tile t + 1's indices
-  __device__ __forceinline__ void load_piece_second_half(int t, int k, uint8_t* stage) {
-    static_assert(kHalves, "a loader by halves");
-    if (k == 0) resolve(kHalfPasses, kHalfPasses);
+  // copy k of passes [M0, M1); after the last piece, tile t + 1's indices
+  template <int M0, int M1>
+  __device__ __forceinline__ void load_passes_piece(int t, int k, uint8_t* stage) {
+    if (k == 0) resolve(M0, M1);
 #pragma unroll
-    for (int m = kHalfPasses; m < kPasses; ++m) copy(m, k, stage);
+    for (int m = M0; m < M1; ++m) copy(m, k, stage);
     if (k == kLoadPieces - 1) fetch_indices(t + 1);
   }
   // An index outside the cache to -1, once a tile before its first copy, so that each copy is an
   // address and a sign test (with the bounds checked at every copy, ptxas recomputed them and the
   // address at each of the kLoadPieces pieces: ~30 instructions a piece, the token-major tile loop
   // 1429 -> 1252 SASS instructions at 48 rows without them)
-  __device__ __forceinline__ void resolve(int first = 0, int passes = kPasses) {
+  __device__ __forceinline__ void resolve(int first, int end) {
 #pragma unroll
-    for (int m = first; m < first + passes; ++m)
+    for (int m = first; m < end; ++m)
       if (next_index[m] >= num_kv_rows) next_index[m] = -1;
   }
   // pass m's copy k: 16-byte chunk 8k + load_chunk of row(m) (zero-filled for idx < 0: the copy

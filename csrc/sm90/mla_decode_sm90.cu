@@ -41,8 +41,8 @@
 // but token-major wgmma products, S^T = K Q^T and O^T = V^T P^T, with the query rows as N, so each
 // fp8 byte is converted once per CTA (32, 48 rows: 128-token tiles) or once per warpgroup (64
 // rows) rather than once per 16 rows (decode_token_major.cuh). Its tiles come by cp.async (every
-// thread's 16-byte chunks) or, for 32-row CTAs of more than one tile, one bulk copy a token row
-// (tm_load).
+// thread's 16-byte chunks; for 48-row CTAs of a one-CTA request, a tile by halves) or, for 32-row
+// CTAs of more than one tile, one bulk copy a token row (tm_load).
 // Accumulation is f32 throughout: within DESIGN.md's accuracy contract with margin (the
 // products are exact; P is rounded to f16, 2^-11 relative).
 // Split lengths are computed here from kv_indptr (cta_work): a long request of a mixed batch
@@ -168,18 +168,6 @@ void launch_splitkv(const SplitKVParams& params, dim3 grid, cudaStream_t stream)
     launch_kernel<splitkv_kernel<STAGES, false>, Smem>(kSplitKVThreads, params, grid, stream, smem);
 }
 
-// How the 32-row token-major kernel gathers: bulk copies where its CTAs average more than one
-// 128-token tile (cta_tokens: the listed tokens over the CTAs of a row group), else cp.async.
-// Measured on an H100 (2026-12-06, docs/perf-history.md "Session 42"): bulk 2-10% faster at >= 2
-// tiles a CTA (H12 q2 B32 8k 82.7 -> 74.9 us), 6% slower at one tile (B2 q2 8k); at 48 rows 6-9%
-// slower, at 64 (64-token tiles) 26%, so those keep cp.async. KIMI_OPS_SM90_TM_LOAD=cp / bulk
-// forces one at 32 rows (A/Bs).
-TmLoad tm_load(int64_t cta_tokens) {
-  if (env_equals("KIMI_OPS_SM90_TM_LOAD", "bulk")) return TmLoad::kBulk;
-  if (env_equals("KIMI_OPS_SM90_TM_LOAD", "cp")) return TmLoad::kCpAsync;
-  return cta_tokens > 128 ? TmLoad::kBulk : TmLoad::kCpAsync;
-}
-
 // the fp8-query instance where params.q_scale is set
 template <int NT, int STAGES, int TILE, TmLoad kLoad>
 void launch_tm_instance(const SplitKVParams& params, dim3 grid, cudaStream_t stream) {
@@ -190,28 +178,39 @@ void launch_tm_instance(const SplitKVParams& params, dim3 grid, cudaStream_t str
     launch_kernel<splitkv_tm_kernel<NT, STAGES, TILE, false, kLoad>, Smem>(32 * kTmWarps, params, grid, stream);
 }
 
-// How the 48-row token-major kernel gathers: its 128-token tiles by halves (up to 1.5 tiles in
-// flight) where a request's rows are one CTA, else whole (cp.async). Measured on an H100
-// (2026-12-06, docs/perf-history.md "Session 50"; whole -> halves, us): H12 q4 B32 8k 79.8-80.0 ->
-// 76.3-76.6, q4 B8 8k 39.2-39.3 -> 38.8-38.9, but where two CTAs share a request's tokens (through
-// L2, fewer HBM bytes a CTA) the mid-PV barrier and copy burst cost more than they return: H12 q8
-// B32 8k 118.9-124.2 -> 124.9-125.4, H96 B64 4k 123.3-124.9 -> 130.1-131.0, H96 B8 8k 43.1 ->
-// 43.8-44.1. KIMI_OPS_SM90_TM_LOAD=cp / halves forces one (A/Bs).
-TmLoad tm_load_48(const SplitKVParams& params) {
-  if (env_equals("KIMI_OPS_SM90_TM_LOAD", "halves")) return TmLoad::kCpAsyncHalves;
-  if (env_equals("KIMI_OPS_SM90_TM_LOAD", "cp")) return TmLoad::kCpAsync;
-  return params.qlen * params.heads <= 48 ? TmLoad::kCpAsyncHalves : TmLoad::kCpAsync;
+// How a token-major CTA gathers its tiles (only these pairings are instantiated):
+// - 32 rows: bulk copies where its CTAs average more than one 128-token tile (cta_tokens: the
+//   listed tokens over the CTAs of a row group), else cp.async. Measured on an H100 (2026-12-06,
+//   docs/perf-history.md "Session 42"): bulk 2-10% faster at >= 2 tiles a CTA (H12 q2 B32 8k
+//   82.7 -> 74.9 us), 6% slower at one tile (B2 q2 8k); at 48 rows 6-9% slower, at 64 (64-token
+//   tiles) 26%, so those keep cp.async.
+// - 48 rows: the 128-token tiles by halves (up to 1.5 tiles in flight) where a request's rows are
+//   one CTA, else whole (cp.async). Measured on an H100 (2026-12-06, perf-history.md "Session 50";
+//   whole -> halves, us): H12 q4 B32 8k 79.8-80.0 -> 76.3-76.6, q4 B8 8k 39.2-39.3 -> 38.8-38.9,
+//   but where two CTAs share a request's tokens (through L2, fewer HBM bytes a CTA) the mid-PV
+//   barrier and copy burst cost more than they return: H12 q8 B32 8k 118.9-124.2 -> 124.9-125.4,
+//   H96 B64 4k 123.3-124.9 -> 130.1-131.0, H96 B8 8k 43.1 -> 43.8-44.1.
+// - 64 rows: cp.async.
+// KIMI_OPS_SM90_TM_LOAD=cp forces cp.async at 32 and 48 rows, =bulk bulk copies at 32, =halves
+// halves at 48 (A/Bs).
+TmLoad tm_load(int rows, const SplitKVParams& params, int64_t cta_tokens) {
+  const bool force_cp = env_equals("KIMI_OPS_SM90_TM_LOAD", "cp");
+  if (rows == 32 && !force_cp)
+    return env_equals("KIMI_OPS_SM90_TM_LOAD", "bulk") || cta_tokens > 128 ? TmLoad::kBulk : TmLoad::kCpAsync;
+  if (rows == 48 && !force_cp)
+    return env_equals("KIMI_OPS_SM90_TM_LOAD", "halves") || params.qlen * params.heads <= 48 ? TmLoad::kCpAsyncHalves
+                                                                                              : TmLoad::kCpAsync;
+  return TmLoad::kCpAsync;
 }
 
-// bulk loads for 32-row CTAs only, halves for 48 (the other heights measured slower; not instantiated)
 template <int NT, int STAGES, int TILE = kTileN>
 void launch_splitkv_tm(const SplitKVParams& params, dim3 grid, cudaStream_t stream, int64_t cta_tokens) {
+  const TmLoad load = tm_load(8 * NT, params, cta_tokens);
   if constexpr (NT == 4) {
-    if (tm_load(cta_tokens) == TmLoad::kBulk)
-      return launch_tm_instance<NT, STAGES, TILE, TmLoad::kBulk>(params, grid, stream);
+    if (load == TmLoad::kBulk) return launch_tm_instance<NT, STAGES, TILE, TmLoad::kBulk>(params, grid, stream);
   }
   if constexpr (NT == 6) {
-    if (tm_load_48(params) == TmLoad::kCpAsyncHalves)
+    if (load == TmLoad::kCpAsyncHalves)
       return launch_tm_instance<NT, STAGES, TILE, TmLoad::kCpAsyncHalves>(params, grid, stream);
   }
   launch_tm_instance<NT, STAGES, TILE, TmLoad::kCpAsync>(params, grid, stream);
