@@ -99,7 +99,7 @@ def main(argv=None):
             os.environ.pop(A.S_CHAINS_ENV, None)
             if kind == "first" and spec != "default":
                 bn, w, st, pf, sc, *bm = (int(x) for x in spec.split(","))
-                A._config = lambda rows, mma, bn=bn, w=w, st=st, bm=bm: (
+                A._config = lambda rows, mma, tokens=None, bn=bn, w=w, st=st, bm=bm: (
                     bm[0] if bm else orig_config(rows, mma)[0], bn, w, st)
                 A._prefetch = lambda mma, bm, pf=pf: bool(pf)
                 os.environ[A.S_CHAINS_ENV] = str(sc)

@@ -37,11 +37,12 @@ def test_num_splits_fills_the_gpu(monkeypatch):
     one_long = dispatch.default_num_splits(1, 1, 12, 65536, gpu)
     many_short = dispatch.default_num_splits(128, 128, 12, 128 * 1024, gpu)
     short = dispatch.default_num_splits(1, 1, 12, 300, gpu)
-    assert one_long == 128 and many_short == 1 and short == 2
+    # many short requests: two 16-tile programs an SM (the two-programs-an-SM model, session 52)
+    assert one_long == 128 and many_short == 2 and short == 2
     assert dispatch.default_num_splits(1, 1, 12, 8192, gpu) == 64       # 128-token splits: 14.2 us, 22.0 at 32
-    # one wave of programs where the tiles divide evenly (the H200's fastest, session 29's sweep):
-    # 32 x 4 and 8 x 16 programs of 16 rows; 64 requests x 2 row blocks of 96 heads
-    assert dispatch.default_num_splits(32, 32, 12, 32 * 8192, gpu) == 4
+    # where the tiles divide evenly (session 52's H100 sweep): 32 x 8 programs of 16 rows (two an
+    # SM), 8 x 16 (one an SM: a split of 16 tiles is too short to share); 64 x 2 row blocks of 96 heads
+    assert dispatch.default_num_splits(32, 32, 12, 32 * 8192, gpu) == 8
     assert dispatch.default_num_splits(8, 8, 12, 8 * 8192, gpu) == 16
     assert dispatch.default_num_splits(64, 64, 96, 64 * 4096, gpu) == 1
     for args in [(8, 8, 12, 8 * 8192), (64, 64, 96, 64 * 4096), (32, 256, 12, 32 * 32768), (1, 1, 12, 1 << 22)]:

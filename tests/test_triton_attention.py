@@ -414,17 +414,38 @@ def test_f16_dots_where_taken(monkeypatch):
     assert not A._f16_dots("bf16", gpu)
     monkeypatch.setenv(A.F16_ENV, "0")
     assert not A._f16_dots("bf16", cpu)
-    # the words tile: by default for 16-row programs of WORDS_MIN_TILES tiles or more; forced on
-    # (up to 32 rows, where the prefetch runs) or off by the switch
+    # the words tile: by default wherever the prefetch runs (up to 32 rows, bf16 mode) but in 16-row
+    # programs of 64-token tiles (the short programs), forced on / off by the switch
     monkeypatch.delenv(A.WORDS_ENV, raising=False)
-    assert not A._words("bf16", 16) and not A._words("bf16", 16, A.WORDS_MIN_TILES - 1)
-    assert A._words("bf16", 16, A.WORDS_MIN_TILES) and not A._words("bf16", 32, 1000)
+    assert A._words("bf16", 16, 32) and A._words("bf16", 32, 64) and not A._words("bf16", 16, 64)
+    assert not A._words("bf16", 64, 64) and not A._words("fp8", 16, 32)
+    assert A._config(12, "bf16") == (16, 32, 4, 2) and A._config(24, "bf16") == (32, 64, 8, 2)
+    assert A._config(12, "bf16", A.SMALL_PROGRAM_TOKENS) == (16, 32, 4, 2)
+    assert A._config(12, "bf16", A.SMALL_PROGRAM_TOKENS - 1) == (16, 64, 8, 2)  # short programs
+    assert A._config(48, "bf16") == (64, 64, 8, 2) and A._config(24, "bf16", 10) == (32, 64, 8, 2)
     assert A._tiles_a_program(32 * 8192, 32, 4, 64) == 32 and A._tiles_a_program(8192, 1, 64, 64) == 2
     monkeypatch.setenv(A.WORDS_ENV, "1")
-    assert A._words("bf16", 16) and A._words("bf16", 32) and not A._words("bf16", 64)
-    assert not A._words("fp8", 16)
+    assert A._words("bf16", 16, 64) and not A._words("bf16", 64, 64)
     monkeypatch.setenv(A.WORDS_ENV, "0")
-    assert not A._words("bf16", 16, 1000)
+    assert not A._words("bf16", 16, 32) and not A._words("bf16", 32, 64)
+
+
+def test_first_generation_split_counts():
+    """suggest_num_splits' picks at the shapes its two-programs-an-SM model was fitted on (H100,
+    session 52): a second program an SM at qlen 1, batch 32 / 128 (8 / 2 splits, 256 programs), not
+    at batch 8 (16: the split's 16 tiles); 8-warp programs (qlen 2 - 8, 96 heads) keep one an SM;
+    one request of 8k takes 64 splits of 128 tokens, run as short programs."""
+    import kimi_ops.kernels.attention as A
+
+    k = 8192
+    assert A.suggest_num_splits(32, 1, 12, 32 * k) == 8 and A.suggest_num_splits(128, 1, 12, 128 * k) == 2
+    assert A.suggest_num_splits(8, 1, 12, 8 * k) == 16 and A.suggest_num_splits(32, 2, 12, 32 * k) == 4
+    assert A.suggest_num_splits(1, 1, 12, k) == 64 and A.suggest_num_splits(1, 1, 12, 8 * k) == 128
+    assert A._config(12, "bf16", A._tokens_a_program(k, 1, 64)) == (16, 64, 8, 2)
+    assert A.suggest_num_splits(32, 4, 12, 32 * k) == 4 and A.suggest_num_splits(8, 1, 96, 8 * k) == 8
+    for args in ((16, 1, 12, 16 * k), (3, 1, 12, 3 * 5000), (64, 1, 12, 64 * 300)):
+        s = A.suggest_num_splits(*args)
+        assert 1 <= s <= max(1, args[3] // args[0] // 128), (args, s)
 
 
 @pytest.mark.parametrize("f16,words", [("1", "0"), ("1", "1"), ("0", "0")])

@@ -20,7 +20,7 @@ type (exact) and both products run as 16-bit dots: f16 on NVIDIA sm_89+ (``F16``
 cvt.rn.f16x2.e4m3x2 a byte pair; a bf16 q is scaled by a power of two, one a program, into f16's
 range and the factor's inverse folded into the score scale; P <= 1 rounds to f16), else bf16.
 ``S_CHAINS`` sums S as several short MMA chains (a tensor core's chained accumulation
-truncates); ``WORDS`` (opt-in, with ``PREFETCH``: up to 32 rows a program) carries the next
+truncates); ``WORDS`` (with ``PREFETCH``, up to 32 rows a program; :func:`_words`) carries the next
 tile as int32 words (one register per 4 bytes, not one per byte) and splits S and O by byte of
 the word (``_word_bytes``: Q_b K_b^T summed, O_b = P V_b, channel 4 j + b).  ``KV_BYTES``: a
 cache of an fp8 type the backend lacks (e4m3fnuz on NVIDIA, e4m3fn before sm_89) is read as
@@ -635,22 +635,33 @@ def _mma_mode() -> str:
 DEFAULT_MMA = "bf16"  # fp8 (the seeds' scheme) is slower and less accurate on sm_90: docs/perf-history.md
 
 
-def _config(rows_per_req: int, mma: str):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for a request's qlen * H rows.
+SMALL_PROGRAM_TOKENS = 512  # 16-row programs of fewer tokens keep one 8-warp program an SM (_config)
 
-    Chosen from ptxas's register report for sm_90 (scripts/cross_compile.py + ptxas -v) and the
-    H200 (scripts/sweep_triton_m1c.py): the [BLOCK_M, 512] f32 accumulator and the gathered K
-    tile must fit 255 registers a thread. 16 rows take 64-token tiles (ptxas: 255 registers, 16
-    bytes spilled, Triton 3.8), 1.26-1.43x faster on the H200 at qlen 1 than the spill-free
-    32-token tiles (docs/perf-history.md, session 24); 32 rows keep 32-token tiles (64: 6% faster
-    at qlen 2, not adopted); large row counts take 64-row blocks (below)."""
+
+def _config(rows_per_req: int, mma: str, tokens_a_program: int | None = None):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for a request's qlen * H rows, whose programs
+    cover ``tokens_a_program`` tokens on average (None: many).
+
+    Chosen from ptxas's register report for sm_90 (scripts/cross_compile.py + ptxas -v) and
+    scripts/sweep_triton_m1c.py on the GPU (docs/perf-history.md, session 52, an H100): the
+    [BLOCK_M, 512] f32 accumulator and the gathered K tile must fit the registers.
+    - Up to 16 rows: 32-token tiles, 4 warps, the words tile (:func:`_words`): 239 registers and
+      55 KB of shared memory, so two programs share an SM (:data:`PROGRAMS_PER_SM`): 11-17%
+      faster at qlen 1, 12 heads, batch 32-128 than one 64-token, 8-warp program an SM, 3-4% at
+      batch 8 and one request of 64k. Programs of fewer than SMALL_PROGRAM_TOKENS tokens (batch
+      1-4 of <= 8k) keep that 64-token, 8-warp program with the byte tile: 15.0 us at H12 B1 8k
+      against 18.6.
+    - Up to 32 rows (qlen 2): 64-token tiles, 8 warps, the words tile: 174.9 us at H12 B32 8k
+      against 197.6 with 32 x 4 and 237 with the 32-token byte tile of before.
+    - More rows: one 64-row block (it spills ~0.9 KB a thread, but measured 1.6-2.3x faster on
+      the H200 than 32-row blocks that redo the K conversion per block)."""
     if mma == "bf16":
         if rows_per_req <= 16:
-            return 16, 64, 8, 2
+            if tokens_a_program is not None and tokens_a_program < SMALL_PROGRAM_TOKENS:
+                return 16, 64, 8, 2
+            return 16, 32, 4, 2
         if rows_per_req <= 32:
-            return 32, 32, 8, 3
-        # more rows: one 64-row block (it spills ~0.9 KB a thread, but measured 1.6-2.3x faster
-        # on the H200 than 32-row blocks that redo the K conversion per block: docs/perf-history.md)
+            return 32, 64, 8, 2
         return 64, 64, 8, 2
     bm = 16
     while bm < rows_per_req and bm < 64:
@@ -686,23 +697,19 @@ def _f16_dots(mma: str, device: torch.device) -> bool:
 WORDS_ENV = "KIMI_OPS_TRITON_WORDS"
 
 
-WORDS_MIN_TILES = 8  # the words tile by default from this many BLOCK_N tiles a program (16 rows)
-
-
-def _words(mma: str, bm: int, tiles: int = 0) -> bool:
-    """The tile carried as int32 words, S / O split by byte (S_CHAINS with the prefetch). By
-    default for 16-row programs of at least WORDS_MIN_TILES tiles (``tiles``: a program's tiles
-    for a request of average length); ``KIMI_OPS_TRITON_WORDS=1`` / ``0`` forces it on (up to 32
-    rows) / off. Measured on the H200 (2026-12-05, f16 dots both, at session 29's split counts;
-    docs/perf-history.md "Session 29"): at 16 rows 16% faster with 128 tiles a program (H12 B128
-    8k q1 492.0 -> 415.3 us), 13% with 32 (B32 8k 133.4 -> 116.0), 6.5% with 13, 2% with 8, 10-11%
-    slower with 4 (B1 / B4 8k); at 32 rows (qlen 2) 3.5% slower with 32."""
+def _words(mma: str, bm: int, bn: int) -> bool:
+    """The tile carried as int32 words, S / O split by byte (S_CHAINS with the prefetch, up to 32
+    rows): by default but for 16-row programs of 64-token tiles (:func:`_config`'s short
+    programs: a words program's q loads and conversions cost more than they save over a few
+    tiles); ``KIMI_OPS_TRITON_WORDS=1`` / ``0`` forces it on / off. With the 32-token, 4-warp
+    programs it is what fits two an SM (ptxas, Triton 3.8, sm_90a: 239 registers at 16 rows, where
+    the byte tile takes 255 and spills 72 bytes)."""
     if not (_s_chains(mma) and _prefetch(mma, bm)):
         return False
     env = os.environ.get(WORDS_ENV, "")
     if env in ("0", "1"):
         return env == "1"
-    return bm == 16 and tiles >= WORDS_MIN_TILES
+    return not (bm == 16 and bn == 64)
 
 
 def _prefetch(mma: str, bm: int) -> bool:
@@ -786,10 +793,15 @@ def _launch_shape(q, kv_rows, kv_indptr, kv_indices, qlen: int, num_splits: int)
     return T, H, R
 
 
+def _tokens_a_program(num_tokens: int, num_requests: int, num_splits: int) -> int:
+    """Tokens in a split of a request of average length (before ``_program_rows`` rounds the
+    chunk up to whole tiles)."""
+    return -(-(num_tokens // max(num_requests, 1)) // num_splits)
+
+
 def _tiles_a_program(num_tokens: int, num_requests: int, num_splits: int, block_n: int) -> int:
     """BLOCK_N tiles in a split of a request of average length (``_program_rows``' chunk)."""
-    per_split = -(-(num_tokens // max(num_requests, 1)) // num_splits)
-    return -(-per_split // block_n)
+    return -(-_tokens_a_program(num_tokens, num_requests, num_splits) // block_n)
 
 
 def _partials(S: int, T: int, H: int, device):
@@ -827,7 +839,7 @@ def mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: floa
         return o_part, lse_part
     kv, kv_bytes, fnuz = _kv_mode(kv_rows)
     mma = "bf16" if kv_bytes else _mma_mode()
-    bm, bn, warps, stages = _config(qlen * H, mma)
+    bm, bn, warps, stages = _config(qlen * H, mma, _tokens_a_program(kv_indices.shape[0], R, S))
     grid = (triton.cdiv(qlen * H, bm), S, R)
     indices = kv_indices if kv_indices.numel() > 0 else kv_indptr  # never dereferenced when empty
     _split_kv_kernel[grid](
@@ -838,7 +850,7 @@ def mla_decode_splitkv(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: floa
         Q_FP8=q_fp8, Q_BYTES=q_bytes, MMA_FP8=(mma == "fp8"), KV_BYTES=kv_bytes, FNUZ=fnuz, INTERP=interpreting(),
         BLOCK_M=bm, BLOCK_N=bn, PREFETCH=_prefetch(mma, bm), GLOBAL_LENS=seq_lens is not None,
         INTERP_STEPS=_interpreter_steps(kv_indptr, bn), S_CHAINS=_s_chains(mma),
-        F16=_f16_dots(mma, q.device), WORDS=_words(mma, bm, _tiles_a_program(kv_indices.shape[0], R, S, bn)),
+        F16=_f16_dots(mma, q.device), WORDS=_words(mma, bm, bn),
         num_warps=warps, num_stages=stages,
     )
     return o_part, lse_part
@@ -893,30 +905,45 @@ def mla_merge(o_part, lse_part):
 MAX_SPLITS = 256  # suggest_num_splits' cap (the merge loops over chunks of MERGE_MAX_SPLITS)
 
 
+PROGRAMS_PER_SM = {4: 2, 8: 1}  # num_warps -> programs an SM holds (registers, shared memory)
+# suggest_num_splits' cost of an SM's programs, in tiles: (a tile's time, a program's fixed
+# time) with one program an SM, and with two (16 rows). Fitted on an H100, session 52 (32
+# tokens, 4 warps: H12 q1 B8 / B32 / B128 8k at 1x / 2x / 3x the splits)
+ONE_A_SM = (1.0, 8.0)
+TWO_A_SM = {16: (1.55, 14.0)}
+
+
 def suggest_num_splits(num_requests: int, qlen: int, num_heads: int, num_tokens: int,
                        num_sms: int = 132) -> int:
-    """A split count from shapes only (never device data): the one that spreads the requests'
-    BLOCK_N-token tiles most evenly over the multiprocessors, no split shorter than 128 tokens
-    on average, at most MAX_SPLITS.
+    """A split count from shapes only (never device data): the one whose programs finish first
+    by the cost model below, no split shorter than 128 tokens on average, at most MAX_SPLITS.
 
-    Cost model (fitted on the H200, docs/perf-history.md "Session 29"): an SM runs tiles at a
-    fixed rate however many programs it holds (a second program on an SM, resident beside the
-    first or in a later wave, adds its tiles to that SM's time), so a call takes waves x (tiles a
-    program + 1), waves = ceil(programs / SMs), the + 1 a program's start, its partials and their
-    merge.
+    Cost model: one program an SM runs a BLOCK_N tile in one unit and has a fixed cost (its
+    start, its partials and their merge) of ONE_A_SM[1]; where a configuration holds two programs
+    an SM (:data:`PROGRAMS_PER_SM`) and the grid needs the second, each of the two runs a tile in
+    TWO_A_SM[BLOCK_M][0] units (1.55: two 16-row programs do 1.29x the work of one) and pays
+    TWO_A_SM[BLOCK_M][1]. Programs beyond the SMs' slots run in later waves. (8-warp programs:
+    one an SM, a call takes waves x (tiles + 1), fitted on the H200 in session 29.) The split
+    count is chosen for the configuration of many tokens; where its programs come out short
+    (:data:`SMALL_PROGRAM_TOKENS`) the launcher runs them as one 64-token, 8-warp program an SM
+    (:func:`_config`), at the same count (H12 B1 8k: 64 splits, 15.0 us on the H100).
     A split's chunk is ceil(n / S) rounded up to whole tiles (``_program_rows``), so a request
     may use fewer than S splits. Ties go to fewer splits."""
     if num_requests <= 0:
         return 1
-    bm, bn = _config(qlen * num_heads, _mma_mode())[:2]
+    bm, bn, warps = _config(qlen * num_heads, _mma_mode())[:3]
+    per_sm = PROGRAMS_PER_SM.get(warps, 1)
     base = num_requests * -(-qlen * num_heads // bm)  # programs a split
     avg = max(1, num_tokens // num_requests)
     cap = max(1, min(avg // 128, MAX_SPLITS))  # 128: H12 B1 8k q1 14.2 us at 64 splits, 22.0 at 32
 
     def cost(splits):
         tiles = _tiles_a_program(avg, 1, splits, bn)
-        used = -(-avg // (tiles * bn))
-        return -(-base * used // num_sms) * (tiles + 1)
+        programs = base * -(-avg // (tiles * bn))
+        if per_sm == 1:
+            return -(-programs // num_sms) * (tiles + 1)
+        rate, fixed = ONE_A_SM if programs <= num_sms else TWO_A_SM.get(bm, (per_sm, ONE_A_SM[1]))
+        return -(-programs // (per_sm * num_sms)) * (tiles * rate + fixed)
 
     return min(range(1, cap + 1), key=lambda s: (cost(s), s))
 
@@ -930,9 +957,12 @@ def _specs():
                   "lse_ptr": "*fp32", "q_scale_ptr": "*fp32", "T": "i32", "H": "i32", "N": "i32", "qlen": "i32", "num_splits": "i32",
                   "dcp_rank": "i32", "dcp_world_size": "i32",
                   "c_hi": "fp32", "c_lo": "fp32", "kv_scale": "fp32"}
-    variants = [("bf16", 16), ("bf16", 32), ("bf16", 64), ("fp8", 16), ("fp8", 32), ("fp8", 64)]
-    for mma, rows in variants:
-        bm, bn, warps, stages = _config(rows, mma)
+    # (mode, rows, a program's tokens): every configuration _config gives the launcher, 16 rows'
+    # short programs (64-token tiles, 8 warps, the byte tile) among them
+    variants = [("bf16", 16, None), ("bf16", 16, 0), ("bf16", 32, None), ("bf16", 64, None),
+                ("fp8", 16, None), ("fp8", 32, None), ("fp8", 64, None)]
+    for mma, rows, tokens in variants:
+        bm, bn, warps, stages = _config(rows, mma, tokens)
         for fmt in ("fn", "fnuz", "u8fnuz", "u8fn"):
             if fmt.startswith("u8") and mma == "fp8":
                 continue  # fp8 codes take bf16 dots
@@ -946,24 +976,22 @@ def _specs():
                 if not targets:
                     continue
                 sig = {"q_ptr": "*bf16", "kv_ptr": kvt, **sig_common}
-                # the words tile where the launcher picks it for long splits (16 rows, sm90)
-                words_options = sorted({_words(mma, bm), f16 and _words(mma, bm, WORDS_MIN_TILES)})
-                for words in words_options:
-                    cx = {"Q_FP8": False, "Q_BYTES": NATIVE, "MMA_FP8": mma == "fp8", "KV_BYTES": kv_bytes,
-                          "FNUZ": "fnuz" in fmt, "INTERP": False, "BLOCK_M": bm, "BLOCK_N": bn,
-                          "PREFETCH": _prefetch(mma, bm), "GLOBAL_LENS": False, "INTERP_STEPS": 0,
-                          "S_CHAINS": _s_chains(mma), "F16": f16 and mma == "bf16", "WORDS": words}
-                    for kk in cx:
-                        sig[kk] = "constexpr"
-                    name = f"splitkv_{mma}_{fmt}_m{bm}" + ("_words" if words and len(words_options) > 1 else "")
-                    specs.append(dict(name=name, kernel=_split_kv_kernel, signature=sig, constexprs=cx,
+                words = _words(mma, bm, bn)
+                cx = {"Q_FP8": False, "Q_BYTES": NATIVE, "MMA_FP8": mma == "fp8", "KV_BYTES": kv_bytes,
+                      "FNUZ": "fnuz" in fmt, "INTERP": False, "BLOCK_M": bm, "BLOCK_N": bn,
+                      "PREFETCH": _prefetch(mma, bm), "GLOBAL_LENS": False, "INTERP_STEPS": 0,
+                      "S_CHAINS": _s_chains(mma), "F16": f16 and mma == "bf16", "WORDS": words}
+                for kk in cx:
+                    sig[kk] = "constexpr"
+                name = f"splitkv_{mma}_{fmt}_m{bm}" + ("_short" if tokens == 0 else "")
+                specs.append(dict(name=name, kernel=_split_kv_kernel, signature=sig, constexprs=cx,
+                                  num_warps=warps, num_stages=stages, targets=targets))
+                if fmt in ("fn", "u8fn") and mma == "bf16":
+                    # the fp8 query (issue 28): e4m3fn (its codes on sm80), converted exactly in registers
+                    specs.append(dict(name=f"{name}_q8", kernel=_split_kv_kernel,
+                                      signature={**sig, "q_ptr": "*fp8e4nv" if fmt == "fn" else "*u8"},
+                                      constexprs={**cx, "Q_FP8": True, "Q_BYTES": kv_bytes},
                                       num_warps=warps, num_stages=stages, targets=targets))
-                    if fmt in ("fn", "u8fn") and mma == "bf16":
-                        # the fp8 query (issue 28): e4m3fn (its codes on sm80), converted exactly in registers
-                        specs.append(dict(name=f"{name}_q8", kernel=_split_kv_kernel,
-                                          signature={**sig, "q_ptr": "*fp8e4nv" if fmt == "fn" else "*u8"},
-                                          constexprs={**cx, "Q_FP8": True, "Q_BYTES": kv_bytes},
-                                          num_warps=warps, num_stages=stages, targets=targets))
     # every (BLOCK_S, BLOCK_C, num_warps) _merge_config can return
     merge_cfgs = sorted({_merge_config(S, TH) for S in (1, 2, 4, 8, 16, 32, 64, 65)
                          for TH in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)})
