@@ -636,6 +636,7 @@ DEFAULT_MMA = "bf16"  # fp8 (the seeds' scheme) is slower and less accurate on s
 
 
 SMALL_PROGRAM_TOKENS = 512  # 16-row programs of fewer tokens keep one 8-warp program an SM (_config)
+SHORT_PROGRAM_CONFIG = (16, 64, 8, 2)  # _config's 16-row short programs (the byte tile: _words)
 
 
 def _config(rows_per_req: int, mma: str, tokens_a_program: int | None = None):
@@ -658,7 +659,7 @@ def _config(rows_per_req: int, mma: str, tokens_a_program: int | None = None):
     if mma == "bf16":
         if rows_per_req <= 16:
             if tokens_a_program is not None and tokens_a_program < SMALL_PROGRAM_TOKENS:
-                return 16, 64, 8, 2
+                return SHORT_PROGRAM_CONFIG
             return 16, 32, 4, 2
         if rows_per_req <= 32:
             return 32, 64, 8, 2
@@ -709,7 +710,7 @@ def _words(mma: str, bm: int, bn: int) -> bool:
     env = os.environ.get(WORDS_ENV, "")
     if env in ("0", "1"):
         return env == "1"
-    return not (bm == 16 and bn == 64)
+    return (bm, bn) != SHORT_PROGRAM_CONFIG[:2]
 
 
 def _prefetch(mma: str, bm: int) -> bool:
@@ -942,7 +943,7 @@ def suggest_num_splits(num_requests: int, qlen: int, num_heads: int, num_tokens:
         programs = base * -(-avg // (tiles * bn))
         if per_sm == 1:
             return -(-programs // num_sms) * (tiles + 1)
-        rate, fixed = ONE_A_SM if programs <= num_sms else TWO_A_SM.get(bm, (per_sm, ONE_A_SM[1]))
+        rate, fixed = ONE_A_SM if programs <= num_sms else TWO_A_SM[bm]
         return -(-programs // (per_sm * num_sms)) * (tiles * rate + fixed)
 
     return min(range(1, cap + 1), key=lambda s: (cost(s), s))
