@@ -10,8 +10,9 @@
 # benchmark gets what the build left (the json / md are written after every shape, so a stopped
 # run still leaves the shapes it measured, and the table below still prints).
 # GPU_TESTS=1: then the Hopper kernels' GPU tests on the same build (test_cuda_attention, test_pdl,
-# test_runtime_gpu, -k "not interp", ~70 s) -> $OUT/pytest.log; the benchmark leaves them
-# TEST_TIME seconds (default 170) of CALL_BUDGET. The table and the tests in one call:
+# test_runtime_gpu, -k "not interp", ~70 s) -> $OUT/pytest.log, and the Triton kernels' (what every
+# other GPU runs: test_triton_attention, test_fp8_query, -k gpu, ~100 s) -> $OUT/pytest_triton.log;
+# the benchmark leaves them TEST_TIME seconds (default 280) of CALL_BUDGET. The table and the tests in one call:
 #   run(command="GPU_TESTS=1 CALL_BUDGET=570 bash scripts/device_bench.sh", carry=[".whl", ".peers"])
 set -uo pipefail
 if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0; fi
@@ -30,7 +31,7 @@ echo "build rc=$? ($(( $(date +%s) - start )) s since start)" | tee -a "$OUT/bui
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 python3 -c "import kimi_ops._C, torch; print(torch.ops.kimi_ops._build_info())" 2>&1 | tail -n 3 | tee -a "$OUT/build.log"
 left=$(( ${CALL_BUDGET:-570} - ($(date +%s) - start) ))
-[ -n "${GPU_TESTS:-}" ] && left=$(( left - ${TEST_TIME:-170} ))
+[ -n "${GPU_TESTS:-}" ] && left=$(( left - ${TEST_TIME:-280} ))
 echo "benchmark: ${left} s left for it"
 timeout "$left" python3 scripts/bench_attention.py --grid issue27 --out "$OUT" --mma bf16 \
     --peers flashmla_fp8,flashmla_bf16,flashinfer,flashinfer_bf16,vllm_triton ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
@@ -46,4 +47,9 @@ if [ -n "${GPU_TESTS:-}" ]; then
         tests/test_runtime_gpu.py -k "not interp" > "$OUT/pytest.log" 2>&1
     echo "pytest rc=$? ($(( $(date +%s) - start )) s since start)" >> "$OUT/pytest.log"
     tail -n 3 "$OUT/pytest.log"
+    tests_left=$(( ${CALL_BUDGET:-570} - ($(date +%s) - start) ))
+    timeout "$tests_left" python3 -m pytest -q -ra -n 8 -p no:cacheprovider tests/test_triton_attention.py \
+        tests/test_fp8_query.py -k gpu > "$OUT/pytest_triton.log" 2>&1
+    echo "pytest rc=$? ($(( $(date +%s) - start )) s since start)" >> "$OUT/pytest_triton.log"
+    tail -n 3 "$OUT/pytest_triton.log"
 fi
