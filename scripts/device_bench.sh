@@ -48,8 +48,12 @@ if [ -n "${GPU_TESTS:-}" ]; then
     echo "pytest rc=$? ($(( $(date +%s) - start )) s since start)" >> "$OUT/pytest.log"
     tail -n 3 "$OUT/pytest.log"
     tests_left=$(( ${CALL_BUDGET:-570} - ($(date +%s) - start) ))
-    timeout "$tests_left" python3 -m pytest -q -ra -n 8 -p no:cacheprovider tests/test_triton_attention.py \
-        tests/test_fp8_query.py -k gpu > "$OUT/pytest_triton.log" 2>&1
-    echo "pytest rc=$? ($(( $(date +%s) - start )) s since start)" >> "$OUT/pytest_triton.log"
+    if [ "$tests_left" -gt 10 ]; then  # (timeout 0 would mean no limit)
+        timeout "$tests_left" python3 -m pytest -q -ra -n 8 -p no:cacheprovider tests/test_triton_attention.py \
+            tests/test_fp8_query.py -k gpu > "$OUT/pytest_triton.log" 2>&1
+        echo "pytest rc=$? ($(( $(date +%s) - start )) s since start)" >> "$OUT/pytest_triton.log"
+    else
+        echo "the Triton GPU tests did not run: CALL_BUDGET spent" > "$OUT/pytest_triton.log"
+    fi
     tail -n 3 "$OUT/pytest_triton.log"
 fi
