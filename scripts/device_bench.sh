@@ -40,20 +40,20 @@ grep -E "^(backend |kimi_ops fp8|device )|Traceback|Error" "$OUT/bench.log" | he
 grep -E "^H[0-9]+ B" "$OUT/bench.log" | cut -c1-600
 echo
 cat "$OUT/bench_attention_peers.md" 2>/dev/null || echo "no peer table: see $OUT/bench.log"
-if [ -n "${GPU_TESTS:-}" ]; then
-    tests_left=$(( ${CALL_BUDGET:-570} - ($(date +%s) - start) ))
-    export PYTHONPATH=$PYTHONPATH:${KIMI_PEERS_SITE:-/tmp/site}  # setup_peers.sh installed the carried wheels there (expecttest: opcheck)
-    timeout "$tests_left" python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_cuda_attention.py tests/test_pdl.py \
-        tests/test_runtime_gpu.py -k "not interp" > "$OUT/pytest.log" 2>&1
-    echo "pytest rc=$? ($(( $(date +%s) - start )) s since start)" >> "$OUT/pytest.log"
-    tail -n 3 "$OUT/pytest.log"
-    tests_left=$(( ${CALL_BUDGET:-570} - ($(date +%s) - start) ))
-    if [ "$tests_left" -gt 10 ]; then  # (timeout 0 would mean no limit)
-        timeout "$tests_left" python3 -m pytest -q -ra -n 8 -p no:cacheprovider tests/test_triton_attention.py \
-            tests/test_fp8_query.py -k gpu > "$OUT/pytest_triton.log" 2>&1
-        echo "pytest rc=$? ($(( $(date +%s) - start )) s since start)" >> "$OUT/pytest_triton.log"
+# pytest in what is left of CALL_BUDGET: gpu_tests LOG PYTEST_ARGS... (timeout 0 would mean no limit)
+gpu_tests() {
+    local log=$1 left_s=$(( ${CALL_BUDGET:-570} - ($(date +%s) - start) ))
+    shift
+    if [ "$left_s" -gt 10 ]; then
+        timeout "$left_s" python3 -m pytest -q -n 8 -p no:cacheprovider "$@" > "$log" 2>&1
+        echo "pytest rc=$? ($(( $(date +%s) - start )) s since start)" >> "$log"
     else
-        echo "the Triton GPU tests did not run: CALL_BUDGET spent" > "$OUT/pytest_triton.log"
+        echo "did not run: CALL_BUDGET spent" > "$log"
     fi
-    tail -n 3 "$OUT/pytest_triton.log"
+    tail -n 3 "$log"
+}
+if [ -n "${GPU_TESTS:-}" ]; then
+    export PYTHONPATH=$PYTHONPATH:${KIMI_PEERS_SITE:-/tmp/site}  # setup_peers.sh installed the carried wheels there (expecttest: opcheck)
+    gpu_tests "$OUT/pytest.log" tests/test_cuda_attention.py tests/test_pdl.py tests/test_runtime_gpu.py -k "not interp"
+    gpu_tests "$OUT/pytest_triton.log" -ra tests/test_triton_attention.py tests/test_fp8_query.py -k gpu
 fi
