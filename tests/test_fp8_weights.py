@@ -525,6 +525,13 @@ def test_gemm_config_env(monkeypatch):
         fp8_gemm._env_config()
     # the defaults measured on the H200 (gemm_config's docstring), Kimi-K3 TP8's fused qkv_a + gate
     assert fp8_gemm.gemm_config(64, 3648, 7168, 128, 132) == (64, 128, 128, 4, 8, 4)
+    # 33..64 rows: the split whose programs come closest to one wave (29 x 4 = 116, q_b's 8 is 6
+    # effective: 18 x 6 = 108, o_proj 56 x 2 = 112; the next power of two passes 132)
+    assert fp8_gemm.gemm_config(48, 2304, 1536, 128, 132) == (64, 128, 128, 8, 8, 4)
+    assert fp8_gemm.gemm_config(64, 7168, 1536, 128, 132) == (64, 128, 128, 2, 8, 4)
+    assert fp8_gemm.split_count(64, 2304, 1536, 128, 132) == 6
+    assert fp8_gemm.one_wave_split(200, 56, 132) == 1, "more tiles than SMs: no split"
+    assert fp8_gemm.one_wave_split(1, 3, 132) == 4, "at most k_tiles effective splits"
     assert fp8_gemm.gemm_config(1, 3648, 7168, 128, 132) == (32, 64, 128, 4, 4, 6)
     assert fp8_gemm.gemm_config(3, 3648, 7168, 128, 132) == (32, 64, 128, 4, 4, 6)
     assert fp8_gemm.gemm_config(32, 2304, 1536, 128, 132) == (32, 64, 128, 4, 4, 6)

@@ -276,8 +276,16 @@ def gemm_config(m: int, n: int, k: int, block_k: int = 128, sms: int = 132,
     * 5 <= M <= 16: the byte-count rule (BLOCK_N about 4 M, SPLIT_K to about 2 programs an SM);
       at M = 8 no config of the five tried beat it by more than the noise.
     * 17 <= M <= 32: (32, 64, 128, 4, 4, 6): qkv_a + gate 26.8 -> 22.7 (q_b, o_proj: within the noise).
-    * 33 <= M <= 64: (64, 128, 128, 4, 8, 4): qkv_a + gate 39.6 -> 32.5, q_b 20.8 -> 15.3, o_proj
-      24.0 -> 22.3 (8 warps; the first guess had 4 and 8 splits).
+    * 33 <= M <= 64: BLOCK_M 64, BLOCK_N 128, BLOCK_K 128, 8 warps, 4 stages (2026-12-03: qkv_a +
+      gate 39.6 -> 32.5, q_b 20.8 -> 15.3, o_proj 24.0 -> 22.3 against the first guess), and the
+      split count whose programs (N tiles x effective splits) come closest to one wave without
+      passing the SM count (:func:`one_wave_split`). Measured on an H100 (2026-12-07, 24 calls a
+      CUDA graph, scripts/bench_layer.py --gemms --sweep, M = 64, us; splits 1 / 2 / 4 / 8 at 8
+      warps, 4 stages): qkv_a + gate 85.1 / 47.4 / **26.8** / 30.3 (4: 116 programs), q_b 20.4 /
+      14.2 / 9.9 / **8.8** (8 = 6 effective: 108 programs), o_proj 20.3 / **15.3** / 17.5 / 20.1 (2:
+      112 programs); the fixed split of 4 before cost q_b 1.1 and o_proj 2.3 us. Of the other
+      tiles swept (64 x 64 and 64 x 256 at 4 / 8 warps, 3 / 6 stages, BLOCK_K 64) none beat these
+      by more than 0.1 us (o_proj's 4 warps at split 4: 15.2).
     * M > 64 (prefill sizes, not measured): BLOCK_M 64, BLOCK_N 128, the split rule, 8 warps.
 
     The split rule: the power of two that brings the programs to about 2 per SM, each split at
@@ -305,7 +313,9 @@ def gemm_config(m: int, n: int, k: int, block_k: int = 128, sms: int = 132,
     if m <= 4 or 17 <= m <= 32:
         return (32, 32, bk, min(4, cap), 4, 3) if amd else (32, 64, bk, min(4, cap), 4, 6)
     if 33 <= m <= 64:
-        return 64, 64 if amd else 128, bk, min(4, cap), 8, 3 if amd else 4
+        if amd:
+            return 64, 64, bk, min(4, cap), 8, 3
+        return 64, 128, bk, one_wave_split(triton.cdiv(n, 128) * triton.cdiv(m, 64), k_tiles, sms), 8, 4
     bm = min(64, max(16, triton.next_power_of_2(m)))
     bn = min(128, max(16, triton.next_power_of_2(4 * min(m, bm))))
     tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm)
@@ -320,6 +330,15 @@ def gemm_config(m: int, n: int, k: int, block_k: int = 128, sms: int = 132,
             bm, bn, warps, stages = 64, 64, 4, 1
         return bm, bn, bk, max(1, split), warps, stages
     return bm, bn, bk, max(1, split), (8 if m > 64 else 4), stages
+
+
+def one_wave_split(tiles: int, k_tiles: int, sms: int) -> int:
+    """The largest power-of-two split count whose programs, ``tiles`` x the effective splits of
+    :func:`_split_plan`, are at most ``sms`` (one wave); 1 where even that is more."""
+    split = 1
+    while split < k_tiles and tiles * _split_plan(k_tiles, 2 * split)[0] <= sms:
+        split *= 2
+    return split
 
 
 def _env_ints(name: str, valid, expected: str) -> tuple[int, ...] | None:
