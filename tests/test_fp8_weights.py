@@ -531,7 +531,7 @@ def test_gemm_config_env(monkeypatch):
     assert fp8_gemm.gemm_config(64, 7168, 1536, 128, 132) == (64, 128, 128, 2, 8, 4)
     assert fp8_gemm.split_count(64, 2304, 1536, 128, 132) == 6
     assert fp8_gemm.one_wave_split(200, 56, 132) == 1, "more tiles than SMs: no split"
-    assert fp8_gemm.one_wave_split(1, 3, 132) == 4, "at most k_tiles effective splits"
+    assert fp8_gemm.one_wave_split(1, 3, 132) == 4, "nominal 4: _split_plan runs 3, one a K tile"
     assert fp8_gemm.gemm_config(1, 3648, 7168, 128, 132) == (32, 64, 128, 4, 4, 6)
     assert fp8_gemm.gemm_config(3, 3648, 7168, 128, 132) == (32, 64, 128, 4, 4, 6)
     assert fp8_gemm.gemm_config(32, 2304, 1536, 128, 132) == (32, 64, 128, 4, 4, 6)
