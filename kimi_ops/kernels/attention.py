@@ -507,12 +507,13 @@ def _split_kv_kernel(
         else:
             # S_CHAINS: short MMA chains added in f32 (RNE): a tensor core's chained accumulation
             # truncates, and one 36-step chain of dots ~1e5 biases the scores (and the lse) by up
-            # to ~1e-3 (issue 29 item 4). As compiled for sm_90 (Triton 3.8's TTGIR), Triton folds
+            # to ~1e-3 (issue 29 item 4). As compiled for sm_90 (Triton 3.6 and 3.8), Triton folds
             # `dot(a, b) + c` into dot(a, b, c): the words tile's twelve chains become six (four
             # of 8 k-steps, two of 2 for the rope channels) and the three products below one chain
-            # of 36 k-steps (Triton 3.6 too); the dense-climb GPU tests pass all the same (H100,
-            # 2026-12-07: worst |dlse| 4.2e-4 at 12 and 96 heads, step 256). Keeping them apart (tl.fma(x, 1.0, y)) spilled 184 bytes at 64
-            # rows against 80 and added 25% to the tile loop (perf-history.md "Session 54").
+            # of 36 k-steps; the dense-climb GPU tests pass all the same (H100, 2026-12-07: worst
+            # |dlse| 4.2e-4 at 12 and 96 heads, step 256). Keeping them apart (tl.fma(x, 1.0, y))
+            # spilled 184 bytes at 64 rows against 80 and added 25% to the tile loop
+            # (perf-history.md "Session 54").
             if WORDS:
                 # twelve chains of 4 k-steps (1 for the rope channels) as written
                 s = _qk4(qa0, qa1, qa2, qa3, ka0, ka1, ka2, ka3) + _qk4(qb0, qb1, qb2, qb3, kb0, kb1, kb2, kb3)
