@@ -315,7 +315,8 @@ def gemm_config(m: int, n: int, k: int, block_k: int = 128, sms: int = 132,
     if 33 <= m <= 64:
         if amd:
             return 64, 64, bk, min(4, cap), 8, 3
-        return 64, 128, bk, one_wave_split(triton.cdiv(n, 128) * triton.cdiv(m, 64), k_tiles, sms), 8, 4
+        bm, bn = 64, 128
+        return bm, bn, bk, one_wave_split(triton.cdiv(n, bn) * triton.cdiv(m, bm), k_tiles, sms), 8, 4
     bm = min(64, max(16, triton.next_power_of_2(m)))
     bn = min(128, max(16, triton.next_power_of_2(4 * min(m, bm))))
     tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm)
