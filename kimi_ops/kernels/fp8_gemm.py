@@ -52,7 +52,6 @@ Measured (H200, 2026-12-03, docs/PERF.md): correct at Kimi-K3's shapes (rel L2 1
 float64, the bf16 output's rounding), but not yet at the bandwidth: at M = 1 the fused
 qkv_a + gate GEMM (26 MB of fp8) took about as long as cuBLAS's bf16 GEMM of twice the bytes.
 """
-import math
 import os
 
 import torch
@@ -582,10 +581,8 @@ def gemm_a16w8_block(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor
 
 def split_count(m: int, n: int, k: int, block_k: int = 128, sms: int = 132) -> int:
     """The K splits :func:`gemm_a16w8_block` runs for these shapes by default (tests, benches)."""
-    bm, bn, bk, split, _, _ = gemm_config(m, n, k, block_k, sms)
-    k_tiles = math.ceil(k / bk)
-    split = max(1, min(split, k_tiles))
-    return math.ceil(k_tiles / math.ceil(k_tiles / split))
+    _, _, bk, split, _, _ = gemm_config(m, n, k, block_k, sms)
+    return _split_plan(triton.cdiv(k, bk), split)[0]  # as gemm_a16w8_block plans it
 
 
 # ----------------------------------------------------------------------------------------------
