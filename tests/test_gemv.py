@@ -5,10 +5,11 @@ small-M Hopper kernel of csrc/sm90/gemv.cuh (kimi_ops/kernels/sm90_gemv.py).
 CPU (CI): the op's schema, errors, opcheck and torch.compile over it, its reference against
 float64. GPU (skipped without CUDA; the kernel needs sm_90 and kimi_ops._C): both weight types at
 Kimi-K3 TP8's shapes and at ragged ones (N not a multiple of 16, a partial last k-block, block_n
-16 / 64 / 128, strided x), M = 1..32 (one, two and four 8-token tiles), against float64, into
+16 / 64 / 128, strided x), M = 1..32 (one, two and four 8-token tiles) and 33..64 (the fp8 weight's
+kernel of csrc/sm90/gemm_fp8_rows64.cuh: split K over a cluster), against float64, into
 NaN-poisoned memory; every e4m3 code (subnormals included) and x over 80 binades; chains
 launched with ``constant_w`` (programmatic dependent launch) bit for bit against plain launches;
-the calls the kernel does not take (M > 32, K % 32, misaligned x) still correct.
+the calls the kernels do not take (M > 32 with a bf16 w, M > 64, K % 32, misaligned x) still correct.
 """
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def test_row_limit_switch(monkeypatch):
     from kimi_ops.kernels import sm90_gemv
     x, w = torch.randn(2, 64).to(torch.bfloat16), torch.randn(16, 64).to(torch.bfloat16)
     monkeypatch.setenv(sm90_gemv.ENV, "7")
-    with pytest.raises(ValueError, match="KIMI_OPS_SM90_GEMV must be 0, 1, 8, 16 or 32"):
+    with pytest.raises(ValueError, match="KIMI_OPS_SM90_GEMV must be 0, 1, 8, 16, 32 or 64"):
         sm90_gemv.serves(x, w)
     monkeypatch.setenv(sm90_gemv.ENV, "32")
     assert not sm90_gemv.serves(x, w)   # CPU tensors: never the kernel
@@ -97,7 +98,7 @@ def test_gpu_bf16_kimi_k3_shapes(m, monkeypatch):
 
 @requires_sm90
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 4, 7, 8, 9, 13, 16, 17, 24, 32])
+@pytest.mark.parametrize("m", [1, 4, 7, 8, 9, 13, 16, 17, 24, 32, 33, 40, 48, 57, 64])
 def test_gpu_fp8_kimi_k3_shapes(m):
     from kimi_ops.kernels import sm90_gemv
     for (n, k), bn in zip(KIMI_K3, (64, 128, 128)):   # the fused qkv_a + gate on its 64-row scale grid
@@ -112,6 +113,27 @@ def test_gpu_fp8_kimi_k3_shapes(m):
         print(f"gemm_a16w8_block (cuda) M {m} N {n} K {k} block_n {bn}: rel L2 {rel:.2e}, "
               f"max err / bound {bound_ok(y, ref):.2f}")
         assert bound_ok(y, ref) <= 1.0 and rel <= 4e-3
+
+
+@requires_sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("mt", ["1", "2"])
+def test_gpu_fp8_rows64_forms(mt, monkeypatch):
+    """33-64 rows (csrc/sm90/gemm_fp8_rows64.cuh) in both of its forms, 16 weight rows a warp (the
+    default) and 32 (KIMI_OPS_SM90_ROWS64_MT=2), at the token-tile boundaries (6 tiles to 48
+    rows, 8 above) on Kimi-K3's shapes and a ragged one, against float64."""
+    from kimi_ops.kernels import sm90_gemv
+    monkeypatch.setenv("KIMI_OPS_SM90_ROWS64_MT", mt)
+    for (n, k), bn in zip(KIMI_K3 + ((1000, 4160),), (64, 128, 128, 16)):
+        w, s = random_fp8(n, k, bn, 128, seed=n + int(mt))
+        for m in (33, 48, 49, 64):
+            x = torch.randn(m, k).to(torch.bfloat16)
+            wd, sd, xd = w.cuda(), s.cuda(), x.cuda()
+            assert sm90_gemv.serves(xd, wd, sd, bn, 128)
+            _poison(m, n)
+            y = kimi_ops.gemm_a16w8_block(xd, wd, sd, block_n=bn, block_k=128)
+            ref = gemm64(x, w, s, bn, 128)
+            assert bound_ok(y, ref) <= 1.0, (mt, m, n, k)
 
 
 @requires_sm90
@@ -148,8 +170,13 @@ def test_gpu_ragged_shapes_and_strides(monkeypatch):
         _poison(m, n)
         y = kimi_ops.gemm_a16w16(x, w)
         assert bound_ok(y, x.cpu().double() @ w.cpu().double().T) <= 1.0, (m, n, k)
+    monkeypatch.setenv(sm90_gemv.ENV, "64")             # fp8 weights: their default limit (64 rows)
     for m, n, k, bn in ((1, 200, 192, 16), (8, 40, 320, 64), (5, 130, 1024, 128), (2, 7, 64, 16), (16, 40, 320, 64),
-                        (11, 130, 1024, 128), (32, 40, 320, 64), (21, 7, 64, 16)):
+                        (11, 130, 1024, 128), (32, 40, 320, 64), (21, 7, 64, 16),
+                        # 33-64 rows (gemm_fp8_rows64.cuh): split K in clusters of 1..8 CTAs, one split
+                        # at 33000 rows (258 row tiles), a lone 64-column k-block, rows < 16
+                        (33, 200, 192, 16), (64, 40, 320, 64), (47, 130, 1024, 128), (40, 7, 64, 16),
+                        (57, 1000, 4160, 64), (36, 33000, 128, 128)):
         w, s = random_fp8(n, k, bn, 128, seed=n)
         x = torch.randn(m, k).to(torch.bfloat16)
         wd, sd = w.cuda(), s.cuda()
@@ -178,8 +205,8 @@ def test_gpu_ragged_shapes_and_strides(monkeypatch):
     assert not sm90_gemv.serves(x2.cuda(), w2.cuda(), s2.cuda())
     y2 = kimi_ops.gemm_a16w8_block(x2.cuda(), w2.cuda(), s2.cuda())
     assert bound_ok(y2, gemm64(x2, w2, s2, 128, 128)) <= 1.0
-    w3, s3 = random_fp8(64, 128, 128, 128, seed=2)                                      # M > 32 (fp8 w)
-    x3 = torch.randn(33, 128).to(torch.bfloat16)
+    w3, s3 = random_fp8(64, 128, 128, 128, seed=2)                                      # M > 64 (fp8 w)
+    x3 = torch.randn(65, 128).to(torch.bfloat16)
     assert not sm90_gemv.serves(x3.cuda(), w3.cuda(), s3.cuda())
     assert bound_ok(kimi_ops.gemm_a16w8_block(x3.cuda(), w3.cuda(), s3.cuda()), gemm64(x3, w3, s3, 128, 128)) <= 1.0
 
@@ -199,10 +226,11 @@ def test_gpu_private_op_checks():
     with pytest.raises(RuntimeError, match="w_scale_inv is required"):
         op(x[:2], w.to(torch.float8_e4m3fn), None, 128)
     x33 = torch.randn(33, 64, device="cuda").to(torch.bfloat16)
-    with pytest.raises(RuntimeError, match="at most 32 rows"):
+    with pytest.raises(RuntimeError, match="at most 64 rows of x with an fp8 w, 32 with a bf16 one"):
         op(x33, w, None, 0)
-    with pytest.raises(RuntimeError, match="at most 32 rows"):
-        op(x33, w.to(torch.float8_e4m3fn), torch.ones(1, 1, device="cuda"), 32)
+    with pytest.raises(RuntimeError, match="at most 64 rows of x with an fp8 w, 32 with a bf16 one"):
+        op(torch.randn(65, 64, device="cuda").to(torch.bfloat16), w.to(torch.float8_e4m3fn),
+           torch.ones(1, 1, device="cuda"), 32)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         op(x[:2, :48], w[:, :48].contiguous(), None, 0)
 
@@ -229,8 +257,8 @@ def test_gpu_replays_in_a_cuda_graph():
 
 @requires_sm90
 @pytest.mark.gpu
-@pytest.mark.parametrize("fp8", [False, True])
-def test_gpu_pdl_chain(fp8):
+@pytest.mark.parametrize("fp8,m", [(False, 3), (True, 3), (True, 48)])
+def test_gpu_pdl_chain(fp8, m):
     """constant_w=True (programmatic dependent launch: the weight streams while the previous kernel
     finishes): in a graph of such kernels where each GEMV's x is the previous kernel's output, the
     results equal the same chain launched plainly, bit for bit."""
@@ -242,7 +270,7 @@ def test_gpu_pdl_chain(fp8):
         args1 = quantize_fp8_blocks(w1, 128, 128)
         args2 = quantize_fp8_blocks(w2, 128, 128)
     gemm = kimi_ops.gemm_a16w8_block if fp8 else kimi_ops.gemm_a16w16
-    x = torch.randn(3, 1536, device="cuda", generator=gen).to(torch.bfloat16)
+    x = torch.randn(m, 1536, device="cuda", generator=gen).to(torch.bfloat16)
     torch.cuda.synchronize()  # the weights are written long before the chain (PDL reads them early)
 
     def chain(pdl):  # x of each GEMV: the output of the kernel just before it (the second: a GEMV
@@ -267,15 +295,16 @@ def test_gpu_pdl_chain(fp8):
 
 @requires_sm90
 @pytest.mark.gpu
+@pytest.mark.parametrize("m", [3, 40])
 @pytest.mark.parametrize("case", ["every_code", "subnormal_codes", "x_range"])
-def test_gpu_fp8_every_code_exact(case):
+def test_gpu_fp8_every_code_exact(case, m):
     """The fp8 weight's conversion is exact for every finite e4m3 code: a weight drawn from all 254
     finite codes; one of e4m3's subnormal codes only (|w| < 2^-6: were they flushed to zero anywhere,
     the outputs would be zero); and x from 2^-40 to 2^40 with block scales from 2^-30 to 2^20;
     against float64."""
     from kimi_ops.kernels import sm90_gemv
     gen = torch.Generator().manual_seed(11)
-    n, k, m = 96, 1024, 3
+    n, k = 96, 1024
     if case == "subnormal_codes":
         codes = torch.tensor([c for c in range(256) if c & 0x78 == 0], dtype=torch.uint8)
     else:

@@ -83,18 +83,27 @@ def test_sm90_kernels_do_not_spill(tmp_path):
 
 
 def test_gemv_kernel_does_not_spill(tmp_path):
-    """csrc/sm90/gemv.cuh's sixteen instances: the twelve plain ones (bf16 / fp8 weight, 4 / 8
-    warps, one / two / four 8-token tiles for 1-8 / 9-16 / 17-32 rows) and the four fused with the
-    layer's norms (kNorm: 4 warps, either weight, one / two tiles): no spill; the plain ones at most
-    128 registers, so two CTAs of 8 warps share a SM (Kimi-K3's fused qkv_a launches 228 CTAs on
-    132 SMs: at one CTA a SM that would be two waves), the fused ones within their launch bound
-    of two 128-thread CTAs a SM (255)."""
+    """gemv_sm90.cu's kernels. csrc/sm90/gemv.cuh's sixteen instances: the twelve plain ones (bf16 /
+    fp8 weight, 4 / 8 warps, one / two / four 8-token tiles for 1-8 / 9-16 / 17-32 rows) and the
+    four fused with the layer's norms (kNorm: 4 warps, either weight, one / two tiles): no spill;
+    the plain ones at most 128 registers, so two CTAs of 8 warps share a SM (Kimi-K3's fused qkv_a
+    launches 228 CTAs on 132 SMs: at one CTA a SM that would be two waves), the fused ones within
+    their launch bound of two 128-thread CTAs a SM (255). csrc/sm90/gemm_fp8_rows64.cuh's four (6 / 8
+    token tiles for 33-48 / 49-64 rows; 16 weight rows a warp, two CTAs a SM, or 32, one): at most
+    128 / 255 registers, no spill but the known one of 16 rows a warp at 8 tiles (40 bytes stored,
+    36 loaded with nvcc 13.0; the build measured in session 56, with experiment switches since
+    removed, had 76 / 60)."""
     report = _ptxas_report(tmp_path, GEMV_SOURCE)
     _print(report)
-    assert len(report) == 16 and all(n.startswith("gemv_kernel<") for n in report), sorted(report)
+    gemv = {n for n in report if n.startswith("gemv_kernel<")}
+    rows64 = {n for n in report if n.startswith("gemm_fp8_rows64_kernel<")}
+    assert len(gemv) == 16 and len(rows64) == 4 and len(report) == 20, sorted(report)
     fused = {n for n in report if n.endswith(", true>(GemvParams)")}
     assert len(fused) == 4 and all(n.startswith("gemv_kernel<4,") for n in fused), sorted(fused)
-    spilled = {n: (r["spill_stores"], r["spill_loads"]) for n, r in report.items() if r["spill_stores"] or r["spill_loads"]}
-    assert not spilled, f"spills (bytes stored, loaded): {spilled}"
-    over = {n: r["regs"] for n, r in report.items() if r["regs"] > (255 if n in fused else 128)}
+    known = {"gemm_fp8_rows64_kernel<1, 3, 8>(Rows64Params)": (40, 36)}
+    spilled = {n: (r["spill_stores"], r["spill_loads"]) for n, r in report.items()
+               if (r["spill_stores"], r["spill_loads"]) != known.get(n, (0, 0))}
+    assert not spilled, f"spills (bytes stored, loaded) other than the known one: {spilled}"
+    bound = {n: 255 if n in fused or n.startswith("gemm_fp8_rows64_kernel<2,") else 128 for n in report}
+    over = {n: r["regs"] for n, r in report.items() if r["regs"] > bound[n]}
     assert not over, f"registers above the launch bound: {over}"

@@ -1,6 +1,7 @@
-// Hopper (sm_90a) small-M projections: the host launcher of gemv_kernel (gemv.cuh) and its op,
-// _gemv_sm90 (schema in csrc/registration.cpp, entry point in ops.h):
-//   x [M, K] bf16 (M <= 32; unit stride along K, rows 16-byte aligned), w [N, K] bf16 or fp8
+// Hopper (sm_90a) small-M projections: the host launcher of gemv_kernel (gemv.cuh) and of
+// gemm_fp8_rows64_kernel (gemm_fp8_rows64.cuh: an fp8 w at 33-64 rows) and their op, _gemv_sm90
+// (schema in csrc/registration.cpp, entry point in ops.h):
+//   x [M, K] bf16 (M <= 32 with a bf16 w, 64 with an fp8 one; unit stride along K, rows 16-byte aligned), w [N, K] bf16 or fp8
 //   e4m3fn (contiguous, 16-byte aligned), w_scale_inv [ceil(N / block_n), ceil(K / 128)] f32 with
 //   an fp8 w (unit stride along K), else none; constant_w: w and w_scale_inv are not written by
 //   the kernels before this one on the stream (the launch may then start while they run)
@@ -19,8 +20,10 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <algorithm>
 #include <cstdint>
 
+#include "gemm_fp8_rows64.cuh"
 #include "gemv.cuh"
 #include "launch.h"
 #include "ops.h"
@@ -42,6 +45,72 @@ void launch_norm_gemv(const GemvParams& p, bool pdl, cudaStream_t stream) {
          static_cast<size_t>(p.K) * sizeof(__nv_bfloat16), stream, p, pdl);
 }
 
+// 33..64 rows of x, fp8 w (gemm_fp8_rows64.cuh): a grid of (row tiles, K splits), the splits of a
+// row tile one cluster, as many splits as fill the SMs' CTA slots (at most 8, the portable cluster
+// size, and the k-blocks); 6 token tiles at M <= 48, else 8. kMT: 16 weight rows a warp (128 a
+// CTA, two CTAs a SM; the default) or 32 (256 a CTA, one a SM: KIMI_OPS_SM90_ROWS64_MT=2, an A/B
+// switch read at each launch).
+template <int kMT, int kTiles>
+void launch_rows64_tiles(const Rows64Params& p0, bool pdl, cudaStream_t stream) {
+  constexpr int kStages = 3;
+  using S = Rows64Shape<kMT>;
+  constexpr size_t smem = S::template smem_bytes<kStages>();
+  auto kernel = gemm_fp8_rows64_kernel<kMT, kStages, kTiles>;
+  static size_t configured[64] = {};  // per device: the attribute is per function and context
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  if (device >= 64 || configured[device] < smem) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    if (device < 64) configured[device] = smem;
+  }
+  int sms = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  Rows64Params p = p0;
+  const int tiles = (p.N + S::kRows - 1) / S::kRows;
+  const int slots = sms * (kMT == 1 ? 2 : 1);
+  p.splits = std::max(1, std::min({slots / tiles, kRows64MaxSplits, p.k_blocks}));
+  cudaLaunchAttribute attr[2];
+  unsigned n_attrs = 0;
+  if (pdl) {
+    attr[n_attrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n_attrs++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (p.splits > 1) {  // (one split: a cluster of one, the launch's default)
+    attr[n_attrs].id = cudaLaunchAttributeClusterDimension;
+    attr[n_attrs].val.clusterDim.x = 1;
+    attr[n_attrs].val.clusterDim.y = static_cast<unsigned>(p.splits);
+    attr[n_attrs++].val.clusterDim.z = 1;
+  }
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(p.splits));
+  config.blockDim = dim3(kRows64Warps * 32);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = attr;
+  config.numAttrs = n_attrs;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p));
+}
+
+void launch_rows64(const GemvParams& g, bool pdl, cudaStream_t stream) {
+  Rows64Params p{};
+  p.x = g.x;
+  p.x_stride = g.x_stride;
+  p.w = static_cast<const uint8_t*>(g.w);
+  p.scale = g.scale;
+  p.scale_stride = g.scale_stride;
+  p.y = g.y;
+  p.M = g.M;
+  p.N = g.N;
+  p.K = g.K;
+  p.block_n = g.block_n;
+  p.k_blocks = (g.K + kFp8BlockK - 1) / kFp8BlockK;
+  const bool mt2 = env_equals("KIMI_OPS_SM90_ROWS64_MT", "2");
+  if (p.M <= 6 * kGemvMaxM)
+    mt2 ? launch_rows64_tiles<2, 6>(p, pdl, stream) : launch_rows64_tiles<1, 6>(p, pdl, stream);
+  else
+    mt2 ? launch_rows64_tiles<2, 8>(p, pdl, stream) : launch_rows64_tiles<1, 8>(p, pdl, stream);
+}
+
 // The weight's checks and GemvParams' product fields (x, w, y set by the caller).
 GemvParams gemv_params(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& w_scale_inv,
                        int64_t block_n) {
@@ -55,7 +124,8 @@ GemvParams gemv_params(const at::Tensor& x, const at::Tensor& w, const std::opti
               "kimi_ops._C: w must be contiguous and 16-byte aligned");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   static_assert(kGemvMaxM == 8, "the messages below");
-  TORCH_CHECK(M <= 4 * kGemvMaxM, "kimi_ops._C: the GEMV takes at most 32 rows of x");
+  TORCH_CHECK(M <= (fp8 ? kRows64MaxM : 4 * kGemvMaxM),
+              "kimi_ops._C: the GEMV takes at most 64 rows of x with an fp8 w, 32 with a bf16 one");
   TORCH_CHECK(K % (fp8 ? 64 : 32) == 0, "kimi_ops._C: K must be a multiple of 32 (bf16 w) or 64 (fp8 w)");
   TORCH_CHECK(K <= INT32_MAX && N <= INT32_MAX, "kimi_ops._C: GEMV too large");
   TORCH_CHECK(x.stride(1) == 1 && x.stride(0) % 8 == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0,
@@ -112,7 +182,9 @@ at::Tensor gemv_sm90(const at::Tensor& x, const at::Tensor& w, const std::option
   // 9..32 rows (fp8): two / four 8-token MMA tiles on each W fragment, one k-block a step (x's
   // registers double / quadruple: 88 / 128 registers; two k-blocks a step at 16 rows took 128 and
   // spilled 8 bytes)
-  if (fp8 && M > 2 * kGemvMaxM)
+  if (fp8 && M > 4 * kGemvMaxM)
+    launch_rows64(p, pdl, stream);
+  else if (fp8 && M > 2 * kGemvMaxM)
     wide ? launch_gemv<8, true, 1, 4>(p, pdl, stream) : launch_gemv<4, true, 1, 4>(p, pdl, stream);
   else if (fp8 && M > kGemvMaxM)
     wide ? launch_gemv<8, true, 1, 2>(p, pdl, stream) : launch_gemv<4, true, 1, 2>(p, pdl, stream);

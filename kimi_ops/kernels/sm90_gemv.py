@@ -1,5 +1,6 @@
-"""Host side of the Hopper small-M projection kernel in ``kimi_ops._C`` (``csrc/sm90/gemv.cuh``,
-launched by ``csrc/sm90/gemv_sm90.cu`` as the private op ``torch.ops.kimi_ops._gemv_sm90``).
+"""Host side of the Hopper small-M projection kernels in ``kimi_ops._C`` (``csrc/sm90/gemv.cuh`` and,
+for an fp8 weight at 33-64 rows, ``csrc/sm90/gemm_fp8_rows64.cuh``; launched by
+``csrc/sm90/gemv_sm90.cu`` as the private op ``torch.ops.kimi_ops._gemv_sm90``).
 
 The ``cuda`` backend of :func:`kimi_ops.gemm_a16w16` and :func:`kimi_ops.gemm_a16w8_block`: at
 ``M <= 32`` rows of x (a decode step of up to 32 tokens) a projection is a stream of its weight's
@@ -25,7 +26,10 @@ us off the MXFP4 one (docs/perf-history.md, session 28). Only sound when nothing
 before writes w; ``KIMI_OPS_PDL=0`` turns it off.
 
 What it takes (:func:`serves`; anything else runs the other backend's code: cuBLAS for bf16, the
-Triton kernels for fp8): ``1 <= M <= 32`` (MAX_M) with an fp8 w, ``1 <= M <= 16`` (BF16_MAX_M)
+Triton kernels for fp8): ``1 <= M <= 64`` (MAX_M; gemv.cuh to 32 rows, gemm_fp8_rows64.cuh above:
+K split over a cluster of CTAs, 0-13% faster than the Triton tl.dot GEMM on Kimi-K3's qkv_a + gate
+and o_proj at 33-64 rows, 17-43% slower on q_b, the fp8 layer's step 1-8% faster on an H100,
+session 56) with an fp8 w, ``1 <= M <= 16`` (BF16_MAX_M)
 with a bf16 w (at 24 and 32 rows cuBLAS was faster on the K-1536 projections: q_b 6.1 against
 8.4 / 9.0 us, o_proj 10.8 against 12.4 / 13.1 on an H100, session 34); x bf16 with contiguous,
 16-byte aligned rows; w contiguous and 16-byte aligned; bf16 w with ``K % 32 == 0``; fp8
@@ -37,8 +41,11 @@ float32 sums, the norm weight to x as it is loaded, and CTAs after the product's
 rows and the gate (csrc/sm90/pre_norm.cuh), so no kernel runs between qkv_a and q_b.
 
 ``KIMI_OPS_SM90_GEMV`` (read at each call), for A/B measurements: ``0`` turns the kernel off;
-``8`` / ``16`` / ``32`` set the row limit for both weight dtypes (``32`` lets bf16 weights take
-the four-tile path).
+``8`` / ``16`` / ``32`` / ``64`` set the row limit for both weight dtypes (``32`` lets bf16 weights
+take the four-tile path and gives an fp8 weight's 33-64 rows back to Triton; bf16 weights stop at
+32). ``KIMI_OPS_SM90_ROWS64_MT=2`` (read at each launch): gemm_fp8_rows64.cuh with 32 weight rows a
+warp, one CTA a SM (measured faster on qkv_a + gate and o_proj at 64 rows, 22.8 / 13.8 against
+26.1 / 14.8 us, not yet in the layer).
 """
 import os
 
@@ -47,7 +54,8 @@ import torch
 from ..reference.linear import gemm_a16w16 as _linear
 from .sm90 import _ops  # kimi_ops._C's private ops (importing it registers them)
 
-MAX_M = 32        # the kernel's limit (fp8 weights take it by default)
+MAX_M = 64        # fp8 weights: gemv.cuh to 32 rows, gemm_fp8_rows64.cuh at 33-64
+GEMV_MAX_M = 32   # gemv.cuh's limit (bf16 weights never go past it)
 BF16_MAX_M = 16   # bf16 weights by default: at 24 / 32 rows cuBLAS is faster on q_b and o_proj (K 1536)
 ENV = "KIMI_OPS_SM90_GEMV"
 NORM_Q_B_ENV = "KIMI_OPS_SM90_NORM_Q_B"  # "0": mla_norm_cache_write_q_b as two ops (A/B measurements)
@@ -64,11 +72,13 @@ def serves(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor | None = 
     """Whether the kernel computes ``x @ w^T`` (with ``w_scale_inv``'s block scales for an fp8
     w): the conditions in the module's docstring."""
     env = os.environ.get(ENV, "").strip()
-    if env not in ("", "0", "1", "8", "16", "32"):
-        raise ValueError(f"{ENV} must be 0, 1, 8, 16 or 32, got {env!r}")
+    if env not in ("", "0", "1", "8", "16", "32", "64"):
+        raise ValueError(f"{ENV} must be 0, 1, 8, 16, 32 or 64, got {env!r}")
     if env == "0":
         return False
     max_m = int(env) if env not in ("", "1") else (BF16_MAX_M if w.dtype == torch.bfloat16 else MAX_M)
+    if w.dtype == torch.bfloat16:
+        max_m = min(max_m, GEMV_MAX_M)
     if not (x.is_cuda and w.is_cuda and w.is_contiguous() and w.data_ptr() % 16 == 0 and _x_ok(x, max_m)):
         return False
     k = x.shape[1]
