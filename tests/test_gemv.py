@@ -96,23 +96,29 @@ def test_gpu_bf16_kimi_k3_shapes(m, monkeypatch):
         assert bound_ok(y, ref) <= 1.0 and rel <= 4e-3
 
 
+def _fp8_kernel_error(m, w, s, bn):
+    """The cuda backend's gemm_a16w8_block of a random [m, K] x on w (which the kernels must take),
+    into poisoned memory: (max err / bound, rel L2) against float64."""
+    from kimi_ops.kernels import sm90_gemv
+    n, k = w.shape
+    x = torch.randn(m, k).to(torch.bfloat16)
+    wd, sd, xd = w.cuda(), s.cuda(), x.cuda()
+    assert sm90_gemv.serves(xd, wd, sd, bn, 128)
+    _poison(m, n)
+    y = kimi_ops.gemm_a16w8_block(xd, wd, sd, block_n=bn, block_k=128)
+    ref = gemm64(x, w, s, bn, 128)
+    return bound_ok(y, ref), float((y.cpu().double() - ref).norm() / ref.norm())
+
+
 @requires_sm90
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 4, 7, 8, 9, 13, 16, 17, 24, 32, 33, 40, 48, 57, 64])
 def test_gpu_fp8_kimi_k3_shapes(m):
-    from kimi_ops.kernels import sm90_gemv
     for (n, k), bn in zip(KIMI_K3, (64, 128, 128)):   # the fused qkv_a + gate on its 64-row scale grid
         w, s = random_fp8(n, k, bn, 128, seed=n + m)
-        x = torch.randn(m, k).to(torch.bfloat16)
-        wd, sd, xd = w.cuda(), s.cuda(), x.cuda()
-        assert sm90_gemv.serves(xd, wd, sd, bn, 128)
-        _poison(m, n)
-        y = kimi_ops.gemm_a16w8_block(xd, wd, sd, block_n=bn, block_k=128)
-        ref = gemm64(x, w, s, bn, 128)
-        rel = float((y.cpu().double() - ref).norm() / ref.norm())
-        print(f"gemm_a16w8_block (cuda) M {m} N {n} K {k} block_n {bn}: rel L2 {rel:.2e}, "
-              f"max err / bound {bound_ok(y, ref):.2f}")
-        assert bound_ok(y, ref) <= 1.0 and rel <= 4e-3
+        bound, rel = _fp8_kernel_error(m, w, s, bn)
+        print(f"gemm_a16w8_block (cuda) M {m} N {n} K {k} block_n {bn}: rel L2 {rel:.2e}, max err / bound {bound:.2f}")
+        assert bound <= 1.0 and rel <= 4e-3
 
 
 @requires_sm90
@@ -122,18 +128,11 @@ def test_gpu_fp8_rows64_forms(mt, monkeypatch):
     """33-64 rows (csrc/sm90/gemm_fp8_rows64.cuh) in both of its forms, 16 weight rows a warp (the
     default) and 32 (KIMI_OPS_SM90_ROWS64_MT=2), at the token-tile boundaries (6 tiles to 48
     rows, 8 above) on Kimi-K3's shapes and a ragged one, against float64."""
-    from kimi_ops.kernels import sm90_gemv
     monkeypatch.setenv("KIMI_OPS_SM90_ROWS64_MT", mt)
     for (n, k), bn in zip(KIMI_K3 + ((1000, 4160),), (64, 128, 128, 16)):
         w, s = random_fp8(n, k, bn, 128, seed=n + int(mt))
         for m in (33, 48, 49, 64):
-            x = torch.randn(m, k).to(torch.bfloat16)
-            wd, sd, xd = w.cuda(), s.cuda(), x.cuda()
-            assert sm90_gemv.serves(xd, wd, sd, bn, 128)
-            _poison(m, n)
-            y = kimi_ops.gemm_a16w8_block(xd, wd, sd, block_n=bn, block_k=128)
-            ref = gemm64(x, w, s, bn, 128)
-            assert bound_ok(y, ref) <= 1.0, (mt, m, n, k)
+            assert _fp8_kernel_error(m, w, s, bn)[0] <= 1.0, (mt, m, n, k)
 
 
 @requires_sm90
