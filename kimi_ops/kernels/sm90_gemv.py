@@ -27,7 +27,7 @@ before writes w; ``KIMI_OPS_PDL=0`` turns it off.
 
 What it takes (:func:`serves`; anything else runs the other backend's code: cuBLAS for bf16, the
 Triton kernels for fp8): ``1 <= M <= 64`` (MAX_M; gemv.cuh to 32 rows, gemm_fp8_rows64.cuh above:
-K split over a cluster of CTAs, 0-13% faster than the Triton tl.dot GEMM on Kimi-K3's qkv_a + gate
+K split over a cluster of CTAs, 3-19% faster than the Triton tl.dot GEMM on Kimi-K3's qkv_a + gate
 and o_proj at 33-64 rows, 17-43% slower on q_b, the fp8 layer's step 1-8% faster on an H100,
 session 56) with an fp8 w, ``1 <= M <= 16`` (BF16_MAX_M)
 with a bf16 w (at 24 and 32 rows cuBLAS was faster on the K-1536 projections: q_b 6.1 against
