@@ -254,4 +254,14 @@ def test_compiled_dcp_step_with_the_fp8_query(tmp_path):
     gather as bytes (gloo, 2 ranks), equal to eager to a bf16 rounding."""
     import torch.multiprocessing as mp
 
-    mp.spawn(_compiled_dcp_rank, args=(2, str(tmp_path / "init")), nprocs=2, join=True)
+    # Now and then (about 1 run in 8 on 2 cores, with kimi_ops._C built, before and after session 56)
+    # a rank aborts early in torch.compile with "terminate called without an active exception"
+    # (SIGABRT), a process-level failure, not a wrong result (a failed check raises in the rank and
+    # comes back as ProcessRaisedException): such a run is tried again, twice at most.
+    for attempt in range(3):
+        try:
+            mp.spawn(_compiled_dcp_rank, args=(2, str(tmp_path / f"init{attempt}")), nprocs=2, join=True)
+            return
+        except mp.ProcessExitedException as e:
+            if e.signal_name != "SIGABRT" or attempt == 2:
+                raise
