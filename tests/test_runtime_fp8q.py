@@ -254,7 +254,7 @@ def test_compiled_dcp_step_with_the_fp8_query(tmp_path):
     gather as bytes (gloo, 2 ranks), equal to eager to a bf16 rounding."""
     import torch.multiprocessing as mp
 
-    # Now and then (about 1 run in 8 on 2 cores, with kimi_ops._C built, before and after session 56)
+    # Now and then (4 runs of 27 on 2 cores, with kimi_ops._C built, before and after session 56)
     # a rank aborts early in torch.compile with "terminate called without an active exception"
     # (SIGABRT), a process-level failure, not a wrong result (a failed check raises in the rank and
     # comes back as ProcessRaisedException): such a run is tried again, twice at most.
