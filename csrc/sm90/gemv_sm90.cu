@@ -55,40 +55,14 @@ void launch_rows64_tiles(const Rows64Params& p0, bool pdl, cudaStream_t stream) 
   constexpr int kStages = 3;
   using S = Rows64Shape<kMT>;
   constexpr size_t smem = S::template smem_bytes<kStages>();
-  auto kernel = gemm_fp8_rows64_kernel<kMT, kStages, kTiles>;
-  static size_t configured[64] = {};  // per device: the attribute is per function and context
-  int device = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  if (device >= 64 || configured[device] < smem) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-    if (device < 64) configured[device] = smem;
-  }
-  int sms = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  constexpr auto kKernel = gemm_fp8_rows64_kernel<kMT, kStages, kTiles>;
+  allow_dynamic_smem<kKernel>(smem);
   Rows64Params p = p0;
   const int tiles = (p.N + S::kRows - 1) / S::kRows;
-  const int slots = sms * (kMT == 1 ? 2 : 1);
+  const int slots = current_device_attribute(cudaDevAttrMultiProcessorCount) * (kMT == 1 ? 2 : 1);
   p.splits = std::max(1, std::min({slots / tiles, kRows64MaxSplits, p.k_blocks}));
-  cudaLaunchAttribute attr[2];
-  unsigned n_attrs = 0;
-  if (pdl) {
-    attr[n_attrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[n_attrs++].val.programmaticStreamSerializationAllowed = 1;
-  }
-  if (p.splits > 1) {  // (one split: a cluster of one, the launch's default)
-    attr[n_attrs].id = cudaLaunchAttributeClusterDimension;
-    attr[n_attrs].val.clusterDim.x = 1;
-    attr[n_attrs].val.clusterDim.y = static_cast<unsigned>(p.splits);
-    attr[n_attrs++].val.clusterDim.z = 1;
-  }
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(p.splits));
-  config.blockDim = dim3(kRows64Warps * 32);
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  config.attrs = attr;
-  config.numAttrs = n_attrs;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p));
+  const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(p.splits));
+  launch(kKernel, grid, kRows64Warps * 32, smem, stream, p, pdl, static_cast<unsigned>(p.splits));
 }
 
 void launch_rows64(const GemvParams& g, bool pdl, cudaStream_t stream) {

@@ -118,30 +118,15 @@ void check_cuda_tensor(const at::Tensor& t, const char* name, at::ScalarType dty
   TORCH_CHECK(t.is_contiguous(), message(name, " must be contiguous"));
 }
 
-// An attribute of the current device (the SM count, the shared memory a SM has).
-int current_device_attribute(cudaDeviceAttr attr) {
-  int device = 0, value = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&value, attr, device));
-  return value;
-}
-
 // Whether a grid of `ctas` CTAs has at most one a SM (rows16_smem's early-launch rule).
 bool at_most_one_cta_a_sm(int64_t ctas) { return ctas <= current_device_attribute(cudaDevAttrMultiProcessorCount); }
 
 // kKernel<<<grid, threads, smem>>>(params), its dynamic shared-memory limit raised first where
-// needed (a per-function, per-context attribute: each kernel instance keeps its own `configured`).
-// smem: sizeof(Smem) or more (rows16_smem).
+// needed (launch.h: allow_dynamic_smem). smem: sizeof(Smem) or more (rows16_smem).
 template <auto kKernel, typename Smem>
 void launch_kernel(int threads, const SplitKVParams& params, dim3 grid, cudaStream_t stream,
                    size_t smem = sizeof(Smem)) {
-  static size_t configured[64] = {};  // per device
-  int device = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  if (device >= 64 || configured[device] < smem) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-    if (device < 64) configured[device] = smem;
-  }
+  allow_dynamic_smem<kKernel>(smem);
   launch(kKernel, grid, threads, smem, stream, params, pdl_enabled() || params.kv_before_wait);
 }
 
