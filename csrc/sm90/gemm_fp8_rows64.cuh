@@ -134,7 +134,7 @@ __global__ void __launch_bounds__(kRows64Warps * 32, MT == 1 ? 2 : 1) gemm_fp8_r
     const int row = min(n0 + 16 * (MT * warp + m), p.N - 1);
     scale_rows[m] = p.scale + static_cast<int64_t>(row / p.block_n) * p.scale_stride;
   }
-  float acc[MT][8][4] = {};
+  float acc[MT][kTiles][4] = {};
   for (int it = 0; it < n_kb; ++it) {
     cp_async_wait<STAGES - 2>();
     __syncthreads();  // stage it % STAGES landed for every thread; stage (it - 1) % STAGES is free
@@ -148,7 +148,7 @@ __global__ void __launch_bounds__(kRows64Warps * 32, MT == 1 ? 2 : 1) gemm_fp8_r
     for (int m = 0; m < MT; ++m) sc[m] = scale_rows[m][kb0 + it] * kXUp;
     const uint8_t* ws = smem + (it % STAGES) * S::kStageBytes;
     const uint8_t* xs = ws + S::kWBytes;
-    float part[MT][8][4] = {};
+    float part[MT][kTiles][4] = {};
 #pragma unroll
     for (int kc = 0; kc < 2; ++kc) {  // the k-block's two 64-column chunks
       uint32_t lo[MT][8], hi[MT][8];
@@ -191,7 +191,7 @@ __global__ void __launch_bounds__(kRows64Warps * 32, MT == 1 ? 2 : 1) gemm_fp8_r
 #pragma unroll
     for (int m = 0; m < MT; ++m)
 #pragma unroll
-      for (int t = 0; t < 8; ++t)
+      for (int t = 0; t < kTiles; ++t)
 #pragma unroll
         for (int r = 0; r < 4; ++r) acc[m][t][r] = fmaf(part[m][t][r], sc[m], acc[m][t][r]);
   }
@@ -205,7 +205,7 @@ __global__ void __launch_bounds__(kRows64Warps * 32, MT == 1 ? 2 : 1) gemm_fp8_r
   for (int m = 0; m < MT; ++m) {
     const int r = 16 * (MT * warp + m) + g;
 #pragma unroll
-    for (int t = 0; t < 8; ++t) {
+    for (int t = 0; t < kTiles; ++t) {
       sums[(8 * t + 2 * c) * S::kSumPitch + r] = acc[m][t][0];
       sums[(8 * t + 2 * c + 1) * S::kSumPitch + r] = acc[m][t][1];
       sums[(8 * t + 2 * c) * S::kSumPitch + r + 8] = acc[m][t][2];
