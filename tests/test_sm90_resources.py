@@ -2,8 +2,9 @@
 tests/test_cross_compile.py reads the AMD code objects): csrc/sm90/mla_decode_sm90.cu and
 gemv_sm90.cu are compiled to cubins with setup.py's nvcc flags plus ``-Xptxas -v``, and every
 kernel instance must spill nothing (a spill in the K loop costs local-memory traffic on every tile)
-and fit its launch bound's registers. Known exception: the 16-row kernel's 3-stage ring (not a
-default, only ``KIMI_OPS_SM90_STAGES=3``) spills 24 bytes. Needs nvcc and a CUDA build of torch;
+and fit its launch bound's registers. Known exceptions: the 16-row kernel's 3-stage ring (not a
+default, only ``KIMI_OPS_SM90_STAGES=3``) spills 24 bytes; the 33-64-row fp8 GEMM's 8-token-tile
+form at 16 weight rows a warp, 40. Needs nvcc and a CUDA build of torch;
 ~80 s on 2 cores.
 """
 import os
@@ -24,6 +25,7 @@ GEMV_SOURCE = os.path.join(ROOT, "csrc", "sm90", "gemv_sm90.cu")
 KNOWN_SPILLS = {
     "splitkv_kernel<3, false>(SplitKVParams)": (24, 120),
     "splitkv_kernel<3, true>(SplitKVParams)": (24, 120),
+    "gemm_fp8_rows64_kernel<1, 3, 8>(Rows64Params)": (40, 36),
 }
 # registers a thread may use: the launch bounds (2 CTAs of 256 threads a SM for the 16-row kernel,
 # whose consumers then take 232 with setmaxnreg; 1 CTA of 256 for the token-major one)
@@ -100,9 +102,8 @@ def test_gemv_kernel_does_not_spill(tmp_path):
     assert len(gemv) == 16 and len(rows64) == 4 and len(report) == 20, sorted(report)
     fused = {n for n in report if n.endswith(", true>(GemvParams)")}
     assert len(fused) == 4 and all(n.startswith("gemv_kernel<4,") for n in fused), sorted(fused)
-    known = {"gemm_fp8_rows64_kernel<1, 3, 8>(Rows64Params)": (40, 36)}
     spilled = {n: (r["spill_stores"], r["spill_loads"]) for n, r in report.items()
-               if (r["spill_stores"], r["spill_loads"]) != known.get(n, (0, 0))}
+               if (r["spill_stores"], r["spill_loads"]) != KNOWN_SPILLS.get(n, (0, 0))}
     assert not spilled, f"spills (bytes stored, loaded) other than the known one: {spilled}"
     bound = {n: 255 if n in fused or n.startswith("gemm_fp8_rows64_kernel<2,") else 128 for n in report}
     over = {n: r["regs"] for n, r in report.items() if r["regs"] > bound[n]}
