@@ -1,8 +1,9 @@
 // fp8 block-scaled projections at 33-64 tokens: y [M, N] = x [M, K] @ dequant(W)^T for
 // 33 <= M <= 64, W fp8 e4m3fn with 128-column k-blocks of scales (gemm_a16w8_block's contract),
-// the numerics of gemv.cuh's fp8 path: W bytes become bf16 exactly as value * 2^-120, x is taken
-// times 2^60 (exact), mma.sync m16n8k16 bf16 with f32 accumulation, each k-block's sum times its
-// scale * 2^60 added in f32, one rounding to bf16.
+// the numerics of gemv.cuh's fp8 path: W bytes become bf16 exactly as value * 2^-120, x times 2^60
+// (exact; at MT 1 W times 2^60 instead: the same products with fewer multiplies), mma.sync
+// m16n8k16 bf16 with f32 accumulation, each k-block's sum times its scale * 2^60 added in f32, one
+// rounding to bf16.
 //
 // Byte layouts:
 //   reads   x [M, K] bf16 (rows x_stride elements apart, 16-byte aligned), W [N, K] fp8 contiguous,
@@ -24,9 +25,10 @@
 // them, in pairs: 6 at M <= 48, 8 above; tokens past M read zeros), token 8t + g's same 16
 // columns, so a W fragment feeds 4 kTiles MMAs a chunk and an x fragment MT of them.
 //
-// Measured (H100, session 56, docs/perf-history.md): Kimi-K3's fused qkv_a + gate at 33 / 64
-// rows 20.5 / 26.1 us (Triton's tl.dot GEMM 25.4 / 26.9), o_proj 12.5 / 14.8 (14.5 / 15.4), q_b
-// 9.6 / 12.7 (8.2 / 8.9); at MT 2 20.0 / 22.8, 12.2 / 13.8, 9.8 / 11.3.
+// Measured (H100, docs/perf-history.md): Kimi-K3's fused qkv_a + gate at 33 / 64 rows 19.2 / 24.2
+// us (Triton's tl.dot GEMM 26.1 / 26.5), o_proj 11.6 / 13.8 (14.5 / 15.6), q_b 9.2 / 11.9 (8.2 /
+// 8.9) (session 57, 2^60 on W; session 56 with it on x: 20.5 / 26.1, 12.5 / 14.8, 9.6 / 12.7); at
+// MT 2 (session 56) 20.0 / 22.8, 12.2 / 13.8, 9.8 / 11.3.
 #pragma once
 
 #include <cooperative_groups.h>
@@ -135,6 +137,9 @@ __global__ void __launch_bounds__(kRows64Warps * 32, MT == 1 ? 2 : 1) gemm_fp8_r
     scale_rows[m] = p.scale + static_cast<int64_t>(row / p.block_n) * p.scale_stride;
   }
   float acc[MT][kTiles][4] = {};
+  // 2^60 on W (16 multiplies a 64-column chunk) instead of x (8 a token tile: 64 at 8 tiles); at MT
+  // 2 the x form, which fits 255 registers at 8 tiles (W's spilled 24 bytes)
+  constexpr bool kUpW = MT == 1;
   for (int it = 0; it < n_kb; ++it) {
     cp_async_wait<STAGES - 2>();
     __syncthreads();  // stage it % STAGES landed for every thread; stage (it - 1) % STAGES is free
@@ -158,6 +163,13 @@ __global__ void __launch_bounds__(kRows64Warps * 32, MT == 1 ? 2 : 1) gemm_fp8_r
         const int pos = 16 * ((4 * kc + c) ^ ((r & 1) << 2));
         e4m3x16_to_bf16_pow2(lds128(ws + r * kFp8BlockK + pos), lo[m]);
         e4m3x16_to_bf16_pow2(lds128(ws + (r + 8) * kFp8BlockK + pos), hi[m]);
+        if constexpr (kUpW) {
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            lo[m][j] = bf16x2_up(lo[m][j]);
+            hi[m][j] = bf16x2_up(hi[m][j]);
+          }
+        }
       }
       // token tiles in pairs (tiles past M read zeros), the MMAs of the
       // two tiles (and MT m-tiles) alternating, so that no MMA waits on the one just before it
@@ -171,12 +183,8 @@ __global__ void __launch_bounds__(kRows64Warps * 32, MT == 1 ? 2 : 1) gemm_fp8_r
           const uint4 x0 = lds128(xrow + 16 * ((8 * kc + 2 * c) ^ (r & 1)));
           const uint4 x1 = lds128(xrow + 16 * ((8 * kc + 2 * c + 1) ^ (r & 1)));
           const uint32_t xr[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
-          const __nv_bfloat162 up = __floats2bfloat162_rn(kXUp, kXUp);
 #pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            const __nv_bfloat162 xu = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&xr[j]), up);
-            xb[h][j] = *reinterpret_cast<const uint32_t*>(&xu);
-          }
+          for (int j = 0; j < 8; ++j) xb[h][j] = kUpW ? xr[j] : bf16x2_up(xr[j]);
         }
 #pragma unroll
         for (int s = 0; s < 4; ++s)

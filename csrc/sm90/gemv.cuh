@@ -20,8 +20,9 @@
 // from its loads of W rows g, g + 8 and x row g at columns [k0 + 8c, +8) (bf16) or [k0 + 16c, +16)
 // (fp8): step s takes the lane's register pairs 2s and 2s + 1 as its columns (2c, 2c+1) and
 // (2c+8, 2c+9). fp8 bytes become bf16 exactly, as value * 2^-120 (integer ops, no conversion
-// instruction), x is multiplied by 2^60 (exact for |x| < 2^67), and a k-block's sum by its scale
-// * 2^60 in f32 (DeepSeek-V3's promotion), so each MMA chain is one k-block long.
+// instruction), x is multiplied by 2^60 (exact for |x| < 2^67; at 4 token tiles W instead, the same
+// products with half the multiplies), and a k-block's sum by its scale * 2^60 in f32 (DeepSeek-V3's
+// promotion), so each MMA chain is one k-block long.
 // PDL (a launch with programmatic stream serialization, the op's constant_w): each warp's first
 // weight loads go out before griddepcontrol.wait, so W streams while the previous kernel on the
 // stream finishes; x (that kernel's output, perhaps) is read after it. Without the attribute the
@@ -125,6 +126,14 @@ __device__ __forceinline__ uint32_t norm_times_x(uint32_t x2, uint32_t w2, float
 
 constexpr float kXUp = 0x1p60f;  // fp8: x * 2^60 in bf16 (exact), so W * 2^-120 times it stays an
                                  // f32 normal down to |w x| = 2^-66; k-block sums * scale * 2^60
+
+// a word of two bf16 times 2^60, exactly (a bf16 subnormal becomes a normal; no rounding): where a
+// W fragment meets several token tiles, W * 2^-60 times x gives the products of W * 2^-120 times
+// x * 2^60 with fewer multiplies (one a W word instead of one an x word a tile)
+__device__ __forceinline__ uint32_t bf16x2_up(uint32_t v) {
+  const __nv_bfloat162 u = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&v), __floats2bfloat162_rn(kXUp, kXUp));
+  return *reinterpret_cast<const uint32_t*>(&u);
+}
 
 // kNT: 8-token MMA tiles (1: M <= 8; 2: M <= 16; 4: M <= 32; each lane loads x rows g + 8t). With
 // an fp8 W up to kNT 2 the summation order of a token's outputs does not depend on kNT or kUnroll
@@ -230,6 +239,15 @@ __global__ void __launch_bounds__(WARPS * 32, kNorm ? 2 : 16 / WARPS) gemv_kerne
           uint32_t lo[8], hi[8];
           e4m3x16_to_bf16_pow2(a_lo[i], lo);
           e4m3x16_to_bf16_pow2(a_hi[i], hi);
+          constexpr bool kUpW = kNT == 4 && !kNorm;  // 2^60 on W's 16 words, not on the tiles' 32 x words
+          if constexpr (kUpW) {
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+              lo[j] = bf16x2_up(lo[j]);
+              hi[j] = bf16x2_up(hi[j]);
+            }
+            __syncwarp();  // keeps ptxas from interleaving them with the MMAs (that spilled 4 bytes)
+          }
           uint4 nw[2];  // kNorm: norm_w at the lane's 16 columns
           if constexpr (kNorm) {
             bool in_k;
@@ -247,12 +265,8 @@ __global__ void __launch_bounds__(WARPS * 32, kNorm ? 2 : 16 / WARPS) gemv_kerne
 #pragma unroll
               for (int j = 0; j < 8; ++j) xr[j] = norm_times_x(xr[j], nr[j], sumsq[t]);
             }
-            const __nv_bfloat162 up = __floats2bfloat162_rn(kXUp, kXUp);
 #pragma unroll
-            for (int j = 0; j < 8; ++j) {
-              const __nv_bfloat162 xu = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&xr[j]), up);
-              xb[j] = *reinterpret_cast<const uint32_t*>(&xu);
-            }
+            for (int j = 0; j < 8; ++j) xb[j] = kUpW ? xr[j] : bf16x2_up(xr[j]);
 #pragma unroll
             for (int s = 0; s < 4; ++s)
               mma_bf16(part[t][s % kChains], lo[2 * s], hi[2 * s], lo[2 * s + 1], hi[2 * s + 1], xb[2 * s], xb[2 * s + 1]);

@@ -27,12 +27,12 @@ before writes w; ``KIMI_OPS_PDL=0`` turns it off.
 
 What it takes (:func:`serves`; anything else runs the other backend's code: cuBLAS for bf16, the
 Triton kernels for fp8): ``1 <= M <= 64`` (MAX_M; gemv.cuh to 32 rows, gemm_fp8_rows64.cuh above:
-K split over a cluster of CTAs, 3-19% faster than the Triton tl.dot GEMM on Kimi-K3's qkv_a + gate
-and o_proj at 33-64 rows, 17-43% slower on q_b, the fp8 layer's step 1-8% faster on an H100,
-session 56) with an fp8 w, ``1 <= M <= 16`` (BF16_MAX_M)
-with a bf16 w (at 24 and 32 rows cuBLAS was faster on the K-1536 projections: q_b 6.1 against
-8.4 / 9.0 us, o_proj 10.8 against 12.4 / 13.1 on an H100, session 34); x bf16 with contiguous,
-16-byte aligned rows; w contiguous and 16-byte aligned; bf16 w with ``K % 32 == 0``; fp8
+K split over a cluster of CTAs; on an H100, session 57: 1.09-1.36x the Triton tl.dot GEMM on
+Kimi-K3's qkv_a + gate and o_proj at 33-64 rows, 0.75-0.90x on q_b, yet the fp8 layer's step
+2.6-3.4 us slower with q_b left to Triton; the step 4-10% faster than with Triton's three) with an
+fp8 w, ``1 <= M <= 16`` (BF16_MAX_M) with a bf16 w (at 24 and 32 rows cuBLAS was faster on the
+K-1536 projections: q_b 6.1 against 8.4 / 9.0 us, o_proj 10.8 against 12.4 / 13.1 on an H100,
+session 34); x bf16 with contiguous, 16-byte aligned rows; w contiguous and 16-byte aligned; bf16 w with ``K % 32 == 0``; fp8
 (``float8_e4m3fn``) w with ``K % 64 == 0``, ``block_k == 128``, ``block_n % 16 == 0`` and a scale
 of unit stride along K.
 The decode layer's q_b runs in a form of the kernel fused with the step's norms
@@ -44,8 +44,9 @@ rows and the gate (csrc/sm90/pre_norm.cuh), so no kernel runs between qkv_a and 
 ``8`` / ``16`` / ``32`` / ``64`` set the row limit for both weight dtypes (``32`` lets bf16 weights
 take the four-tile path and gives an fp8 weight's 33-64 rows back to Triton; bf16 weights stop at
 32). ``KIMI_OPS_SM90_ROWS64_MT=2`` (read at each launch): gemm_fp8_rows64.cuh with 32 weight rows a
-warp, one CTA a SM (measured faster on qkv_a + gate and o_proj at 64 rows, 22.8 / 13.8 against
-26.1 / 14.8 us, not yet in the layer).
+warp, one CTA a SM (session 56: faster on qkv_a + gate and o_proj at 64 rows, 22.8 / 13.8 against
+26.1 / 14.8 us; session 57, against the default with its 2^60 on W: the fp8 layer's step within
+1.1-1.7 us either way at batch 32-64).
 """
 import os
 
