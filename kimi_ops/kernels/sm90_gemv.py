@@ -33,8 +33,8 @@ Kimi-K3's qkv_a + gate and o_proj at 33-64 rows, 0.75-0.90x on q_b, yet the fp8 
 fp8 w, ``1 <= M <= 16`` (BF16_MAX_M) with a bf16 w (at 24 and 32 rows cuBLAS was faster on the
 K-1536 projections: q_b 6.1 against 8.4 / 9.0 us, o_proj 10.8 against 12.4 / 13.1 on an H100,
 session 34); x bf16 with contiguous, 16-byte aligned rows; w contiguous and 16-byte aligned; bf16
-w with ``K % 32 == 0``; fp8 (``float8_e4m3fn``) w with ``K % 64 == 0``, ``block_k == 128``, ``block_n % 16 == 0`` and a scale
-of unit stride along K.
+w with ``K % 32 == 0``; fp8 (``float8_e4m3fn``) w with ``K % 64 == 0``, ``block_k == 128``,
+``block_n % 16 == 0`` and a scale of unit stride along K.
 The decode layer's q_b runs in a form of the kernel fused with the step's norms
 (:func:`mla_norm_cache_write_q_b`, the op of the same name): each token's RMSNorm is applied to the
 float32 sums, the norm weight to x as it is loaded, and CTAs after the product's write the cache
