@@ -4,7 +4,7 @@ gemv_sm90.cu are compiled to cubins with setup.py's nvcc flags plus ``-Xptxas -v
 kernel instance must spill nothing (a spill in the K loop costs local-memory traffic on every tile)
 and fit its launch bound's registers. Known exceptions: the 16-row kernel's 3-stage ring (not a
 default, only ``KIMI_OPS_SM90_STAGES=3``) spills 24 bytes; the 33-64-row fp8 GEMM's 8-token-tile
-form at 16 weight rows a warp, 40. Needs nvcc and a CUDA build of torch;
+form at 16 weight rows a warp, 24 (KNOWN_SPILLS). Needs nvcc and a CUDA build of torch;
 ~80 s on 2 cores.
 """
 import os

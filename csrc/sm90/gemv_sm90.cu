@@ -1,10 +1,11 @@
 // Hopper (sm_90a) small-M projections: the host launcher of gemv_kernel (gemv.cuh) and of
 // gemm_fp8_rows64_kernel (gemm_fp8_rows64.cuh: an fp8 w at 33-64 rows) and their op, _gemv_sm90
 // (schema in csrc/registration.cpp, entry point in ops.h):
-//   x [M, K] bf16 (M <= 32 with a bf16 w, 64 with an fp8 one; unit stride along K, rows 16-byte aligned), w [N, K] bf16 or fp8
-//   e4m3fn (contiguous, 16-byte aligned), w_scale_inv [ceil(N / block_n), ceil(K / 128)] f32 with
-//   an fp8 w (unit stride along K), else none; constant_w: w and w_scale_inv are not written by
-//   the kernels before this one on the stream (the launch may then start while they run)
+//   x [M, K] bf16 (M <= 32 with a bf16 w, 64 with an fp8 one; unit stride along K, rows 16-byte
+//   aligned), w [N, K] bf16 or fp8 e4m3fn (contiguous, 16-byte aligned), w_scale_inv
+//   [ceil(N / block_n), ceil(K / 128)] f32 with an fp8 w (unit stride along K), else none;
+//   constant_w: w and w_scale_inv are not written by the kernels before this one on the stream (the
+//   launch may then start while they run)
 //   -> y [M, N] bf16.
 // and of its kNorm form, the decode layer's q_b fused with the step's norms, cache write and gate
 // (pre_norm.cuh), _norm_q_b_sm90:

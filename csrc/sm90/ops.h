@@ -10,9 +10,10 @@
 //   _mla_decode_sm90          the same inputs -> o [T, H, 512] bf16, lse [T, H] f32 (work-list grid + merge)
 //   _mla_merge_sm90           o_part [S, T, H, 512] bf16, lse_part [S, T, H] f32 -> o, lse
 // and by impl_sm90_gemv_ops, which gemv_sm90.cu defines:
-//   _gemv_sm90                x [M, K] bf16 (M <= 32 with a bf16 w, 64 with an fp8 one), w [N, K] bf16 or fp8 e4m3fn, w_scale_inv
-//                             [ceil(N / block_n), ceil(K / 128)] f32 with an fp8 w, constant_w
-//                             (programmatic dependent launch) -> y [M, N] bf16
+//   _gemv_sm90                x [M, K] bf16 (M <= 32 with a bf16 w, 64 with an fp8 one), w [N, K]
+//                             bf16 or fp8 e4m3fn, w_scale_inv [ceil(N / block_n), ceil(K / 128)]
+//                             f32 with an fp8 w, constant_w (programmatic dependent launch)
+//                             -> y [M, N] bf16
 //   _norm_q_b_sm90            the decode layer's q_b with its RMSNorm, the kv RMSNorm + cache write
 //                             and the gate's sigmoid in the same launch: q_c [T <= 16, K] bf16,
 //                             kv_c [T, 512], k_pe [T, 64], q / kv norm weights bf16, kv_cache
