@@ -98,24 +98,33 @@ __global__ void __launch_bounds__(kRows64Warps * 32, MT == 1 ? 2 : 1) gemm_fp8_r
   const int split = blockIdx.y;
   const int kb0 = split * p.k_blocks / p.splits, n_kb = (split + 1) * p.k_blocks / p.splits - kb0;
 
+  // a thread's copies: W rows wr0 + 32u, chunk wj; x tokens xr0 + 16u, chunk xj; per k-block only
+  // the source's column moves (the swizzles depend on the row's parity, the same for every u)
+  const int wr0 = threadIdx.x / 8, wj = threadIdx.x % 8, xr0 = threadIdx.x / 16, xj = threadIdx.x % 16;
+  const uint8_t* w_src = p.w + static_cast<int64_t>(n0 + wr0) * p.K + 16 * wj;
+  const __nv_bfloat16* x_src = p.x + static_cast<int64_t>(xr0) * p.x_stride + 8 * xj;
+  const uint32_t w_dst = wr0 * kFp8BlockK + 16 * (wj ^ ((wr0 & 1) << 2));
+  const uint32_t x_dst = xr0 * 2 * kFp8BlockK + 16 * (xj ^ (xr0 & 1));
+  constexpr int kWCopies = S::kRows * 8 / kThreads, kXCopies = kTiles * 8 * 16 / kThreads;
+  static_assert(kWCopies * kThreads == S::kRows * 8 && kXCopies * kThreads == kTiles * 8 * 16);
   auto load_w = [&](int stage, int kb) {
-    uint8_t* dst = smem + stage * S::kStageBytes;
+    uint8_t* dst = smem + stage * S::kStageBytes + w_dst;
+    const bool k_ok = kb * kFp8BlockK + 16 * wj < p.K;  // K % 64 == 0: a chunk is wholly in or out
 #pragma unroll
-    for (int u = 0; u < S::kRows * 8 / kThreads; ++u) {
-      const int i = threadIdx.x + u * kThreads, r = i / 8, j = i % 8, n = n0 + r, k = kb * kFp8BlockK + 16 * j;
-      const bool ok = n < p.N && k < p.K;  // K % 64 == 0: a chunk is wholly in or out
-      cp_async_16(dst + r * kFp8BlockK + 16 * (j ^ ((r & 1) << 2)),
-                  ok ? p.w + static_cast<int64_t>(n) * p.K + k : p.w, ok ? 16 : 0);
+    for (int u = 0; u < kWCopies; ++u) {
+      const bool ok = k_ok && n0 + wr0 + 32 * u < p.N;
+      cp_async_16(dst + u * 32 * kFp8BlockK,
+                  ok ? w_src + static_cast<int64_t>(32 * u) * p.K + kb * kFp8BlockK : p.w, ok ? 16 : 0);
     }
   };
   auto load_x = [&](int stage, int kb) {
-    uint8_t* dst = smem + stage * S::kStageBytes + S::kWBytes;
+    uint8_t* dst = smem + stage * S::kStageBytes + S::kWBytes + x_dst;
+    const bool k_ok = kb * kFp8BlockK + 8 * xj < p.K;
 #pragma unroll
-    for (int u = 0; u < kTiles * 8 * 16 / kThreads; ++u) {
-      const int i = threadIdx.x + u * kThreads, r = i / 16, j = i % 16, k = kb * kFp8BlockK + 8 * j;
-      const bool ok = r < p.M && k < p.K;
-      cp_async_16(dst + r * 2 * kFp8BlockK + 16 * (j ^ (r & 1)),
-                  ok ? p.x + static_cast<int64_t>(r) * p.x_stride + k : p.x, ok ? 16 : 0);
+    for (int u = 0; u < kXCopies; ++u) {
+      const bool ok = k_ok && xr0 + 16 * u < p.M;
+      cp_async_16(dst + u * 16 * 2 * kFp8BlockK,
+                  ok ? x_src + static_cast<int64_t>(16 * u) * p.x_stride + kb * kFp8BlockK : p.x, ok ? 16 : 0);
     }
   };
 
