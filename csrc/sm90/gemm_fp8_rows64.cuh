@@ -25,10 +25,12 @@
 // them, in pairs: 6 at M <= 48, 8 above; tokens past M read zeros), token 8t + g's same 16
 // columns, so a W fragment feeds 4 kTiles MMAs a chunk and an x fragment MT of them.
 //
-// Measured (H100, docs/perf-history.md): Kimi-K3's fused qkv_a + gate at 33 / 64 rows 19.2 / 24.2
-// us (Triton's tl.dot GEMM 26.1 / 26.5), o_proj 11.6 / 13.8 (14.5 / 15.6), q_b 9.2 / 11.9 (8.2 /
-// 8.9) (session 57, 2^60 on W; session 56 with it on x: 20.5 / 26.1, 12.5 / 14.8, 9.6 / 12.7); at
-// MT 2 (session 56) 20.0 / 22.8, 12.2 / 13.8, 9.8 / 11.3.
+// Measured (H100, docs/perf-history.md): Kimi-K3's fused qkv_a + gate at 33 / 48 / 64 rows 18.5 /
+// 19.0 / 23.1 us (Triton's tl.dot GEMM 25.8 / 25.7 / 26.5), o_proj 11.5 / 11.8 / 13.3 (14.2 / 14.6 /
+// 15.1), q_b 9.0 / 9.7 / 11.7 (8.2 / 8.6 / 8.8) (session 58, each thread's copy addresses computed
+// once; session 57's build in the same call 18.9 / 19.7 / 24.1, 11.7 / 12.0 / 13.6, 9.2 / 10.0 /
+// 12.0); at MT 2 (session 56) 20.0 / - / 22.8, 12.2 / - / 13.8, 9.8 / - / 11.3. On wgmma (W's
+// fragments from registers, x from shared memory; perf-history.md "Session 58") it was 7-31% slower.
 #pragma once
 
 #include <cooperative_groups.h>
