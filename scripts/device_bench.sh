@@ -10,9 +10,10 @@
 # benchmark gets what the build left (the json / md are written after every shape, so a stopped
 # run still leaves the shapes it measured, and the table below still prints).
 # GPU_TESTS=1: then the Hopper kernels' GPU tests on the same build (test_cuda_attention, test_pdl,
-# test_runtime_gpu, -k "not interp", ~70 s) -> $OUT/pytest.log, and the Triton kernels' (what every
-# other GPU runs: test_triton_attention, test_fp8_query, -k gpu, ~100 s) -> $OUT/pytest_triton.log;
-# the benchmark leaves them TEST_TIME seconds (default 280) of CALL_BUDGET. The table and the tests in one call:
+# test_runtime_gpu, -k "not interp", ~140 s) -> $OUT/pytest.log, the Triton kernels' (what every
+# other GPU runs: test_triton_attention, test_fp8_query, -k gpu, ~85 s) -> $OUT/pytest_triton.log,
+# and the projections' (test_gemv, test_fp8_weights, -m gpu, ~60 s) -> $OUT/pytest_gemm.log; the
+# benchmark leaves them TEST_TIME seconds (default 320) of CALL_BUDGET. The table and the tests in one call:
 #   run(command="GPU_TESTS=1 CALL_BUDGET=570 bash scripts/device_bench.sh", carry=[".whl", ".peers"])
 set -uo pipefail
 if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0; fi
@@ -31,7 +32,7 @@ echo "build rc=$? ($(( $(date +%s) - start )) s since start)" | tee -a "$OUT/bui
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 python3 -c "import kimi_ops._C, torch; print(torch.ops.kimi_ops._build_info())" 2>&1 | tail -n 3 | tee -a "$OUT/build.log"
 left=$(( ${CALL_BUDGET:-570} - ($(date +%s) - start) ))
-[ -n "${GPU_TESTS:-}" ] && left=$(( left - ${TEST_TIME:-280} ))
+[ -n "${GPU_TESTS:-}" ] && left=$(( left - ${TEST_TIME:-320} ))
 echo "benchmark: ${left} s left for it"
 timeout "$left" python3 scripts/bench_attention.py --grid issue27 --out "$OUT" --mma bf16 \
     --peers flashmla_fp8,flashmla_bf16,flashinfer,flashinfer_bf16,vllm_triton ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
@@ -56,4 +57,5 @@ if [ -n "${GPU_TESTS:-}" ]; then
     export PYTHONPATH=$PYTHONPATH:${KIMI_PEERS_SITE:-/tmp/site}  # setup_peers.sh installed the carried wheels there (expecttest: opcheck)
     gpu_tests "$OUT/pytest.log" tests/test_cuda_attention.py tests/test_pdl.py tests/test_runtime_gpu.py -k "not interp"
     gpu_tests "$OUT/pytest_triton.log" -ra tests/test_triton_attention.py tests/test_fp8_query.py -k gpu
+    gpu_tests "$OUT/pytest_gemm.log" -m gpu tests/test_gemv.py tests/test_fp8_weights.py
 fi
