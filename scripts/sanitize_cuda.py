@@ -4,12 +4,18 @@
     compute-sanitizer --tool memcheck python3 scripts/sanitize_cuda.py
     python3 scripts/sanitize_cuda.py --tools all      # each of the three sanitizers in turn
     python3 scripts/sanitize_cuda.py --tools racecheck,synccheck [--timeout 90]
+    python3 scripts/sanitize_cuda.py --tools all --cases projections   # one group of cases
 
-Every CTA shape (16, 32, 48, 64 rows), empty splits, out-of-range indices, requests shorter than
-qlen, a causal tail inside the last tile, the balanced split sizing, DCP bounds, empty splits that
-leave o unwritten (zero_empty=False), mla_decode's work-list grid and both merges, and the fp8
-query (q_scale) on every CTA shape.
-Prints the worst error against the float64 oracle (the sanitizer's report is the point).
+Two groups (--cases, default both). attention: every CTA shape (16, 32, 48, 64 rows), empty
+splits, out-of-range indices, requests shorter than qlen, a causal tail inside the last tile, the
+balanced split sizing, DCP bounds, empty splits that leave o unwritten (zero_empty=False),
+mla_decode's work-list grid and both merges, and the fp8 query (q_scale) on every CTA shape.
+projections: the layer's small-M GEMMs (csrc/sm90/gemv.cuh and gemm_fp8_rows64.cuh): fp8
+block-scaled weights at 1-64 rows (one, two and four 8-token tiles; 33-64 rows split K over a
+cluster, both of its forms), bf16 weights at 1-32 rows, launches with constant_w (programmatic
+dependent launch), and the fused norm + cache write + q_b kernel (pre_norm.cuh) on both weight
+kinds and both token-tile forms.
+Prints the worst error of each group against float64 (the sanitizer's report is the point).
 """
 import argparse
 import os
@@ -24,9 +30,10 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
 TOOLS = ("memcheck", "racecheck", "synccheck")
+CASES = ("attention", "projections")
 
 
-def cases():
+def attention_cases():
     import kimi_ops.kernels.sm90 as hopper
     from test_triton_attention import SCALE, make_inputs, oracle
     g = torch.Generator().manual_seed(0)
@@ -71,10 +78,51 @@ def cases():
                 worst = max(worst, ((out.double() - ro).norm() / ro.norm().clamp_min(1e-30)).item())
     del os.environ[hopper.ROWS_ENV]
     torch.cuda.synchronize()
-    print(f"sanitize_cuda: worst rel L2 {worst:.2e}")
+    print(f"sanitize_cuda attention: worst rel L2 {worst:.2e}")
 
 
-def under_sanitizers(tools, timeout):
+def projection_cases():
+    import kimi_ops
+    from kimi_ops.kernels import sm90_gemv
+    from test_fp8_weights import gemm64, random_fp8
+    from test_gemv import bound_ok
+    import test_norm_cache_write_q_b as nq
+    torch.manual_seed(0)
+    worst = 0.0
+    os.environ[sm90_gemv.ENV] = "64"   # bf16 weights past their default of 16 rows (to 32): the four-tile form too
+    for n, k, bn in ((2304, 1536, 128), (1000, 4160, 16)):   # q_b's shape; a ragged N with a partial k-block
+        w, s = random_fp8(n, k, bn, 128, seed=n)
+        wd, sd = w.cuda(), s.cuda()
+        wb = (torch.randn(n, k) / k ** 0.5).to(torch.bfloat16)
+        wbd = wb.cuda()
+        for m in (1, 9, 17, 33, 64):
+            x = torch.randn(m, k).to(torch.bfloat16)
+            xd = x.cuda()
+            assert sm90_gemv.serves(xd, wd, sd, bn, 128), (m, n, k)
+            for mt in (("1", "2") if m > 32 else ("1",)):
+                os.environ["KIMI_OPS_SM90_ROWS64_MT"] = mt
+                for constant_w in (False, True):
+                    y = kimi_ops.gemm_a16w8_block(xd, wd, sd, block_n=bn, block_k=128, constant_w=constant_w)
+                    worst = max(worst, bound_ok(y, gemm64(x, w, s, bn, 128)))
+            del os.environ["KIMI_OPS_SM90_ROWS64_MT"]
+            if m <= 32:
+                assert sm90_gemv.serves(xd, wbd), (m, n, k)
+                for constant_w in (False, True):
+                    y = kimi_ops.gemm_a16w16(xd, wbd, constant_w=constant_w)
+                    worst = max(worst, bound_ok(y, x.double() @ wb.double().T))
+    del os.environ[sm90_gemv.ENV]
+    for fp8, t in ((False, 3), (True, 3), (True, 9), (False, 16)):
+        inputs, w, s, w64 = nq.gpu_case(t, fp8, gcols=1536 if t % 2 else 0, seed=t)
+        assert nq.fused_serves(inputs, w, s), (fp8, t)
+        q, _ = nq.call(inputs, w, s, constant_w=True)
+        nq.check_q(q, inputs, w64)
+    torch.cuda.synchronize()
+    print(f"sanitize_cuda projections: worst max err / bound {worst:.2f} (<= 1 passes)")
+    if worst > 1.0:
+        sys.exit("sanitize_cuda projections: a GEMM outside its bound")
+
+
+def under_sanitizers(tools, timeout, groups):
     """This script's cases under ``compute-sanitizer --tool T`` for each tool (its exit status 1
     where it reports an error); prints the last lines of each run. Returns 0 if every run passed."""
     exe = shutil.which("compute-sanitizer")
@@ -82,7 +130,8 @@ def under_sanitizers(tools, timeout):
         sys.exit("sanitize_cuda.py: compute-sanitizer not found on PATH")
     failed = []
     for tool in tools:
-        cmd = [exe, "--tool", tool, "--error-exitcode", "1", sys.executable, os.path.abspath(__file__)]
+        cmd = [exe, "--tool", tool, "--error-exitcode", "1", sys.executable, os.path.abspath(__file__),
+               "--cases", ",".join(groups)]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
             rc, text = done.returncode, done.stdout + done.stderr
@@ -102,15 +151,24 @@ def main(argv=None):
                     "(comma-separated, or 'all': " + ", ".join(TOOLS) + "); without it the cases run "
                     "once in this process (for a compute-sanitizer you start yourself)")
     ap.add_argument("--timeout", type=int, default=90, help="seconds a sanitizer run may take (with --tools)")
+    ap.add_argument("--cases", default=",".join(CASES), help="which groups of cases (comma-separated: "
+                    + ", ".join(CASES) + "; default both)")
     args = ap.parse_args(argv)
+    groups = tuple(c for c in args.cases.split(",") if c)
+    unknown = [c for c in groups if c not in CASES]
+    if unknown or not groups:
+        ap.error(f"unknown case group(s) {unknown}: choose from {', '.join(CASES)}")
     if not args.tools:
-        cases()
+        if "attention" in groups:
+            attention_cases()
+        if "projections" in groups:
+            projection_cases()
         return 0
     tools = TOOLS if args.tools == "all" else tuple(t for t in args.tools.split(",") if t)
     bad = [t for t in tools if t not in TOOLS]
     if bad:
         ap.error(f"unknown tool(s) {bad}: choose from {', '.join(TOOLS)} or 'all'")
-    return under_sanitizers(tools, args.timeout)
+    return under_sanitizers(tools, args.timeout, groups)
 
 
 if __name__ == "__main__":

@@ -96,9 +96,15 @@ def test_sanitize_cuda_runs_each_tool(tmp_path):
     calls = log.read_text().splitlines()
     assert [c.split()[:4] for c in calls] == [["--tool", t, "--error-exitcode", "1"]
                                              for t in ("memcheck", "racecheck", "synccheck")], calls
-    assert all(c.split()[4:] == [sys.executable, os.path.abspath(script)] for c in calls), calls
+    assert all(c.split()[4:] == [sys.executable, os.path.abspath(script), "--cases", "attention,projections"]
+               for c in calls), calls
     assert done.returncode == 1, done.stdout + done.stderr
     assert "racecheck: rc=1" in done.stdout and "memcheck: rc=0" in done.stdout, done.stdout
-    bad = subprocess.run([sys.executable, script, "--tools", "memcheck,nosuchtool"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "nosuchtool" in bad.stderr
+    log.unlink()
+    one = subprocess.run([sys.executable, script, "--tools", "memcheck", "--cases", "projections"], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert one.returncode == 0 and log.read_text().split()[-2:] == ["--cases", "projections"], one.stdout
+    for args, word in ((["--tools", "memcheck,nosuchtool"], "nosuchtool"), (["--cases", "nosuchgroup"], "nosuchgroup")):
+        bad = subprocess.run([sys.executable, script, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=120)
+        assert bad.returncode == 2 and word in bad.stderr, (args, bad.stderr)
