@@ -36,6 +36,23 @@ def backends_here(device: torch.device) -> list[str]:
     return found + ["reference"]
 
 
+# cycles of a GPU spin queued before a timed replay (~0.1 ms): the CPU queues the replay behind its
+# start event meanwhile, so the events time the GPU's work and not the CPU's launch of it (~10 us
+# a replay when timed from an idle GPU), as scripts/bench_layer.py's replays do
+LAUNCH_COVER_CYCLES = 200_000
+
+
+def timed_on_gpu(fn, events: list):
+    """``fn()`` between two CUDA events (appended to ``events``) behind a spin; returns its result."""
+    torch.cuda._sleep(LAUNCH_COVER_CYCLES)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    out = fn()
+    end.record()
+    events.append((start, end))
+    return out
+
+
 def time_call(fn, device: torch.device, repeats: int) -> float:
     """Median seconds of ``fn()`` after one warm-up."""
     fn()
@@ -145,11 +162,7 @@ def time_attention(layer, cache, md, hidden, device: torch.device, repeats: int 
                               layer, cache, md, hidden)
         samples = []
         for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graphed()
-            end.record()
-            samples.append((start, end))
+            timed_on_gpu(graphed, samples)
         torch.cuda.synchronize(device)
     return statistics.median(s.elapsed_time(e) * 1e-3 for s, e in samples)
 
@@ -237,11 +250,7 @@ def run_layer_demo(args) -> int:
         for i in _progress(range(steps), steps, not args.no_progress):
             hidden = hiddens[i % len(hiddens)]
             if device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                out = runner(hidden)
-                end.record()
-                events.append((start, end))
+                out = timed_on_gpu(lambda: runner(hidden), events)
             else:
                 t0 = time.perf_counter()
                 out = runner(hidden)
