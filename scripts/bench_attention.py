@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
 """Benchmark kimi_ops' MLA decode (split-KV M1c + M1b merge) against peers on the GPU.
 
-    python scripts/bench_attention.py --out DIR [--grid default|quick|issue27] [--mma fp8,bf16]
+    python scripts/bench_attention.py --out DIR [--grid default|quick|issue27|small] [--mma fp8,bf16]
         [--backends triton,cuda] [--peers naive,flashinfer,flashinfer_bf16,flashmla_fp8,...]
 
 Per shape: CUDA-graph replays over rotating input sets (a graph holds one call per set; the
-sets' KV rows are random rows of one large pool, or with ``--layout contiguous`` (issue27's
-default) one run of rows per set, each request starting on a 64-row page, so no set stays in
-L2), median of the replays.  Per kimi_ops backend (``KIMI_OPS_BACKEND``, read by the dispatcher
+sets' KV rows are random rows of one large pool, or with ``--layout contiguous`` (the default of
+the issue27 and small grids) one run of rows per set, each request starting on a 64-row page, so
+no set stays in L2), median of the replays.  Per kimi_ops backend (``KIMI_OPS_BACKEND``, read by the dispatcher
 at every call; a backend that is not really served here is reported as not run): time of
 ``mla_decode`` (splitkv + merge) and of ``mla_decode_splitkv`` alone, effective TB/s of KV
 bytes, % of the floor (DESIGN.md: max(bytes / 4.31 TB/s, MMA work / 786 TFLOP/s), MMA work =
@@ -50,18 +50,27 @@ KV_SCALE = 0.05
 
 ISSUE27 = ((12, 8, 8192, 1), (12, 32, 8192, 1), (12, 128, 8192, 1), (12, 32, 32768, 1), (12, 1, 65536, 1),
            (96, 64, 4096, 1), (96, 8, 8192, 1), (12, 32, 8192, 2), (12, 32, 8192, 4), (12, 32, 8192, 8))
-GRIDS = ("default", "quick", "issue27")
+# where a call's fixed latency decides (issue 27's batch 1-8 target): H, batch, context, qlen
+SMALL = ((12, 1, 256, 1), (12, 1, 1024, 1), (12, 1, 4096, 1), (12, 1, 8192, 1), (12, 1, 65536, 1),
+         (12, 2, 8192, 1), (12, 4, 8192, 1), (12, 8, 1024, 1), (12, 8, 8192, 1), (12, 8, 8192, 2),
+         (96, 1, 8192, 1), (96, 8, 8192, 1))
+GRIDS = ("default", "quick", "issue27", "small")
+
+
+def _label(H, batch, ctx, qlen):
+    return f"H{H} B{batch} {f'{ctx // 1024}k' if ctx >= 1024 else ctx} q{qlen}"
 
 
 def grid(name="default"):
     """The shapes of a named grid: ``default`` (H12 x qlen 1-8 x batch 1-128 x 1k-32k, H96, a
     variable-length batch), ``quick`` (seven of those), ``issue27`` (issue 27's table: H, batch,
-    context, qlen as labelled, e.g. "H12 B8 8k q1")."""
+    context, qlen as labelled, e.g. "H12 B8 8k q1"), ``small`` (batch 1-8 from 256 tokens to 64k,
+    where a call's fixed latency decides; labelled the same way)."""
     if name not in GRIDS:
         raise ValueError(f"grid: expected one of {', '.join(GRIDS)}, got {name!r}")
-    if name == "issue27":
-        return [dict(H=H, qlen=qlen, lens=[ctx] * batch, label=f"H{H} B{batch} {ctx // 1024}k q{qlen}")
-                for H, batch, ctx, qlen in ISSUE27]
+    if name in ("issue27", "small"):
+        return [dict(H=H, qlen=qlen, lens=[ctx] * batch, label=_label(H, batch, ctx, qlen))
+                for H, batch, ctx, qlen in (ISSUE27 if name == "issue27" else SMALL)]
     shapes = []
     for qlen in (1, 2, 4, 8):
         for batch in (1, 8, 32, 128):
@@ -170,7 +179,7 @@ def build_parser():
     ap.add_argument("--layout", default=None, choices=["random", "paged16", "contiguous"],
                     help="where a set's tokens live in the pool: random rows (page size 1), "
                          "random pages of 16 consecutive rows, or one contiguous run starting on a "
-                         "64-row page (default: contiguous for --grid issue27, else random)")
+                         "64-row page (default: contiguous for --grid issue27 and small, else random)")
     ap.add_argument("--splits-mult", type=float, default=1.0, help="x suggest_num_splits")
     ap.add_argument("--tag", default="")
     ap.add_argument("--set-bytes", type=float, default=256e6, help="KV bytes to rotate over")
@@ -192,7 +201,7 @@ def parse_args(argv=None):
     if args.quick:
         args.grid = "quick"
     if args.layout is None:
-        args.layout = "contiguous" if args.grid == "issue27" else "random"
+        args.layout = "contiguous" if args.grid in ("issue27", "small") else "random"
     return args
 
 

@@ -5,7 +5,8 @@
 # table last. Logs, json and md under $OUT (or ./out). Carry the peers, prepared on the machine
 # without a GPU by `python scripts/peers.py prepare` (it fills .whl/ and .peers/), with it:
 #   run(command="bash scripts/device_bench.sh", carry=[".whl", ".peers"])
-# BENCH_ARGS: more bench_attention.py arguments (e.g. "--reps 7"; a later --mma / --peers wins);
+# BENCH_ARGS: more bench_attention.py arguments (e.g. "--reps 7"; a later --mma / --peers / --grid
+# wins: "--grid small" measures batch 1-8 from 256 tokens to 64k beside the same peers);
 # CALL_BUDGET: seconds the whole script may take (default 570, inside run()'s 600 s limit); the
 # benchmark gets what the build left (the json / md are written after every shape, so a stopped
 # run still leaves the shapes it measured, and the table below still prints).

@@ -168,6 +168,10 @@ def test_issue27_grid_and_floor():
     for s in bench.grid("issue27"):
         assert len(s["lens"]) == int(s["label"].split()[1][1:]) and f"q{s['qlen']}" in s["label"]
     assert len(bench.grid("quick")) == 7 and len(bench.grid("default")) == 51
+    small = bench.grid("small")
+    assert [s["label"] for s in small][:5] == ["H12 B1 256 q1", "H12 B1 1k q1", "H12 B1 4k q1", "H12 B1 8k q1",
+                                             "H12 B1 64k q1"]
+    assert all(len(s["lens"]) <= 8 for s in small) and {s["H"] for s in small} == {12, 96}
     with pytest.raises(ValueError, match="grid"):
         bench.grid("nope")
     # MMA work: 2 x rows x 1088 x visible tokens at 786 TFLOP/s (no hi + lo doubling)
