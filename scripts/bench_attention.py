@@ -7,8 +7,9 @@
 Per shape: CUDA-graph replays over rotating input sets (a graph holds one call per set; the
 sets' KV rows are random rows of one large pool, or with ``--layout contiguous`` (the default of
 the issue27 and small grids) one run of rows per set, each request starting on a 64-row page, so
-no set stays in L2), median of the replays.  Per kimi_ops backend (``KIMI_OPS_BACKEND``, read by the dispatcher
-at every call; a backend that is not really served here is reported as not run): time of
+no set stays in L2), median of the replays.  Per kimi_ops backend (``KIMI_OPS_BACKEND``, read
+by the dispatcher at every call; a backend that is not really served here is reported as not
+run): time of
 ``mla_decode`` (splitkv + merge) and of ``mla_decode_splitkv`` alone, effective TB/s of KV
 bytes, % of the floor (DESIGN.md: max(bytes / 4.31 TB/s, MMA work / 786 TFLOP/s), MMA work =
 the real products, 2 x query rows x (576 + 512) a visible token, at the dense bf16 rate).  The
