@@ -99,17 +99,18 @@ def projection_cases():
             x = torch.randn(m, k).to(torch.bfloat16)
             xd = x.cuda()
             assert sm90_gemv.serves(xd, wd, sd, bn, 128), (m, n, k)
+            ref = gemm64(x, w, s, bn, 128)
             for mt in (("1", "2") if m > 32 else ("1",)):
                 os.environ["KIMI_OPS_SM90_ROWS64_MT"] = mt
                 for constant_w in (False, True):
                     y = kimi_ops.gemm_a16w8_block(xd, wd, sd, block_n=bn, block_k=128, constant_w=constant_w)
-                    worst = max(worst, bound_ok(y, gemm64(x, w, s, bn, 128)))
+                    worst = max(worst, bound_ok(y, ref))
             del os.environ["KIMI_OPS_SM90_ROWS64_MT"]
             if m <= 32:
                 assert sm90_gemv.serves(xd, wbd), (m, n, k)
+                ref = x.double() @ wb.double().T
                 for constant_w in (False, True):
-                    y = kimi_ops.gemm_a16w16(xd, wbd, constant_w=constant_w)
-                    worst = max(worst, bound_ok(y, x.double() @ wb.double().T))
+                    worst = max(worst, bound_ok(kimi_ops.gemm_a16w16(xd, wbd, constant_w=constant_w), ref))
     del os.environ[sm90_gemv.ENV]
     for fp8, t in ((False, 3), (True, 3), (True, 9), (False, 16)):
         inputs, w, s, w64 = nq.gpu_case(t, fp8, gcols=1536 if t % 2 else 0, seed=t)
