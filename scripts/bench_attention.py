@@ -55,7 +55,8 @@ ISSUE27 = ((12, 8, 8192, 1), (12, 32, 8192, 1), (12, 128, 8192, 1), (12, 32, 327
 SMALL = ((12, 1, 256, 1), (12, 1, 1024, 1), (12, 1, 4096, 1), (12, 1, 8192, 1), (12, 1, 65536, 1),
          (12, 2, 8192, 1), (12, 4, 8192, 1), (12, 8, 1024, 1), (12, 8, 8192, 1), (12, 8, 8192, 2),
          (96, 1, 8192, 1), (96, 8, 8192, 1))
-GRIDS = ("default", "quick", "issue27", "small")
+LISTED = {"issue27": ISSUE27, "small": SMALL}  # the grids given as shape lists (contiguous by default)
+GRIDS = ("default", "quick", *LISTED)
 
 
 def _label(H, batch, ctx, qlen):
@@ -69,9 +70,9 @@ def grid(name="default"):
     where a call's fixed latency decides; labelled the same way)."""
     if name not in GRIDS:
         raise ValueError(f"grid: expected one of {', '.join(GRIDS)}, got {name!r}")
-    if name in ("issue27", "small"):
+    if name in LISTED:
         return [dict(H=H, qlen=qlen, lens=[ctx] * batch, label=_label(H, batch, ctx, qlen))
-                for H, batch, ctx, qlen in (ISSUE27 if name == "issue27" else SMALL)]
+                for H, batch, ctx, qlen in LISTED[name]]
     shapes = []
     for qlen in (1, 2, 4, 8):
         for batch in (1, 8, 32, 128):
@@ -202,7 +203,7 @@ def parse_args(argv=None):
     if args.quick:
         args.grid = "quick"
     if args.layout is None:
-        args.layout = "contiguous" if args.grid in ("issue27", "small") else "random"
+        args.layout = "contiguous" if args.grid in LISTED else "random"
     return args
 
 
