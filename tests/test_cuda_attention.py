@@ -313,6 +313,23 @@ def test_work_list_merge_rounds(monkeypatch):
 
 
 @requires_sm90
+@pytest.mark.parametrize("few_rows", ["1", "0"])
+def test_work_list_merge_few_rows(few_rows, monkeypatch):
+    """Fewer rows than 2 x SMs take merge_kernel with 2-16 column blocks sized from the hint
+    (launch_merge; KIMI_OPS_SM90_MERGE_FEW_ROWS=0: the rule for more rows); a long request beside
+    short ones has more splits than the hint, so its rows take several load rounds: 36 rows with a
+    65536-token request of ~170 splits, 192 rows with a 32768-token one, and one request alone."""
+    import kimi_ops.kernels.sm90 as hopper
+    monkeypatch.setenv("KIMI_OPS_SM90_MERGE_FEW_ROWS", few_rows)
+    monkeypatch.delenv(hopper.BALANCE_WAVES_ENV, raising=False)
+    monkeypatch.delenv(hopper.WORK_LIST_ENV, raising=False)
+    g = torch.Generator().manual_seed(61)
+    for lens in ([100, 100, 65536], [64] * 15 + [32768], [8193], [1024] * 8):
+        err, lerr = check_work_list_decode(lens, 1, 12, None, g)
+        print(f"few rows {few_rows}, {len(lens)} requests, longest {max(lens)}: rel L2 {err:.2e}, |lse| {lerr:.2e}")
+
+
+@requires_sm90
 @pytest.mark.parametrize("work_list", ["0", "1"])
 @pytest.mark.parametrize("waves", ["1", "2"])
 def test_private_partials(waves, work_list, monkeypatch):

@@ -292,32 +292,48 @@ bool merge_pdl(const SplitKVParams& params) {
   return !(params.kv_before_wait && params.num_requests >= 2 && params.num_requests <= kMergePlainMaxRequests);
 }
 
-// Rows of about kMergeFewSplits splits or fewer: merge_rows_kernel, in rounds of 4 split rows up to
-// 4 splits, else 8 (docs/PERF.md, session 17). Else merge_kernel, one CTA per (row, column block):
-// as few blocks (1, 2, 4, 8 or 16: 512..32 columns) as cover a row's splits (about splits_hint) in
-// one load round of kMergeUnroll x blocks split rows a CTA, and, up to 8 blocks, at least one CTA
-// a SM; KIMI_OPS_SM90_MERGE_BLOCKS=8 keeps the limit of 8 (64 columns) it had before 16 (A/B
-// measurements: at 1 x 8k, 128 splits, 16 blocks take one load round where 8 took two). (The previous
-// rule, blocks doubled while the grid stayed within 16 CTAs a SM, launched twice the CTAs at b32
-// 8k / 32k and was 1-3% slower there: docs/PERF.md, session 11.) pdl: a launch with programmatic
-// dependent launch (the kernels wait for the split grid first thing).
+// Fewer rows than 2 x SMs (up to 21 requests of 12 heads at qlen 1): merge_kernel, one CTA
+// per (row, column block), with the fewest blocks (2, 4, 8 or 16: 256..32 columns) that give every
+// SM a CTA and cover a row's splits (about splits_hint) in two load rounds of kMergeUnroll x blocks
+// split rows. On an H100 (docs/perf-history.md, session 61: each launch shape forced) the best
+// shape follows the rows: 12 rows 16 blocks, 24 rows 8, 48 rows 4, 96 rows 2-4, 192 rows 2; this
+// rule picks those, where the one below (KIMI_OPS_SM90_MERGE_FEW_ROWS=0 keeps it for A/Bs) took
+// merge_rows_kernel at <= 16 splits (0.3-1.0 us slower at 48-192 rows) and twice the blocks at 96
+// and 192 rows of 15-35 splits (0.6-1.4 us slower).
+// More rows: of about kMergeFewSplits splits or fewer, merge_rows_kernel, in rounds of 4 split rows
+// up to 4 splits, else 8 (docs/PERF.md, session 17). Else merge_kernel with as few blocks (1, 2, 4,
+// 8 or 16: 512..32 columns) as cover a row's splits in one load round of kMergeUnroll x blocks
+// split rows a CTA, and, up to 8 blocks, at least one CTA a SM; KIMI_OPS_SM90_MERGE_BLOCKS=8 keeps
+// the limit of 8 (64 columns) it had before 16 (A/B measurements: at 1 x 8k, 128 splits, 16 blocks
+// take one load round where 8 took two). (The previous rule, blocks doubled while the grid stayed
+// within 16 CTAs a SM, launched twice the CTAs at b32 8k / 32k and was 1-3% slower there:
+// docs/PERF.md, session 11.) pdl: a launch with programmatic dependent launch (the kernels wait
+// for the split grid first thing).
 void launch_merge(MergeParams params, bool pdl) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  if (params.splits_hint <= kMergeFewSplits) {
-    const unsigned ctas = static_cast<unsigned>((params.rows + kMergeWarpRows - 1) / kMergeWarpRows);
+  const int64_t sms = current_device_attribute(cudaDevAttrMultiProcessorCount);
+  const int64_t rows = params.rows;
+  const bool few_rows = rows < 2 * sms && !env_equals("KIMI_OPS_SM90_MERGE_FEW_ROWS", "0");
+  if (!few_rows && params.splits_hint <= kMergeFewSplits) {
+    const unsigned ctas = static_cast<unsigned>((rows + kMergeWarpRows - 1) / kMergeWarpRows);
     auto kernel = params.splits_hint <= 4 ? merge_rows_kernel<4> : merge_rows_kernel<8>;
     launch(kernel, dim3(ctas), 32 * kMergeWarpRows, 0, stream, params, pdl);
     return;
   }
-  const int sms = current_device_attribute(cudaDevAttrMultiProcessorCount);
   const int max_blocks = env_equals("KIMI_OPS_SM90_MERGE_BLOCKS", "8") ? 8 : kMergeMaxBlocks;
-  int col_blocks = 1;
-  while (col_blocks < max_blocks &&
-         (kMergeUnroll * col_blocks < params.splits_hint ||
-          (col_blocks < 8 && static_cast<int64_t>(params.rows) * col_blocks < static_cast<int64_t>(sms))))
-    col_blocks *= 2;
+  int col_blocks;
+  if (few_rows) {
+    col_blocks = 2;
+    while (col_blocks < max_blocks && (rows * col_blocks < sms || 2 * kMergeUnroll * col_blocks < params.splits_hint))
+      col_blocks *= 2;
+  } else {
+    col_blocks = 1;
+    while (col_blocks < max_blocks &&
+           (kMergeUnroll * col_blocks < params.splits_hint || (col_blocks < 8 && rows * col_blocks < sms)))
+      col_blocks *= 2;
+  }
   params.cols = kLatent / col_blocks;
-  const dim3 grid(static_cast<unsigned>(params.rows), static_cast<unsigned>(col_blocks));
+  const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>(col_blocks));
   launch(merge_kernel, grid, kMergeThreads, 0, stream, params, pdl);
 }
 
