@@ -318,7 +318,8 @@ def test_work_list_merge_few_rows(few_rows, monkeypatch):
     """Fewer rows than 2 x SMs take merge_kernel with 2-16 column blocks sized from the hint
     (launch_merge; KIMI_OPS_SM90_MERGE_FEW_ROWS=0: the rule for more rows); a long request beside
     short ones has more splits than the hint, so its rows take several load rounds: 36 rows with a
-    65536-token request of ~170 splits, 192 rows with a 32768-token one, and one request alone."""
+    65536-token request of ~170 splits, 192 rows with a 32768-token one; then one request of 8193
+    tokens and eight of 1024."""
     import kimi_ops.kernels.sm90 as hopper
     monkeypatch.setenv("KIMI_OPS_SM90_MERGE_FEW_ROWS", few_rows)
     monkeypatch.delenv(hopper.BALANCE_WAVES_ENV, raising=False)
