@@ -331,6 +331,24 @@ def test_work_list_merge_few_rows(few_rows, monkeypatch):
 
 
 @requires_sm90
+@pytest.mark.parametrize("fold", ["", "0", "64", "255"])
+def test_work_list_tail_fold(fold, monkeypatch):
+    """A request's short last split folded into the one before (KIMI_OPS_SM90_TAIL_FOLD; unset:
+    64 tokens at >= 1.5 CTAs an SM): tails of 1-65 tokens beside whole chunks,
+    8 requests of ~8k (chunks of 256: 255 folds every partial tail) and a mix, at qlen 1, 2 and 4
+    (16-, 32- and 48-row CTAs), against the oracle."""
+    import kimi_ops.kernels.sm90 as hopper
+    monkeypatch.setenv("KIMI_OPS_SM90_TAIL_FOLD", fold)
+    monkeypatch.delenv(hopper.BALANCE_WAVES_ENV, raising=False)
+    monkeypatch.delenv(hopper.WORK_LIST_ENV, raising=False)
+    g = torch.Generator().manual_seed(67)
+    for qlen in (1, 2, 4):
+        for lens in ([8193] * 8, [8192 + 64] * 7 + [8192 + 65], [8200, 1, 8255, 8193, 300, 8192, 4097, 65]):
+            err, lerr = check_work_list_decode(lens, qlen, 12, None, g)
+        print(f"tail fold {fold!r} qlen {qlen}: rel L2 {err:.2e}, |lse| {lerr:.2e}")
+
+
+@requires_sm90
 @pytest.mark.parametrize("work_list", ["0", "1"])
 @pytest.mark.parametrize("waves", ["1", "2"])
 def test_private_partials(waves, work_list, monkeypatch):
@@ -555,7 +573,7 @@ def test_mla_decode_runs_the_work_list(recorded_sm90, monkeypatch):
 
 
 def _used_splits(n, num_splits, balanced):
-    """csrc's used_splits / split_chunk, for the bound below."""
+    """csrc's used_splits / split_chunk, for the bound below (a folded tail only lowers it)."""
     per_split = max(-(-n // num_splits), balanced) if n > 0 else 0
     chunk = -(-per_split // 64) * 64
     return -(-n // chunk) if chunk > 0 else 0

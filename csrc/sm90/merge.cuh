@@ -52,7 +52,7 @@ struct MergeParams {
   float* lse;
   int rows, splits, cols;
   const int* work_indptr;  // nullptr: [S, rows] partials
-  int num_requests, rows_per_req, balance_ctas;
+  int num_requests, rows_per_req, balance_ctas, tail_fold;
   int splits_hint;  // about how many splits a row has (sets launch_merge's grid)
 };
 
@@ -70,8 +70,8 @@ __device__ __forceinline__ MergeRow merge_row(const MergeParams& p, int row) {
   if (p.work_indptr == nullptr) return {row, p.rows, p.splits, false};
   const int req = row / p.rows_per_req;
   const int balanced = balanced_tokens(p.work_indptr, p.num_requests, p.balance_ctas);
-  const int splits = used_splits(listed_tokens(p.work_indptr, req), p.splits, balanced);
-  const int first = first_slot(p.work_indptr, p.splits, balanced, req);
+  const int splits = used_splits(listed_tokens(p.work_indptr, req), p.splits, balanced, p.tail_fold);
+  const int first = first_slot(p.work_indptr, p.splits, balanced, p.tail_fold, req);
   return {splits > 1 ? static_cast<int64_t>(first) * p.rows_per_req + row % p.rows_per_req : 0, p.rows_per_req,
           splits, splits == 1};
 }

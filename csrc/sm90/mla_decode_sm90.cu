@@ -71,6 +71,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 
 #include "copy.cuh"
@@ -199,6 +200,20 @@ void launch_splitkv_tm(const SplitKVParams& params, dim3 grid, cudaStream_t stre
       return launch_tm_instance<NT, STAGES, TILE, TmLoad::kCpAsyncHalves>(params, grid, stream);
   }
   launch_tm_instance<NT, STAGES, TILE, TmLoad::kCpAsync>(params, grid, stream);
+}
+
+// Work list: a request's last split of at most this many tokens (a partial tile, of a chunk of 2
+// tiles or more) is taken by the split before it where the grid holds at least 1.5 CTAs an SM;
+// else none. On an H100 (docs/perf-history.md, session 62: mla_decode H12 q1, us) B8 8193 tokens,
+// 264 CTAs with 8 one-token tails, 31.6 -> 26.9 with them folded (8192: 25.8), B8 8200 30.4 ->
+// 27.0, B4 8193 (260 CTAs) 19.8 -> 19.1; but where most CTAs have an SM to themselves a tail costs
+// little and the longer chunk more: B16 1025 (144 CTAs) 16.8 -> 17.7, B1 8193 (129) 14.2 -> 15.0,
+// B2 8193 (130) 16.6 -> 17.6. Between 144 and 260 CTAs, and for 32-64-row CTAs (one an SM),
+// unmeasured. KIMI_OPS_SM90_TAIL_FOLD (tokens, 0: none) overrides it, for A/Bs and tests.
+int tail_fold_tokens(int64_t ctas, int64_t sms) {
+  const char* v = std::getenv("KIMI_OPS_SM90_TAIL_FOLD");
+  if (v != nullptr && *v != '\0') return std::max(0, std::atoi(v));
+  return 2 * ctas >= 3 * sms ? kTileN : 0;
 }
 
 // Work items of the work-list grid for R requests of at most num_splits splits: the used splits
@@ -396,6 +411,7 @@ std::tuple<at::Tensor, at::Tensor> mla_decode_sm90(const at::Tensor& q, const at
   params.zero_empty = false;
   params.kv_before_wait = kv_before_wait(constant_kv);
   const int64_t groups = (qlen * H + rows_per_cta - 1) / rows_per_cta;
+  params.tail_fold = tail_fold_tokens(groups * items, current_device_attribute(cudaDevAttrMultiProcessorCount));
   launch_splitkv(params, rows_per_cta, stages, dim3(static_cast<unsigned>(groups), static_cast<unsigned>(items), 1),
                  indices.numel());
   MergeParams merge{};
@@ -409,6 +425,7 @@ std::tuple<at::Tensor, at::Tensor> mla_decode_sm90(const at::Tensor& q, const at
   merge.num_requests = static_cast<int>(R);
   merge.rows_per_req = static_cast<int>(qlen * H);
   merge.balance_ctas = params.balance_ctas;
+  merge.tail_fold = params.tail_fold;
   // a request's used splits: about balance_ctas / R whole chunks and a partial one
   merge.splits_hint = static_cast<int>(
       balance_ctas > 0 ? std::min<int64_t>(num_splits, balance_ctas / std::max<int64_t>(R, 1) + 2) : num_splits);

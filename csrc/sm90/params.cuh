@@ -56,6 +56,7 @@ struct SplitKVParams {
   bool zero_empty;   // false: an empty split writes only lse = -inf (its o is never read: the
                      // partials are private to mla_decode, whose merge skips -inf splits)
   bool work_list;    // blockIdx.y is a work item (find_work_item), the partials [W, qlen*H, ...]
+  int tail_fold;     // work list: a request's last split of at most this many tokens joins the one before
   __nv_bfloat16* o_final;  // work list: a request with one used split writes o / lse here, [T*H, 512]
   float* lse_final;        //   and [T*H] (its rows skip the merge)
   float qk_scale_log2;  // scale * kv_scale * log2(e)

@@ -44,10 +44,13 @@ __device__ __forceinline__ int balanced_tokens(const int* indptr, int num_reques
   return (total + balance_ctas - 1) / balance_ctas;
 }
 
-// The splits of a request that hold a token: ceil(n / chunk) (<= S).
-__device__ __forceinline__ int used_splits(int n, int num_splits, int balanced) {
+// The splits of a request that hold a token: ceil(n / chunk) (<= S), one fewer when the last would
+// hold at most `fold` tokens of a longer chunk (work list: the split before it takes them, tail_fold).
+__device__ __forceinline__ int used_splits(int n, int num_splits, int balanced, int fold) {
   const int chunk = split_chunk(n, num_splits, balanced);
-  return chunk > 0 ? (n + chunk - 1) / chunk : 0;
+  if (chunk == 0) return 0;
+  const int used = (n + chunk - 1) / chunk;
+  return used > 1 && chunk > fold && n - (used - 1) * chunk <= fold ? used - 1 : used;
 }
 
 // Work-list grid: the used splits of all requests in launch order (blockIdx.y), longest first, so
@@ -73,13 +76,13 @@ struct WorkItem {
 // in tail class tail_cls (1 .. kTailClasses, 0: no partial chunk).
 struct RequestSplits {
   int used, whole, tail_cls;
-  __device__ __forceinline__ RequestSplits(int n, int num_splits, int balanced) {
+  __device__ __forceinline__ RequestSplits(int n, int num_splits, int balanced, int fold) {
     const int chunk = split_chunk(n, num_splits, balanced);
-    used = chunk > 0 ? (n + chunk - 1) / chunk : 0;
-    const int tail = n - (used - 1) * chunk;  // tokens of the last split, (0, chunk]
-    whole = tail == chunk ? used : used - 1;
+    used = used_splits(n, num_splits, balanced, fold);
+    const int tail = n - (used - 1) * chunk;  // tokens of the last split, (0, chunk + fold]
+    whole = tail >= chunk ? used : used - 1;  // a folded last split launches with the whole chunks
     const int quarter = chunk / 4;  // exact: chunk is a multiple of 64
-    tail_cls = tail == chunk || used == 0 ? 0 : 1 + (tail < 3 * quarter) + (tail < 2 * quarter) + (tail < quarter);
+    tail_cls = tail >= chunk || used == 0 ? 0 : 1 + (tail < 3 * quarter) + (tail < 2 * quarter) + (tail < quarter);
   }
   // the request's items in launch class cls
   __device__ __forceinline__ int items(int cls) const { return cls == 0 ? whole : (tail_cls == cls ? 1 : 0); }
@@ -91,13 +94,13 @@ struct RequestSplits {
 // in the class and of their used splits, to the item's request. Device data only, so one grid
 // of W >= the items serves every length mix.
 __device__ __forceinline__ WorkItem find_work_item(const int* indptr, int num_requests, int num_splits, int balanced,
-                                                   int item) {
+                                                   int fold, int item) {
   const int lane = threadIdx.x % 32;
   auto length = [&](int r) { return r < num_requests ? listed_tokens(indptr, r) : 0; };
   int counts[kTailClasses + 1] = {};  // items of each class
 #pragma unroll 4
   for (int r = lane; r < num_requests; r += 32) {
-    const RequestSplits rs(length(r), num_splits, balanced);
+    const RequestSplits rs(length(r), num_splits, balanced, fold);
 #pragma unroll
     for (int c = 0; c <= kTailClasses; ++c) counts[c] += rs.items(c);
   }
@@ -114,7 +117,7 @@ __device__ __forceinline__ WorkItem find_work_item(const int* indptr, int num_re
   }
   int used_before = 0;  // used splits of the requests scanned
   for (int r0 = 0; r0 < num_requests; r0 += 32) {
-    const RequestSplits rs(length(r0 + lane), num_splits, balanced);
+    const RequestSplits rs(length(r0 + lane), num_splits, balanced, fold);
     const int count = rs.items(cls);
     int upto = count, used_upto = rs.used;  // over requests r0..r0 + lane
 #pragma unroll
@@ -173,7 +176,7 @@ __device__ __forceinline__ CtaWork cta_work(const SplitKVParams& p, int rows_per
   const int balanced = balanced_tokens(p.indptr, p.num_requests, p.balance_ctas);
   int split = blockIdx.y, req = blockIdx.z, used = 0, slot = 0;
   if (p.work_list) {
-    const WorkItem item = find_work_item(p.indptr, p.num_requests, p.num_splits, balanced, blockIdx.y);
+    const WorkItem item = find_work_item(p.indptr, p.num_requests, p.num_splits, balanced, p.tail_fold, blockIdx.y);
     req = item.req, split = item.split, used = item.used, slot = item.slot;
   }
   w.exists = req < p.num_requests;
@@ -195,7 +198,7 @@ __device__ __forceinline__ CtaWork cta_work(const SplitKVParams& p, int rows_per
   const int hi_rows = visible_tokens(w.n, w.n_global, p.qlen, last_row / p.heads, p.dcp_rank, p.dcp_world);
   const int chunk = split_chunk(w.n, p.num_splits, balanced);
   w.lo = split * chunk;
-  w.hi = min(w.lo + chunk, hi_rows);
+  w.hi = min(p.work_list && split == used - 1 ? w.n : w.lo + chunk, hi_rows);  // the last takes a folded tail
   w.ntiles = w.hi > w.lo ? (w.hi - w.lo + kTileN - 1) / kTileN : 0;
   w.valid_rows = min(rows_per_cta, rows_per_req - row0);
   return w;
@@ -204,11 +207,11 @@ __device__ __forceinline__ CtaWork cta_work(const SplitKVParams& p, int rows_per
 // Work list: request req's first partials slot, the used splits of the requests before it (the
 // slot find_work_item gives its split 0). Reads kv_indptr only. Warp-wide (every lane of the
 // calling warp, all 32 active, gets the answer).
-__device__ __forceinline__ int first_slot(const int* indptr, int num_splits, int balanced, int req) {
+__device__ __forceinline__ int first_slot(const int* indptr, int num_splits, int balanced, int fold, int req) {
   int sum = 0;
 #pragma unroll 4
   for (int r = threadIdx.x % 32; r < req; r += 32)
-    sum += used_splits(listed_tokens(indptr, r), num_splits, balanced);
+    sum += used_splits(listed_tokens(indptr, r), num_splits, balanced, fold);
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
   return sum;

@@ -162,9 +162,11 @@ def mla_decode(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: float, kv_sc
     device from kv_indptr, so no CTA is spent on an empty split, the last CTAs to start are short
     ones, and a CUDA graph serves every mix of lengths. A request of one split writes o / lse
     directly; the others go through private partials [W, qlen, H, 512] (W =
-    :func:`work_list_items`) and the merge. ``num_splits`` caps a request's splits (None:
-    :func:`_split_cap`'s one per 128 tokens of the average request, or one a 64-token tile where
-    those CTAs fit one an SM, at most :func:`max_splits`; more only costs partials memory).
+    :func:`work_list_items`) and the merge. Where the grid holds at least 1.5 CTAs an SM, a request's
+    last split of at most 64 tokens is taken by the split before it (csrc: tail_fold_tokens).
+    ``num_splits`` caps a request's splits (None: :func:`_split_cap`'s one per 128 tokens of the
+    average request, or one a 64-token tile where those CTAs fit one an SM, at most
+    :func:`max_splits`; more only costs partials memory).
     With one split, more than 65535 work items, a non-e4m3fn cache or KIMI_OPS_SM90_WORK_LIST=0,
     the (split, request) grid runs instead, its empty splits' o unwritten.
 
@@ -255,11 +257,13 @@ def _split_cap(num_requests: int, num_tokens: int, qlen: int, num_heads: int, nu
     """A request's most splits: one per 128 tokens, or per 64 (one tile) where 16-row CTAs of
     64 tokens still fit one an SM (at batch 1 a CTA's second tile costs more than the merge of
     twice the partials: H12 B1 512-8192 tokens 1.1-3.0 us faster on the H200, docs/perf-history.md
-    "Session 29"; at B2 8k, two an SM, 16.0 -> 17.4 slower), at most :func:`max_splits`."""
+    "Session 29"; at B2 8k, two an SM, 16.0 -> 17.4 slower), at most :func:`max_splits`. Both
+    rounded up: at B2 8193 tokens, 64 splits (rounded down) forced chunks of 192 tokens, 86 CTAs
+    (18.1 us), 65 take chunks of 128 (16.6; B8 1025: 17.8 -> 15.5; H100, perf-history.md "Session 62")."""
     avg = num_tokens // num_requests
-    tiles = -(-avg // TILE_TOKENS)  # rounded up: 200 tokens take 4 splits, 12.0 us (2 used: 14.1)
+    tiles = -(-avg // TILE_TOKENS)  # 200 tokens take 4 splits, 12.0 us (2 used: 14.1)
     one_a_tile = rows_per_cta(qlen * num_heads) == 16 and num_requests * tiles <= num_sms
-    return int(max(1, min(tiles if one_a_tile else avg // (2 * TILE_TOKENS), max_splits())))
+    return int(max(1, min(tiles if one_a_tile else -(-avg // (2 * TILE_TOKENS)), max_splits())))
 
 
 def _slots_and_ctas_per_split(num_requests: int, qlen: int, num_heads: int, num_sms: int, stages: int):
