@@ -162,8 +162,9 @@ def mla_decode(q, kv_rows, kv_indptr, kv_indices, qlen: int, scale: float, kv_sc
     device from kv_indptr, so no CTA is spent on an empty split, the last CTAs to start are short
     ones, and a CUDA graph serves every mix of lengths. A request of one split writes o / lse
     directly; the others go through private partials [W, qlen, H, 512] (W =
-    :func:`work_list_items`) and the merge. Where the grid holds at least 1.5 CTAs an SM, a request's
-    last split of at most 64 tokens is taken by the split before it (csrc: tail_fold_tokens).
+    :func:`work_list_items`) and the merge. Where the grid holds at least 1.5 CTAs an SM, a
+    request's last split of at most 64 tokens is taken by the split before it (csrc:
+    tail_fold_tokens).
     ``num_splits`` caps a request's splits (None: :func:`_split_cap`'s one per 128 tokens of the
     average request, or one a 64-token tile where those CTAs fit one an SM, at most
     :func:`max_splits`; more only costs partials memory).
