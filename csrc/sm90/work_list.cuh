@@ -44,13 +44,17 @@ __device__ __forceinline__ int balanced_tokens(const int* indptr, int num_reques
   return (total + balance_ctas - 1) / balance_ctas;
 }
 
-// The splits of a request that hold a token: ceil(n / chunk) (<= S), one fewer when the last would
+// The chunks of `chunk` tokens that n tokens fill: ceil(n / chunk), one fewer when the last would
 // hold at most `fold` tokens of a longer chunk (work list: the split before it takes them, tail_fold).
-__device__ __forceinline__ int used_splits(int n, int num_splits, int balanced, int fold) {
-  const int chunk = split_chunk(n, num_splits, balanced);
+__device__ __forceinline__ int used_chunks(int n, int chunk, int fold) {
   if (chunk == 0) return 0;
   const int used = (n + chunk - 1) / chunk;
   return used > 1 && chunk > fold && n - (used - 1) * chunk <= fold ? used - 1 : used;
+}
+
+// The splits of a request that hold a token (<= S).
+__device__ __forceinline__ int used_splits(int n, int num_splits, int balanced, int fold) {
+  return used_chunks(n, split_chunk(n, num_splits, balanced), fold);
 }
 
 // Work-list grid: the used splits of all requests in launch order (blockIdx.y), longest first, so
@@ -78,7 +82,7 @@ struct RequestSplits {
   int used, whole, tail_cls;
   __device__ __forceinline__ RequestSplits(int n, int num_splits, int balanced, int fold) {
     const int chunk = split_chunk(n, num_splits, balanced);
-    used = used_splits(n, num_splits, balanced, fold);
+    used = used_chunks(n, chunk, fold);
     const int tail = n - (used - 1) * chunk;  // tokens of the last split, (0, chunk + fold]
     whole = tail >= chunk ? used : used - 1;  // a folded last split launches with the whole chunks
     const int quarter = chunk / 4;  // exact: chunk is a multiple of 64
