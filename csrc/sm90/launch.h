@@ -1,13 +1,14 @@
 // Host side of the sm90 launchers (mla_decode_sm90.cu, gemv_sm90.cu): a kernel launch through
 // cudaLaunchKernelEx with programmatic dependent launch (PDL) and thread-block clusters on request,
-// a kernel's dynamic shared-memory limit, a device attribute, and the environment switches that
-// decide PDL. The switches are read at each launch; a CUDA graph keeps what its
-// capture saw.
+// a kernel's dynamic shared-memory limit, a device attribute, and the environment switches' readers
+// (those that decide PDL among them). The switches are read at each launch; a CUDA graph keeps what
+// its capture saw.
 #pragma once
 
 #include <c10/cuda/CUDAException.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 
@@ -18,6 +19,13 @@ namespace {
 bool env_equals(const char* name, const char* value) {
   const char* v = std::getenv(name);
   return v != nullptr && std::strcmp(v, value) == 0;
+}
+
+// The environment variable `name` as a non-negative integer (a negative one: 0), or `fallback`
+// when it is unset or empty.
+int env_nonnegative_int(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != '\0' ? std::max(0, std::atoi(v)) : fallback;
 }
 
 // KIMI_OPS_PDL=0 turns PDL off for every kernel of the library (the Triton kernels too:

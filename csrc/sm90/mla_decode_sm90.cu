@@ -8,7 +8,7 @@
 //   decode_rows16.cuh       splitkv_kernel (16 rows a CTA)
 //   decode_token_major.cuh  splitkv_tm_kernel (32, 48, 64 rows a CTA)
 //   merge.cuh               merge_kernel, merge_rows_kernel
-//   launch.h                cudaLaunchKernelEx with PDL on request, the PDL switches (host)
+//   launch.h                cudaLaunchKernelEx with PDL on request, the switches' readers (host)
 // The ops are registered in csrc/registration.cpp (entry points: ops.h). One translation unit:
 // the headers are included in this order, each kernel's code as it was in the single file.
 //
@@ -71,7 +71,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <string>
 
 #include "copy.cuh"
@@ -211,9 +210,7 @@ void launch_splitkv_tm(const SplitKVParams& params, dim3 grid, cudaStream_t stre
 // B2 8193 (130) 16.6 -> 17.6. Between 144 and 260 CTAs, and for 32-64-row CTAs (one an SM),
 // unmeasured. KIMI_OPS_SM90_TAIL_FOLD (tokens, 0: none) overrides it, for A/Bs and tests.
 int tail_fold_tokens(int64_t ctas, int64_t sms) {
-  const char* v = std::getenv("KIMI_OPS_SM90_TAIL_FOLD");
-  if (v != nullptr && *v != '\0') return std::max(0, std::atoi(v));
-  return 2 * ctas >= 3 * sms ? kTileN : 0;
+  return env_nonnegative_int("KIMI_OPS_SM90_TAIL_FOLD", 2 * ctas >= 3 * sms ? kTileN : 0);
 }
 
 // Work items of the work-list grid for R requests of at most num_splits splits: the used splits
