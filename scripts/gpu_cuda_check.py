@@ -139,7 +139,7 @@ def rows_sweep():
               ("H12 q1 b8 32k (DCP1)", 12, 1, [32768] * 8), ("H24 q1 b8 16k (DCP2)", 24, 1, [16384] * 8),
               ("H96 q1 b64 4k", 96, 1, [4096] * 64), ("H12 q8 b32 8k", 12, 8, [8192] * 32)]
     for label, H, qlen, lens in shapes:
-        for rows in ("", "16", "32", "48", "64"):
+        for rows in ("", "16", "24", "32", "48", "64"):
             if rows and int(rows) > 2 * qlen * H:
                 continue
             if rows:

@@ -6,7 +6,7 @@
     python3 scripts/sanitize_cuda.py --tools racecheck,synccheck [--timeout 90]
     python3 scripts/sanitize_cuda.py --tools all --cases projections   # one group of cases
 
-Two groups (--cases, default both). attention: every CTA shape (16, 32, 48, 64 rows), empty
+Two groups (--cases, default both). attention: every CTA shape (16, 24, 32, 48, 64 rows), empty
 splits, out-of-range indices, requests shorter than qlen, a causal tail inside the last tile, the
 balanced split sizing, DCP bounds, empty splits that leave o unwritten (zero_empty=False),
 mla_decode's work-list grid and both merges, and the fp8 query (q_scale) on every CTA shape.
@@ -43,7 +43,8 @@ def attention_cases():
                                   ([1000, 300], 1, 12, 1, 0),  # 16 tiles: the 4-stage ring wraps
                                   ([1000, 300], 3, 16, 1, 2),  # 48 rows, 8 tiles: the ring by halves wraps
                                   ([1000], 1, 96, 1, 0),  # 2 x 48 rows, 8 whole tiles
-                                  ([1000], 2, 12, 1, 0)]:  # 32 rows, 8 tiles of bulk copies
+                                  ([1000], 2, 12, 1, 0),  # 24 rows, 8 tiles of bulk copies
+                                  ([1000], 2, 16, 1, 0)]:  # 32 rows, 8 tiles of bulk copies
         q, kv, indptr, idx = make_inputs(lens, qlen, H, device="cuda", gen=g, oob=oob)
         o, lse = hopper.mla_merge(*hopper.mla_decode_splitkv(q, kv, indptr, idx, qlen, SCALE, 0.5, S))
         ro, _ = oracle(q, kv, indptr, idx, qlen, SCALE, 0.5)
@@ -63,7 +64,7 @@ def attention_cases():
     hopper.mla_decode_splitkv(q, kv, indptr, idx, 2, SCALE, 0.5, 2, seq_lens, 1, 2)
     hopper.mla_decode(q, kv, indptr, idx, 2, SCALE, 0.5, 2, seq_lens, 1, 2)
     # the fp8 query (q_scale) on every CTA height (staged as f16)
-    for rows in ("16", "32", "48", "64"):
+    for rows in ("16", "24", "32", "48", "64"):
         os.environ[hopper.ROWS_ENV] = rows
         for lens, qlen, H, S in [([0, 1, 70, 130], 2, 12, 3), ([300, 2], 1, 16, None)]:
             q, kv, indptr, idx = make_inputs(lens, qlen, H, device="cuda", gen=g, oob=2)

@@ -59,18 +59,32 @@ def test_split_heuristic_fills_one_wave():
         assert (s - base) * R * -(-qlen * H // 16) <= 2 * 2 * 132  # at most two waves of empty CTAs
 
 
+def _rows_per_cta_before_24(rows_per_request):
+    """rows_per_cta's rule before the 24-row CTA: padded rows + half a 16-row tile a CTA, ties to
+    the bigger CTA, over 16, 32, 48, 64."""
+    def cost(rows):
+        ctas = -(-rows_per_request // rows)
+        return ctas * rows + 8 * ctas
+    return min((64, 48, 32, 16), key=cost)
+
+
 def test_cta_shape_and_ring_depth(monkeypatch):
-    from kimi_ops.kernels.sm90 import STAGES_ENV, ring_stages, rows_per_cta
-    # fewest padded rows, then fewest KV re-reads, ties to the bigger CTA
-    assert [rows_per_cta(r) for r in (1, 12, 16, 17, 24, 32, 48, 64, 96, 128, 1536)] == \
-        [16, 16, 16, 32, 32, 32, 48, 64, 48, 64, 64]
-    assert ring_stages(16) == 2 and ring_stages(32) == 2 and ring_stages(48) == 2 and ring_stages(64) == 2
-    monkeypatch.setenv("KIMI_OPS_SM90_ROWS", "16")
+    from kimi_ops.kernels.sm90 import ROWS_ENV, STAGES_ENV, ring_stages, rows_per_cta
+    monkeypatch.delenv(ROWS_ENV, raising=False)
+    monkeypatch.delenv(STAGES_ENV, raising=False)
+    # fewest padded rows, then fewest KV re-reads, ties to the bigger CTA; 17-24 rows: one 24-row CTA
+    assert [rows_per_cta(r) for r in (1, 12, 16, 17, 24, 25, 32, 48, 64, 96, 128, 1536)] == \
+        [16, 16, 16, 24, 24, 32, 32, 48, 64, 48, 64, 64]
+    assert ring_stages(16) == 2 and ring_stages(24) == 2 and ring_stages(32) == 2 and ring_stages(48) == 2
+    assert ring_stages(64) == 2
+    monkeypatch.setenv(ROWS_ENV, "16")
     assert rows_per_cta(96) == 16
-    monkeypatch.setenv("KIMI_OPS_SM90_ROWS", "24")
-    with pytest.raises(ValueError, match="16, 32, 48 or 64"):
+    monkeypatch.setenv(ROWS_ENV, "24")
+    assert rows_per_cta(96) == 24 and ring_stages(24) == 2
+    monkeypatch.setenv(ROWS_ENV, "40")
+    with pytest.raises(ValueError, match="16, 24, 32, 48 or 64"):
         rows_per_cta(96)
-    monkeypatch.delenv("KIMI_OPS_SM90_ROWS")
+    monkeypatch.delenv(ROWS_ENV)
     monkeypatch.setenv(STAGES_ENV, "4")
     assert ring_stages(16) == 4
     with pytest.raises(ValueError, match=r"2\.\.3 for 64-row"):
@@ -79,6 +93,21 @@ def test_cta_shape_and_ring_depth(monkeypatch):
     assert ring_stages(64) == 3
     with pytest.raises(ValueError, match="must be 2 for 48-row"):  # two 128-token stages
         ring_stages(48)
+    with pytest.raises(ValueError, match="must be 2 for 24-row"):
+        ring_stages(24)
+
+
+def test_rows_per_cta_24_only_for_17_to_24_rows(monkeypatch):
+    """The 24-row CTA replaces exactly the one 32-row CTA (8 padded rows) of a 17-24-row request;
+    every other request keeps the CTA height of the rule before it (_rows_per_cta_before_24)."""
+    from kimi_ops.kernels.sm90 import CTAS_PER_SM, DEFAULT_STAGES, MAX_STAGES, ROWS_ENV, rows_per_cta
+    monkeypatch.delenv(ROWS_ENV, raising=False)
+    for r in range(1, 2049):
+        expected = 24 if 17 <= r <= 24 else _rows_per_cta_before_24(r)
+        assert rows_per_cta(r) == expected, r
+        if 17 <= r <= 24:
+            assert _rows_per_cta_before_24(r) == 32, r  # one 32-row CTA before
+    assert DEFAULT_STAGES[24] == MAX_STAGES[24] == 2 and CTAS_PER_SM.get((24, 2), 1) == 1
 
 
 @requires_sm90
@@ -135,7 +164,7 @@ def test_balance_waves(monkeypatch):
     assert suggest_num_splits(64, 1, 12, tokens) == 2 * (4 + 8)
     assert suggest_num_splits(1, 1, 12, 4096) == 64              # one split per 64 tokens: 64 CTAs fit
     assert suggest_num_splits(2, 1, 12, 2 * 8192) == 64          # 2 x 128 one-tile CTAs do not: per 128
-    assert suggest_num_splits(1, 2, 12, 4096) == 32              # 32-row CTAs: per 128 tokens
+    assert suggest_num_splits(1, 2, 12, 4096) == 32              # 24-row CTAs: per 128 tokens
     monkeypatch.setenv(BALANCE_WAVES_ENV, "9")
     with pytest.raises(ValueError, match="1..8"):
         suggest_num_splits(64, 1, 12, tokens)
@@ -185,13 +214,13 @@ def test_kv_scale_and_extreme_queries():
 
 @requires_sm90
 @pytest.mark.parametrize("rise", [-40.0, 0.5, 4.0, 40.0])
-@pytest.mark.parametrize("H,qlen", [(12, 1), (16, 2), (96, 1)])
+@pytest.mark.parametrize("H,qlen", [(12, 1), (12, 2), (16, 2), (96, 1)])
 def test_rising_scores(H, qlen, rise):
     """Scores that climb (or fall) along the tokens, so the running max keeps moving: the lazy
     rescaling's slow path (a tile's row max above the running one by more than 2^8) taken on every
     tile (a rise of 40 natural-log units a tile), every other tile (4), every ~11 tiles (0.5: P
-    grows toward 2^8 against a stale max) or only on the first tile (falling scores); 16-, 32-
-    and 48-row CTAs. kv_scale 2 keeps the values (<= 135) inside e4m3's range."""
+    grows toward 2^8 against a stale max) or only on the first tile (falling scores); 16-, 24-,
+    32- and 48-row CTAs. kv_scale 2 keeps the values (<= 135) inside e4m3's range."""
     import kimi_ops.kernels.sm90 as hopper
     g = torch.Generator().manual_seed(23)
     lens = [1000, 300]
@@ -232,14 +261,15 @@ def check_work_list_decode(lens, qlen, H, S, gen, oob=0):
 
 
 @requires_sm90
-@pytest.mark.parametrize("rows,load", [("32", "cp"), ("32", "bulk"), ("48", "cp"), ("48", "halves"), ("64", None)])
+@pytest.mark.parametrize("rows,load", [("24", "cp"), ("24", "bulk"), ("32", "cp"), ("32", "bulk"), ("48", "cp"),
+                                       ("48", "halves"), ("64", None)])
 def test_tile_edges(rows, load, monkeypatch):
     """Lengths at the 64- and 128-token tile edges, 1-3 splits, on each token-major CTA height:
-    32 and 48 rows stream 128-token tiles, whose last one reaches past the split's end when the
-    split holds an odd number of 64-token tiles (its rows zero-filled and masked). 32 rows under
-    both gathers (KIMI_OPS_SM90_TM_LOAD: cp.async chunks, or bulk copies with the rows past the
-    split zeroed by stores), 48 rows under both of theirs (whole tiles, or by halves), the fp8
-    query too."""
+    24, 32 and 48 rows stream 128-token tiles, whose last one reaches past the split's end when the
+    split holds an odd number of 64-token tiles (its rows zero-filled and masked). 24 and 32 rows
+    under both gathers (KIMI_OPS_SM90_TM_LOAD: cp.async chunks, or bulk copies with the rows past
+    the split zeroed by stores), 48 rows under both of theirs (whole tiles, or by halves), the fp8
+    query too. (24 rows at qlen 2 x 12 heads: one CTA; forced elsewhere, several.)"""
     import kimi_ops.kernels.sm90 as hopper
     monkeypatch.setenv(hopper.ROWS_ENV, rows)
     if load is not None:
@@ -641,7 +671,7 @@ def check_fp8q(lens, qlen, H, S, gen, *, oob=0, q_gain=1.0, work_list=False, kv_
 
 
 @requires_sm90
-@pytest.mark.parametrize("rows", ["16", "32", "48", "64"])
+@pytest.mark.parametrize("rows", ["16", "24", "32", "48", "64"])
 def test_fp8q_grid(rows, monkeypatch):
     """The fp8 query on each CTA height (both kernels stage it as f16, exact), both grids, edge
     lengths, out-of-range indices, empty requests, more splits than tokens, small and large
@@ -664,7 +694,7 @@ def test_fp8q_grid(rows, monkeypatch):
 
 
 @requires_sm90
-@pytest.mark.parametrize("rows", ["16", "32", "48", "64"])
+@pytest.mark.parametrize("rows", ["16", "24", "32", "48", "64"])
 def test_fp8q_power_of_two_scale_is_the_bf16_query(rows, monkeypatch):
     """The kernels stage the fp8 q as f16 (exact) and fold q_scale into the score scale, so a
     power-of-two q_scale gives the bf16 query q8 * q_scale bit for bit (both exact f16 products,

@@ -1,4 +1,4 @@
-// M1c, token-major: splitkv_tm_kernel, 32, 48 or 64 query rows a CTA of two warpgroups, wgmma
+// M1c, token-major: splitkv_tm_kernel, 24, 32, 48 or 64 query rows a CTA of two warpgroups, wgmma
 // with the tokens as M (S^T = K Q^T, O^T = V^T P^T; an fp8 query is staged as f16, exact, and
 // takes the same MMAs), and its per-tile pieces.
 //
@@ -43,14 +43,17 @@
 namespace kimi_ops::sm90 {
 namespace {
 
-// ---- M1c, token-major: 32, 48 or 64 query rows a CTA -------------------------------------------
+// ---- M1c, token-major: 24, 32, 48 or 64 query rows a CTA ---------------------------------------
 //
 // splitkv_tm_kernel: one CTA of two warpgroups (8 warps) per (group of N = 8*NT query rows, split
-// or work item), streaming TILE-token tiles (128 for N = 32, 48; 64 for N = 64, whose Q leaves no
-// room for two 128-token stages). The MMAs are wgmma with tokens (and latents) as the 64 M rows and
-// the query rows as N, S^T = K Q^T and O^T = V^T P^T. A is always in registers, converted from the
-// tile's fp8 bytes exactly as splitkv_kernel builds its fragments; B is in shared memory in
-// wgmma's no-swizzle layout (core matrices of 8 x 16 bytes: Q K-major, P MN-major). Per tile:
+// or work item), streaming TILE-token tiles (128 for N = 24, 32, 48; 64 for N = 64, whose Q leaves
+// no room for two 128-token stages). N = 24 (NT = 3, odd) only with 128-token tiles: 64-token tiles
+// split the rows over the warpgroups (NT / 2 n-tiles each), 128-token ones give each all NT. The
+// MMAs are wgmma with tokens (and latents) as the 64 M rows and the query rows as N, S^T = K Q^T
+// and O^T = V^T P^T. A is always in registers, converted from the tile's fp8 bytes exactly as
+// splitkv_kernel builds its fragments; B is in shared memory in wgmma's no-swizzle layout (core
+// matrices of 8 x 16 bytes: Q K-major, P MN-major; N / 8 of them along N, any N a multiple of 8).
+// Per tile:
 //   S^T = K Q^T     TILE 128: warpgroup h takes the tokens [64h, 64h+64) of all N rows, its warp w
 //                   the tokens [16w, 16w+16) (M), so each K byte is converted once a CTA;
 //                   TILE 64: warpgroup h takes the rows [N/2 h, N/2 (h+1)) of all 64 tokens, warp
@@ -343,8 +346,11 @@ __device__ __forceinline__ void tm_pv(float (&acc)[4][NT][4], const uint8_t* til
 // kLoad: how the tiles are gathered (TmLoad).
 template <int NT, int STAGES, int TILE, bool kFp8Q = false, TmLoad kLoad = TmLoad::kCpAsync>
 __global__ void __launch_bounds__(32 * kTmWarps, 1) splitkv_tm_kernel(const SplitKVParams p) {
-  static_assert(NT % 2 == 0 && NT >= 4 && NT <= 8, "two warpgroups of NT / 2 n-tiles: 32..64 rows");
   static_assert(TILE == 64 || TILE == 128, "64- or 128-token tiles");
+  // 64-token tiles: two warpgroups of NT / 2 n-tiles (32..64 rows); 128-token tiles: each
+  // warpgroup all NT n-tiles, so also 24 rows (NT = 3)
+  static_assert((NT % 2 == 0 && NT >= 4 && NT <= 8) || (NT == 3 && TILE == 128),
+                "32, 48, 64 rows, or 24 rows on 128-token tiles");
   using Smem = TokenMajorSmem<NT, STAGES, TILE>;
   extern __shared__ __align__(128) uint8_t smem_raw[];
   auto& sm = *reinterpret_cast<Smem*>(smem_raw);

@@ -6,7 +6,7 @@
 //   work_list.cuh           split lengths, the split balance, the work list, a CTA's share
 //   fragments.cuh           Q staging, V^T fragments, the cp.async tile loader
 //   decode_rows16.cuh       splitkv_kernel (16 rows a CTA)
-//   decode_token_major.cuh  splitkv_tm_kernel (32, 48, 64 rows a CTA)
+//   decode_token_major.cuh  splitkv_tm_kernel (24, 32, 48, 64 rows a CTA)
 //   merge.cuh               merge_kernel, merge_rows_kernel
 //   launch.h                cudaLaunchKernelEx with PDL on request, the switches' readers (host)
 // The ops are registered in csrc/registration.cpp (entry points: ops.h). One translation unit:
@@ -37,12 +37,12 @@
 //                smem; V^T's fragments come from the same K tile: four 32-bit loads of two
 //                token rows each are byte-permuted (prmt) into (token, token+1) pairs and
 //                converted, so no second pass over the tile's bytes and no transpose in memory
-// splitkv_tm_kernel (32, 48 or 64 rows a CTA, two warpgroups): the same numerics and fragments,
-// but token-major wgmma products, S^T = K Q^T and O^T = V^T P^T, with the query rows as N, so each
-// fp8 byte is converted once per CTA (32, 48 rows: 128-token tiles) or once per warpgroup (64
-// rows) rather than once per 16 rows (decode_token_major.cuh). Its tiles come by cp.async (every
-// thread's 16-byte chunks; for 48-row CTAs of a one-CTA request, a tile by halves) or, for 32-row
-// CTAs of more than one tile, one bulk copy a token row (tm_load).
+// splitkv_tm_kernel (24, 32, 48 or 64 rows a CTA, two warpgroups): the same numerics and
+// fragments, but token-major wgmma products, S^T = K Q^T and O^T = V^T P^T, with the query rows as
+// N, so each fp8 byte is converted once per CTA (24, 32, 48 rows: 128-token tiles) or once per
+// warpgroup (64 rows) rather than once per 16 rows (decode_token_major.cuh). Its tiles come by
+// cp.async (every thread's 16-byte chunks; for 48-row CTAs of a one-CTA request, a tile by halves)
+// or, for 24- and 32-row CTAs of more than one tile, one bulk copy a token row (tm_load).
 // Accumulation is f32 throughout: within DESIGN.md's accuracy contract with margin (the
 // products are exact; P is rounded to f16, 2^-11 relative).
 // Split lengths are computed here from kv_indptr (cta_work): a long request of a mixed batch
@@ -175,12 +175,13 @@ void launch_tm_instance(const SplitKVParams& params, dim3 grid, cudaStream_t str
 //   but where two CTAs share a request's tokens (through L2, fewer HBM bytes a CTA) the mid-PV
 //   barrier and copy burst cost more than they return: H12 q8 B32 8k 118.9-124.2 -> 124.9-125.4,
 //   H96 B64 4k 123.3-124.9 -> 130.1-131.0, H96 B8 8k 43.1 -> 43.8-44.1.
+// - 24 rows (a request of 17-24 rows, one CTA): the 32-row rule (unmeasured at 24 rows).
 // - 64 rows: cp.async.
-// KIMI_OPS_SM90_TM_LOAD=cp forces cp.async at 32 and 48 rows, =bulk bulk copies at 32, =halves
-// halves at 48 (A/Bs).
+// KIMI_OPS_SM90_TM_LOAD=cp forces cp.async at 24, 32 and 48 rows, =bulk bulk copies at 24 and 32,
+// =halves halves at 48 (A/Bs).
 TmLoad tm_load(int rows, const SplitKVParams& params, int64_t cta_tokens) {
   const bool force_cp = env_equals("KIMI_OPS_SM90_TM_LOAD", "cp");
-  if (rows == 32 && !force_cp)
+  if ((rows == 24 || rows == 32) && !force_cp)
     return env_equals("KIMI_OPS_SM90_TM_LOAD", "bulk") || cta_tokens > 128 ? TmLoad::kBulk : TmLoad::kCpAsync;
   if (rows == 48 && !force_cp)
     return env_equals("KIMI_OPS_SM90_TM_LOAD", "halves") || params.qlen * params.heads <= 48 ? TmLoad::kCpAsyncHalves
@@ -191,7 +192,7 @@ TmLoad tm_load(int rows, const SplitKVParams& params, int64_t cta_tokens) {
 template <int NT, int STAGES, int TILE = kTileN>
 void launch_splitkv_tm(const SplitKVParams& params, dim3 grid, cudaStream_t stream, int64_t cta_tokens) {
   const TmLoad load = tm_load(8 * NT, params, cta_tokens);
-  if constexpr (NT == 4) {
+  if constexpr (NT == 3 || NT == 4) {
     if (load == TmLoad::kBulk) return launch_tm_instance<NT, STAGES, TILE, TmLoad::kBulk>(params, grid, stream);
   }
   if constexpr (NT == 6) {
@@ -241,10 +242,11 @@ SplitKVParams splitkv_params(const at::Tensor& q, const at::Tensor& kv, const at
   TORCH_CHECK(kv.dim() == 2 && kv.size(1) == kRowBytes, "kimi_ops._C: kv_cache must be [N, 576]");
   TORCH_CHECK(qlen >= 1 && q.size(0) % qlen == 0, "kimi_ops._C: qlen must divide T");
   TORCH_CHECK(num_splits >= 1 && num_splits <= 65535, "kimi_ops._C: num_splits must be in [1, 65535]");
-  TORCH_CHECK(rows_per_cta == 16 || rows_per_cta == 32 || rows_per_cta == 48 || rows_per_cta == 64,
-              "kimi_ops._C: rows_per_cta must be 16, 32, 48 or 64");
+  TORCH_CHECK(rows_per_cta == 16 || rows_per_cta == 24 || rows_per_cta == 32 || rows_per_cta == 48 ||
+                  rows_per_cta == 64,
+              "kimi_ops._C: rows_per_cta must be 16, 24, 32, 48 or 64");
   TORCH_CHECK(stages >= 2 && stages <= (rows_per_cta == 16 ? 4 : rows_per_cta == 64 ? 3 : 2),
-              "kimi_ops._C: stages must be 2..4 (16 rows per CTA), 2 (32 or 48) or 2..3 (64)");
+              "kimi_ops._C: stages must be 2..4 (16 rows per CTA), 2 (24, 32 or 48) or 2..3 (64)");
   const int64_t T = q.size(0), H = q.size(1), R = T / qlen;
   TORCH_CHECK(indptr.numel() == R + 1, "kimi_ops._C: kv_indptr must have T / qlen + 1 entries");
   TORCH_CHECK(R <= 65535, "kimi_ops._C: at most 65535 requests");
@@ -271,7 +273,7 @@ SplitKVParams splitkv_params(const at::Tensor& q, const at::Tensor& kv, const at
   return params;
 }
 
-// 16 rows: splitkv_kernel; 32 or 48: splitkv_tm_kernel on 128-token tiles; 64: on 64-token tiles
+// 16 rows: splitkv_kernel; 24, 32 or 48: splitkv_tm_kernel on 128-token tiles; 64: on 64-token tiles
 // (two 128-token stages and 64 rows' Q do not fit). listed_tokens: kv_indices' length.
 void launch_splitkv(const SplitKVParams& params, int64_t rows_per_cta, int64_t stages, dim3 grid,
                     int64_t listed_tokens) {
@@ -281,6 +283,7 @@ void launch_splitkv(const SplitKVParams& params, int64_t rows_per_cta, int64_t s
     case 162: launch_splitkv<2>(params, grid, stream); break;
     case 163: launch_splitkv<3>(params, grid, stream); break;
     case 164: launch_splitkv<4>(params, grid, stream); break;
+    case 242: launch_splitkv_tm<3, 2, 128>(params, grid, stream, cta_tokens); break;
     case 322: launch_splitkv_tm<4, 2, 128>(params, grid, stream, cta_tokens); break;
     case 482: launch_splitkv_tm<6, 2, 128>(params, grid, stream, cta_tokens); break;
     case 642: launch_splitkv_tm<8, 2>(params, grid, stream, cta_tokens); break;

@@ -1,6 +1,6 @@
 // PTX wrappers for sm_90a shared by the M1c kernels: named barriers (bar.sync / bar.red on
 // barrier 1), grid dependency control (programmatic dependent launch), ldmatrix, wgmma (fence /
-// commit / wait, shared-memory descriptors, the f16 RS instruction for N = 32, 48, 64), 32-bit
+// commit / wait, shared-memory descriptors, the f16 RS instruction for N = 24, 32, 48, 64), 32-bit
 // shared loads, e4m3 -> f16 conversion, mma.sync m16n8k16 f16, ex2.approx, f16x2 packing and prmt.
 // (No mma.sync e4m3: sm_90 emulates it, ptxas emitting f16 HMMA and conversions of both operands;
 // the fp8 query is staged as f16.)
@@ -87,10 +87,24 @@ __device__ __forceinline__ uint64_t smem_desc(const void* p, uint32_t lbo, uint3
 // wgmma (f16 in, f32 accumulate) with A from registers (the m16n8k16 A fragment of each warp's 16
 // of the 64 M rows) and B from shared memory (a descriptor); the accumulators are the m16n8
 // layout per n-tile of 8 columns: d[j] holds (row g, col 8j + 2c), (g, 8j + 2c + 1),
-// (g + 8, 8j + 2c), (g + 8, 8j + 2c + 1). Always accumulates (scale-d true). N = 32, 48 or 64 query rows.
+// (g + 8, 8j + 2c), (g + 8, 8j + 2c + 1). Always accumulates (scale-d true). N = 24, 32, 48 or 64 query rows.
 // B's core matrices are K-major (8 N rows x 8 k, k contiguous), or with kTransB MN-major (8 k rows x 8 N).
 template <int N, int kTransB = 0>
 struct WgmmaF16RS;
+template <int kTransB>
+struct WgmmaF16RS<24, kTransB> {
+  __device__ __forceinline__ static void run(float (&d)[3][4], const uint32_t (&a)[4], uint64_t b_desc,
+                                             int scale_d = 1) {
+    asm volatile(
+        "{\n .reg .pred p;\n setp.ne.b32 p, %17, 0;\n"
+        " wgmma.mma_async.sync.aligned.m64n24k16.f32.f16.f16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11"
+        "}, {%12, %13, %14, %15}, %16, p, 1, 1, %18;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),
+          "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(scale_d), "n"(kTransB));
+  }
+};
 template <int kTransB>
 struct WgmmaF16RS<32, kTransB> {
   __device__ __forceinline__ static void run(float (&d)[4][4], const uint32_t (&a)[4], uint64_t b_desc,

@@ -9,7 +9,7 @@ call these functions after their own host checks.
 
 Numerics: the fp8 cache bytes become f16 exactly in registers; the bf16 query is scaled per
 row by 2^k into [2^14, 2^15) and held as f16 (exact); S and O accumulate in f32 on f16
-tensor-core MMAs (``mma.sync`` for 16-row CTAs, token-major ``wgmma`` for 32-64 rows); P is
+tensor-core MMAs (``mma.sync`` for 16-row CTAs, token-major ``wgmma`` for 24-64 rows); P is
 rounded to f16, against a running max that moves only when a tile raises it by more than 2^8
 (lazy rescaling: P <= 2^8). See the .cu file's header for the tiling and the byte layouts.
 
@@ -29,7 +29,7 @@ from ..device import device_index, multiprocessor_count
 
 LOG2E = 1.4426950408889634
 STAGES_ENV = "KIMI_OPS_SM90_STAGES"  # K-ring depth override (MAX_STAGES by CTA height), for tuning
-ROWS_ENV = "KIMI_OPS_SM90_ROWS"  # CTA rows override (16, 32, 48, 64), for tuning
+ROWS_ENV = "KIMI_OPS_SM90_ROWS"  # CTA rows override (16, 24, 32, 48, 64), for tuning
 BALANCE_WAVES_ENV = "KIMI_OPS_SM90_BALANCE_WAVES"  # waves of CTAs the balanced chunk length aims at (1..8)
 WORK_LIST_ENV = "KIMI_OPS_SM90_WORK_LIST"  # "0": mla_decode on the (split, request) grid instead
 MAX_SPLITS_ENV = "KIMI_OPS_SM90_MAX_SPLITS"  # the default split cap (MAX_SPLITS) override, for tuning
@@ -44,30 +44,36 @@ def _ops():
 
 def rows_per_cta(rows_per_request: int) -> int:
     """Query rows one CTA takes: 16 (``splitkv_kernel``, 4 compute warps and a producer warp) or
-    32, 48, 64 (``splitkv_tm_kernel``, 8 warps; the MMAs take tokens as M and these rows as N).
+    24, 32, 48, 64 (``splitkv_tm_kernel``, 8 warps; the MMAs take tokens as M and these rows as N).
 
-    Cost model: the padded rows computed plus half a 16-row tile for each CTA of a request (each
-    re-reads the request's KV, from L2 after the first); ties go to the bigger CTA.
-    KIMI_OPS_SM90_ROWS forces it."""
+    Cost model over 16, 32, 48, 64: the padded rows computed plus half a 16-row tile for each CTA
+    of a request (each re-reads the request's KV, from L2 after the first); ties go to the bigger
+    CTA. Where that picks one 32-row CTA for a request of 17-24 rows (12 heads x qlen 2), a 24-row
+    CTA instead (wgmma n24: a quarter fewer MMAs than n32 with 8 padded rows); every other choice
+    is the model's. KIMI_OPS_SM90_ROWS forces it."""
     env = os.environ.get(ROWS_ENV)
     if env:
-        if env not in ("16", "32", "48", "64"):
-            raise ValueError(f"{ROWS_ENV} must be 16, 32, 48 or 64, got {env}")
+        if env not in ("16", "24", "32", "48", "64"):
+            raise ValueError(f"{ROWS_ENV} must be 16, 24, 32, 48 or 64, got {env}")
         return int(env)
 
     def cost(rows):
         ctas = -(-rows_per_request // rows)
         return ctas * rows + 8 * ctas
-    return min((64, 48, 32, 16), key=cost)
+    rows = min((64, 48, 32, 16), key=cost)
+    return 24 if rows == 32 and rows_per_request <= 24 else rows
 
 
-DEFAULT_STAGES = {16: 2, 32: 2, 48: 2, 64: 2}
-MAX_STAGES = {16: 4, 32: 2, 48: 2, 64: 3}  # 32 / 48 rows: two stages of 128 tokens (74 KB each)
-CTAS_PER_SM = {(16, 2): 2}  # by shared memory (97 KB); every other (rows, stages) takes over 114 KB: 1
+DEFAULT_STAGES = {16: 2, 24: 2, 32: 2, 48: 2, 64: 2}
+MAX_STAGES = {16: 4, 24: 2, 32: 2, 48: 2, 64: 3}  # 24 / 32 / 48 rows: two stages of 128 tokens (74 KB each)
+# by shared memory: (16, 2) 97 KB, two a SM; every other (rows, stages) takes over 114 KB: 1 (the
+# least, 24 rows: TokenMajorSmem<3, 2, 128> = kv 2 x 128 x 592 + q 24 x 576 x 2 + p 24 x 128 x 2
+# + red 8 x 24 x 4 + 4 row arrays of 24 x 4 + 2 mbarriers = 186512 bytes, 182 KB)
+CTAS_PER_SM = {(16, 2): 2}
 
 
 def ring_stages(rows: int) -> int:
-    """Shared-memory stages in the CTA's K ring: 64 tokens (37 KB) each, 128 (74 KB) for 32 / 48 rows."""
+    """Shared-memory stages in the CTA's K ring: 64 tokens (37 KB) each, 128 (74 KB) for 24 / 32 / 48 rows."""
     env = os.environ.get(STAGES_ENV)
     if env:
         stages = int(env)
