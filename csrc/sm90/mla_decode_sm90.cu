@@ -175,7 +175,9 @@ void launch_tm_instance(const SplitKVParams& params, dim3 grid, cudaStream_t str
 //   but where two CTAs share a request's tokens (through L2, fewer HBM bytes a CTA) the mid-PV
 //   barrier and copy burst cost more than they return: H12 q8 B32 8k 118.9-124.2 -> 124.9-125.4,
 //   H96 B64 4k 123.3-124.9 -> 130.1-131.0, H96 B8 8k 43.1 -> 43.8-44.1.
-// - 24 rows (a request of 17-24 rows, one CTA): the 32-row rule (unmeasured at 24 rows).
+// - 24 rows (a request of 17-24 rows, one CTA): the 32-row rule. H100 (session 63): cp.async
+//   8.9-9.8% slower at H12 q2 B32 / B64 8k (16-32 tiles a CTA), 2.4% faster at B8 8k (4 tiles),
+//   within 0.5% at one tile or less.
 // - 64 rows: cp.async.
 // KIMI_OPS_SM90_TM_LOAD=cp forces cp.async at 24, 32 and 48 rows, =bulk bulk copies at 24 and 32,
 // =halves halves at 48 (A/Bs).
