@@ -366,16 +366,17 @@ def test_work_list_tail_fold(fold, monkeypatch):
     """A request's short last split folded into the one before (KIMI_OPS_SM90_TAIL_FOLD; unset:
     64 tokens at >= 1.5 CTAs an SM, which 8 x 8193 at qlen 1 reach): tails of 1-65 tokens beside
     whole chunks, 8 requests of ~8k (chunks of 256: 255 folds every partial tail, 64 all but the
-    65-token one) and a mix, at qlen 1, 2 and 4 (16-, 32- and 48-row CTAs), against the oracle."""
+    65-token one) and a mix, at 12 heads x qlen 1, 2, 4 and 16 heads x qlen 2 (16-, 24-, 48- and
+    32-row CTAs), against the oracle."""
     import kimi_ops.kernels.sm90 as hopper
     monkeypatch.setenv("KIMI_OPS_SM90_TAIL_FOLD", fold)
     monkeypatch.delenv(hopper.BALANCE_WAVES_ENV, raising=False)
     monkeypatch.delenv(hopper.WORK_LIST_ENV, raising=False)
     g = torch.Generator().manual_seed(67)
-    for qlen in (1, 2, 4):
-        errs = [check_work_list_decode(lens, qlen, 12, None, g) for lens in
+    for H, qlen in ((12, 1), (12, 2), (12, 4), (16, 2)):
+        errs = [check_work_list_decode(lens, qlen, H, None, g) for lens in
                 ([8193] * 8, [8192 + 64] * 7 + [8192 + 65], [8200, 1, 8255, 8193, 300, 8192, 4097, 65])]
-        print(f"tail fold {fold!r} qlen {qlen}: worst rel L2 {max(e[0] for e in errs):.2e}, "
+        print(f"tail fold {fold!r} H{H} qlen {qlen}: worst rel L2 {max(e[0] for e in errs):.2e}, "
               f"|lse| {max(e[1] for e in errs):.2e}")
 
 
